@@ -1,0 +1,320 @@
+"""The domain model of DESIGN §2 as plain, immutable data.
+
+Nothing here performs I/O: the planner consumes these values and the shell (catalog, executor)
+produces them. Times are POSIX seconds (float, UTC) so the planner can take ``now`` as an argument.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+MANIFEST_VERSION = 1
+MANIFEST_SUFFIX = ".ckptkeeper-manifest.json"
+"""A slower tier stores ``<run>/<checkpoint><MANIFEST_SUFFIX>`` beside each copy."""
+
+HASH_ALGORITHM = "xxh3_128"
+
+
+class RunState(StrEnum):
+    ACTIVE = "active"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STALE = "stale"
+
+
+class CheckpointState(StrEnum):
+    WRITING = "writing"
+    COMPLETE = "complete"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of a checkpoint, relative to the checkpoint path ("" for a single-file checkpoint)."""
+
+    path: str
+    size: int
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Content manifest: what a verified copy must contain. Its digest is the version id."""
+
+    run: str
+    step: int
+    name: str
+    """Checkpoint path relative to the run directory (e.g. ``checkpoint-100`` or ``epoch=1.ckpt``)."""
+    layout: str
+    is_dir: bool
+    files: tuple[FileEntry, ...]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    created_at: float = 0.0
+    node: str = ""
+    algorithm: str = HASH_ALGORITHM
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def digest(self) -> str:
+        """Version id: depends only on the content (file names, sizes, hashes), not on metadata."""
+        h = hashlib.sha256()
+        h.update(self.algorithm.encode())
+        for f in sorted(self.files, key=lambda e: e.path):
+            h.update(f"\0{f.path}\0{f.size}\0{f.hash}".encode("utf-8", "surrogateescape"))
+        return h.hexdigest()[:32]
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "run": self.run,
+            "step": self.step,
+            "name": self.name,
+            "layout": self.layout,
+            "is_dir": self.is_dir,
+            "algorithm": self.algorithm,
+            "digest": self.digest,
+            "created_at": self.created_at,
+            "node": self.node,
+            "metrics": dict(self.metrics),
+            "files": [{"path": f.path, "size": f.size, "hash": f.hash} for f in self.files],
+        }
+        return json.dumps(doc, sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest; raises ValueError on anything malformed (callers mark it corrupt)."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
+                raise ValueError("unsupported manifest version")
+            files = tuple(
+                FileEntry(path=str(f["path"]), size=int(f["size"]), hash=str(f["hash"])) for f in doc["files"]
+            )
+            manifest = cls(
+                run=str(doc["run"]),
+                step=int(doc["step"]),
+                name=str(doc["name"]),
+                layout=str(doc["layout"]),
+                is_dir=bool(doc["is_dir"]),
+                files=files,
+                metrics={str(k): float(v) for k, v in dict(doc.get("metrics") or {}).items()},
+                created_at=float(doc.get("created_at") or 0.0),
+                node=str(doc.get("node") or ""),
+                algorithm=str(doc.get("algorithm") or HASH_ALGORITHM),
+            )
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"malformed manifest: {exc}") from exc
+        if "digest" in doc and doc["digest"] != manifest.digest:
+            raise ValueError("manifest digest does not match its file list")
+        return manifest
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    state: RunState
+    last_seen: float
+    parent: tuple[str, int] | None = None
+    """(run, step) this run was resumed or forked from."""
+    host: str = ""
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One cataloged checkpoint and where verified copies of it live."""
+
+    run: str
+    step: int
+    name: str
+    """Path relative to the run directory."""
+    layout: str
+    state: CheckpointState
+    created_at: float
+    bytes: int = 0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    pinned: bool = False
+    version: str | None = None
+    """Manifest digest; None while the checkpoint is still being written."""
+    tiers: frozenset[str] = frozenset()
+    """Names of tiers holding a verified copy of this version."""
+    last_write: float = 0.0
+    """Newest mtime seen under the checkpoint (for settle / partial age)."""
+    committed: bool = False
+    """Committed by the training-loop hook (stronger than a framework marker)."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.run, self.step)
+
+    @property
+    def rel_path(self) -> str:
+        """Path relative to a tier root: ``<run>/<name>``."""
+        return f"{self.run}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """Something under a tier root that is not a checkpoint but may be waste (temp files, markers)."""
+
+    tier: str
+    path: str
+    """Relative to the tier root."""
+    kind: str
+    """e.g. ``orbax-tmp``, ``tmp-checkpoint``, ``metadata-tmp``, ``nemo-unfinished``, ``tmp-file``,
+    ``ckptkeeper-staging``, ``multipart-upload``."""
+    bytes: int
+    last_write: float
+    run: str | None = None
+    upload_id: str | None = None
+    """For multipart uploads: the id to abort."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """Retention rules of one tier; no rule set means keep everything."""
+
+    keep_last: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+    keep_every: int | None = None
+    keep_within: float | None = None
+    """Seconds."""
+    keep_hourly: int | None = None
+    keep_daily: int | None = None
+    keep_weekly: int | None = None
+    keep_monthly: int | None = None
+    replicate: bool = False
+    high_watermark: float | None = None
+    low_watermark: float | None = None
+
+    @property
+    def has_rules(self) -> bool:
+        return any(
+            v is not None
+            for v in (
+                self.keep_last,
+                self.keep_best,
+                self.keep_every,
+                self.keep_within,
+                self.keep_hourly,
+                self.keep_daily,
+                self.keep_weekly,
+                self.keep_monthly,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    url: str
+    policy: TierPolicy
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Filesystem usage of a tier; object stores have none (watermarks do not apply)."""
+
+    total_bytes: int
+    used_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReaperPolicy:
+    failed_after: float = 2 * 3600.0
+    partial_after: float = 3600.0
+    keep_last_of_failed: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the planner sees: the index at one instant plus tier health."""
+
+    runs: tuple[Run, ...]
+    checkpoints: tuple[Checkpoint, ...]
+    artifacts: tuple[Artifact, ...] = ()
+    unknown_tiers: frozenset[str] = frozenset()
+    """Tiers whose listing failed: never read as empty, no delete may depend on them."""
+
+
+class ActionKind(StrEnum):
+    COPY = "copy"
+    DELETE = "delete"
+    REAP = "reap"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    action: ActionKind
+    reason: str
+    run: str | None = None
+    step: int | None = None
+    tier: str | None = None
+    """Source tier for copy; the tier deleted from for delete/reap."""
+    to_tier: str | None = None
+    path: str | None = None
+    """Relative to the tier root."""
+    bytes: int = 0
+    rule: str = ""
+    """Machine-readable rule id (e.g. ``expired``, ``demote``, ``replicate``, ``failed-run``)."""
+    upload_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value,
+            "run": self.run,
+            "step": self.step,
+            "tier": self.tier,
+            "to_tier": self.to_tier,
+            "path": self.path,
+            "bytes": self.bytes,
+            "reason": self.reason,
+            "rule": self.rule,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    run: str
+    step: int
+    tier: str
+    reasons: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "tier": self.tier, "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    actions: tuple[Action, ...]
+    keep: tuple[Keep, ...]
+    reclaim_bytes: Mapping[str, int]
+    refused: str | None = None
+    """Set when a guard (max_delete, …) refused the destructive part; actions then hold no deletes."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.actions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "actions": [a.to_dict() for a in self.actions],
+            "keep": [k.to_dict() for k in self.keep],
+            "reclaim_bytes": dict(self.reclaim_bytes),
+            "refused": self.refused,
+        }
