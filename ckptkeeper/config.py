@@ -1,0 +1,290 @@
+"""Configuration: TOML file + ``CKPTKEEPER_*`` environment, validated up front.
+
+The config decides what gets deleted, so it is strict: unknown keys are errors (a typo such as
+``keep_lsat`` must not silently mean "keep everything"), every problem is reported with its key
+path, and a file that group or others may write is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ckptkeeper.model import ReaperPolicy, TierPolicy, TierSpec
+
+DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
+CONFIG_ENV = "CKPTKEEPER_CONFIG"
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_MAX_SECONDS = 100 * 365 * 86400.0
+
+
+class ConfigError(Exception):
+    """Invalid configuration; ``problems`` holds one ``key.path: message`` line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from ``90``, ``"90s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"1w"`` or ``"1h30m"``."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or a string like '90s', '5m', '2h', '7d'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            seconds = float(text)
+        else:
+            parts = _DURATION_PART.findall(text)
+            if not parts or "".join(n + u for n, u in parts).lower() != text.lower():
+                raise ValueError(f"invalid duration {value!r}: use e.g. '90s', '5m', '2h', '7d'")
+            seconds = sum(float(n) * _UNIT_SECONDS[u.lower()] for n, u in parts)
+    else:
+        raise ValueError("a duration is a number of seconds or a string like '90s', '5m', '2h', '7d'")
+    if not math.isfinite(seconds) or seconds < 0 or seconds > _MAX_SECONDS:
+        raise ValueError(f"duration {value!r} out of range (0 .. 100 years)")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Inverse of parse_duration for messages: 7200 -> '2h', 5400 -> '1h30m'."""
+    remaining = int(round(seconds))
+    if remaining == 0:
+        return "0s"
+    out = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if remaining >= size:
+            out.append(f"{remaining // size}{unit}")
+            remaining %= size
+    return "".join(out)
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+Count = Annotated[int, Field(ge=0, le=10**12)]
+Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TierConfig(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    url: Annotated[str, Field(min_length=1)]
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    high_watermark: Fraction | None = None
+    low_watermark: Fraction | None = None
+    keep_last: Count | None = None
+    keep_best: Count | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+    keep_every: Annotated[int, Field(ge=1, le=10**15)] | None = None
+    keep_within: Duration | None = None
+    keep_hourly: Count | None = None
+    keep_daily: Count | None = None
+    keep_weekly: Count | None = None
+    keep_monthly: Count | None = None
+    replicate: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> TierConfig:
+        if self.keep_best is not None and not self.metric:
+            raise ValueError("keep_best needs metric (the name of the metric to rank by)")
+        if self.low_watermark is not None and self.high_watermark is None:
+            raise ValueError("low_watermark needs high_watermark")
+        if self.high_watermark is not None:
+            if self.low_watermark is None:
+                self.low_watermark = round(max(0.01, self.high_watermark - 0.15), 4)
+            if self.low_watermark >= self.high_watermark:
+                raise ValueError(
+                    f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
+                )
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.url or self.url.startswith("file://")
+
+    @property
+    def local_path(self) -> Path:
+        return Path(self.url.removeprefix("file://"))
+
+    def to_spec(self) -> TierSpec:
+        return TierSpec(
+            name=self.name,
+            url=self.url,
+            storage_options=dict(self.storage_options),
+            policy=TierPolicy(
+                keep_last=self.keep_last,
+                keep_best=self.keep_best,
+                metric=self.metric,
+                mode=self.mode,
+                keep_every=self.keep_every,
+                keep_within=self.keep_within,
+                keep_hourly=self.keep_hourly,
+                keep_daily=self.keep_daily,
+                keep_weekly=self.keep_weekly,
+                keep_monthly=self.keep_monthly,
+                replicate=self.replicate,
+                high_watermark=self.high_watermark,
+                low_watermark=self.low_watermark,
+            ),
+        )
+
+
+class DaemonConfig(_Strict):
+    settle_seconds: Duration = 30.0
+    retention_interval: Duration = 300.0
+    reap_interval: Duration = 900.0
+    rescan_interval: Duration = 3600.0
+    metrics_addr: str = "127.0.0.1:9464"
+    """``host:port`` for Prometheus; empty string disables the endpoint."""
+    polling: bool = False
+    """Use a polling observer (NFS/Lustre do not deliver inotify events)."""
+    polling_interval: Duration = 5.0
+    textfile: str | None = None
+    """Write Prometheus metrics to this ``.prom`` file after each one-shot ``prune``."""
+
+
+class ReaperConfig(_Strict):
+    failed_after: Duration = 7200.0
+    partial_after: Duration = 3600.0
+    keep_last_of_failed: Count = 1
+
+    def to_policy(self) -> ReaperPolicy:
+        return ReaperPolicy(
+            failed_after=self.failed_after,
+            partial_after=self.partial_after,
+            keep_last_of_failed=self.keep_last_of_failed,
+        )
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CKPTKEEPER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    index: str = "/var/lib/ckptkeeper/index.db"
+    run_depth: Annotated[int, Field(ge=1, le=16)] = 1
+    max_delete: Count = 100
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    tiers: list[TierConfig] = Field(min_length=1)
+    reaper: ReaperConfig = Field(default_factory=ReaperConfig)
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> Settings:
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
+        if not self.tiers[0].is_local:
+            raise ValueError("the first tier is the watched hot tier and must be a local path")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment wins over the file (passed as init kwargs); no dotenv or secrets dirs.
+        return (env_settings, init_settings)
+
+    @property
+    def hot(self) -> TierConfig:
+        return self.tiers[0]
+
+    def tier_specs(self) -> list[TierSpec]:
+        return [t.to_spec() for t in self.tiers]
+
+
+def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CONFIG_PATH
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(config)"
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if p not in ("function-after[_check(), TierConfig]",))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see config.example.toml)"
+        lines.append(f"{_format_loc(loc)}: {msg}")
+    return lines
+
+
+def check_permissions(path: Path) -> None:
+    """Refuse a config that others could edit: it decides what gets deleted."""
+    st = path.stat()
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            [
+                f"{path}: refusing a config file writable by group or others "
+                f"(mode {stat.filemode(st.st_mode)}); it decides what gets deleted — run: chmod go-w {path}"
+            ]
+        )
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Load and validate; raises ConfigError with one line per problem."""
+    config_path = resolve_config_path(path)
+    try:
+        check_permissions(config_path)
+        with config_path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"{config_path}: config file not found (use --config or ${CONFIG_ENV})"]) from None
+    except PermissionError as exc:
+        raise ConfigError([f"{config_path}: cannot read config: {exc.strerror}"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{config_path}: invalid TOML: {exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{config_path}: config is not UTF-8: {exc}"]) from None
+    if overrides:
+        data.update(overrides)
+    return settings_from_mapping(data)
+
+
+def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
+    # Our own CKPTKEEPER_CONFIG env var selects the file; it is not a setting.
+    saved = os.environ.pop(CONFIG_ENV, None)
+    try:
+        return Settings(**dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+    finally:
+        if saved is not None:
+            os.environ[CONFIG_ENV] = saved

@@ -1,0 +1,636 @@
+"""The local catalog: the only module that speaks SQL.
+
+SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journal must survive
+``kill -9`` and power loss, because the journal is what lets a restart finish or undo a move.
+Readers (``ls``, the metrics endpoint) never block the daemon's writer in WAL mode.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptkeeper.model import (
+    Artifact,
+    Checkpoint,
+    CheckpointState,
+    Manifest,
+    Run,
+    RunState,
+    Snapshot,
+)
+
+BUSY_TIMEOUT_MS = 10_000
+
+
+class IndexCorrupt(Exception):
+    """The database failed its integrity check; the caller rebuilds it from the tiers."""
+
+
+# Each entry migrates from version i to i+1. Never edit a shipped migration: append a new one.
+_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE runs (
+        name TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        state_reason TEXT NOT NULL DEFAULT '',
+        last_seen REAL NOT NULL DEFAULT 0,
+        parent_run TEXT,
+        parent_step INTEGER,
+        host TEXT NOT NULL DEFAULT '',
+        pid INTEGER,
+        on_hot INTEGER NOT NULL DEFAULT 1,
+        updated_at REAL NOT NULL DEFAULT 0
+    );
+    CREATE TABLE checkpoints (
+        id INTEGER PRIMARY KEY,
+        run TEXT NOT NULL,
+        name TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        layout TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        last_write REAL NOT NULL DEFAULT 0,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        metrics TEXT NOT NULL DEFAULT '{}',
+        pinned INTEGER NOT NULL DEFAULT 0,
+        committed INTEGER NOT NULL DEFAULT 0,
+        version TEXT,
+        manifest TEXT,
+        problem TEXT,
+        UNIQUE (run, name)
+    );
+    CREATE INDEX checkpoints_run_step ON checkpoints (run, step);
+    CREATE TABLE locations (
+        checkpoint_id INTEGER NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
+        tier TEXT NOT NULL,
+        version TEXT NOT NULL,
+        verified_at REAL NOT NULL,
+        PRIMARY KEY (checkpoint_id, tier)
+    );
+    CREATE TABLE artifacts (
+        tier TEXT NOT NULL,
+        path TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        last_write REAL NOT NULL,
+        run TEXT,
+        upload_id TEXT,
+        PRIMARY KEY (tier, path, upload_id)
+    );
+    CREATE TABLE tier_status (
+        tier TEXT PRIMARY KEY,
+        ok INTEGER NOT NULL,
+        error TEXT,
+        checked_at REAL NOT NULL
+    );
+    CREATE TABLE journal (
+        id INTEGER PRIMARY KEY,
+        action TEXT NOT NULL,
+        phase TEXT NOT NULL,
+        detail TEXT NOT NULL DEFAULT '{}',
+        started_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        done INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX journal_open ON journal (done);
+    CREATE TABLE reclaimed (
+        reason TEXT PRIMARY KEY,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        count INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE job_runs (
+        job TEXT PRIMARY KEY,
+        last_start REAL,
+        last_success REAL,
+        last_error TEXT,
+        last_error_at REAL
+    );
+    """,
+)
+
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    """A checkpoint as stored, with its locations (tier -> version)."""
+
+    id: int
+    run: str
+    name: str
+    step: int
+    layout: str
+    state: CheckpointState
+    created_at: float
+    last_write: float
+    bytes: int
+    metrics: Mapping[str, float]
+    pinned: bool
+    committed: bool
+    version: str | None
+    manifest_json: str | None
+    problem: str | None
+    locations: Mapping[str, str]
+
+    @property
+    def verified_tiers(self) -> frozenset[str]:
+        """Tiers holding a copy of the current version."""
+        return frozenset(t for t, v in self.locations.items() if v == self.version)
+
+    def manifest(self) -> Manifest | None:
+        return Manifest.from_json(self.manifest_json) if self.manifest_json else None
+
+    def to_model(self) -> Checkpoint:
+        return Checkpoint(
+            run=self.run,
+            step=self.step,
+            name=self.name,
+            layout=self.layout,
+            state=self.state,
+            created_at=self.created_at,
+            bytes=self.bytes,
+            metrics=dict(self.metrics),
+            pinned=self.pinned,
+            version=self.version,
+            tiers=self.verified_tiers,
+            last_write=self.last_write,
+            committed=self.committed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    name: str
+    state: RunState
+    state_reason: str
+    last_seen: float
+    parent: tuple[str, int] | None
+    host: str
+    pid: int | None
+    on_hot: bool
+
+    def to_model(self) -> Run:
+        return Run(
+            name=self.name,
+            state=self.state,
+            last_seen=self.last_seen,
+            parent=self.parent,
+            host=self.host,
+            pid=self.pid,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    id: int
+    action: dict[str, Any]
+    phase: str
+    detail: dict[str, Any]
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatus:
+    tier: str
+    ok: bool
+    error: str | None
+    checked_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    job: str
+    last_start: float | None
+    last_success: float | None
+    last_error: str | None
+    last_error_at: float | None
+
+
+class Index:
+    """A connection to the catalog. Thread-safe by serialising access (one writer anyway)."""
+
+    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
+        self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        self._db.execute("PRAGMA foreign_keys = ON")
+        if not readonly:
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = FULL")
+            self._migrate()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def quick_check(self) -> None:
+        """Raise IndexCorrupt unless SQLite's quick_check passes."""
+        try:
+            rows = self._db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise IndexCorrupt(str(exc)) from exc
+        result = [r[0] for r in rows]
+        if result != ["ok"]:
+            raise IndexCorrupt("; ".join(result[:5]))
+
+    def _migrate(self) -> None:
+        with self.transaction():
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"index {self.path} has schema version {version}, newer than this ckptkeeper ({SCHEMA_VERSION})"
+                )
+            for i in range(version, SCHEMA_VERSION):
+                for statement in _MIGRATIONS[i].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {i + 1}")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic unit; nested use joins the outer transaction."""
+        with self._lock:
+            if self._db.in_transaction:
+                yield
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _exec(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, params)
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def upsert_run(
+        self,
+        name: str,
+        *,
+        state: RunState,
+        state_reason: str = "",
+        last_seen: float = 0.0,
+        parent: tuple[str, int] | None = None,
+        host: str = "",
+        pid: int | None = None,
+        on_hot: bool = True,
+    ) -> None:
+        self._exec(
+            """INSERT INTO runs (name, state, state_reason, last_seen, parent_run, parent_step, host, pid, on_hot, updated_at)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT (name) DO UPDATE SET state = excluded.state, state_reason = excluded.state_reason,
+                 last_seen = excluded.last_seen, parent_run = excluded.parent_run,
+                 parent_step = excluded.parent_step, host = excluded.host, pid = excluded.pid,
+                 on_hot = excluded.on_hot, updated_at = excluded.updated_at""",
+            (
+                name,
+                state.value,
+                state_reason,
+                last_seen,
+                parent[0] if parent else None,
+                parent[1] if parent else None,
+                host,
+                pid,
+                int(on_hot),
+                time.time(),
+            ),
+        )
+
+    def runs(self) -> list[RunRow]:
+        rows = self._exec("SELECT * FROM runs ORDER BY name").fetchall()
+        return [_run_row(r) for r in rows]
+
+    def run(self, name: str) -> RunRow | None:
+        row = self._exec("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
+        return _run_row(row) if row else None
+
+    def delete_run(self, name: str) -> None:
+        self._exec("DELETE FROM runs WHERE name = ?", (name,))
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def upsert_checkpoint(
+        self,
+        *,
+        run: str,
+        name: str,
+        step: int,
+        layout: str,
+        state: CheckpointState,
+        created_at: float,
+        last_write: float,
+        bytes: int,
+        metrics: Mapping[str, float],
+        committed: bool,
+        version: str | None,
+        manifest_json: str | None,
+        problem: str | None,
+    ) -> int:
+        """Insert or update by (run, name); keeps ``pinned`` and locations. Returns the row id."""
+        row = self._exec(
+            """INSERT INTO checkpoints (run, name, step, layout, state, created_at, last_write, bytes, metrics,
+                                        committed, version, manifest, problem)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT (run, name) DO UPDATE SET step = excluded.step, layout = excluded.layout,
+                 state = excluded.state, last_write = excluded.last_write, bytes = excluded.bytes,
+                 metrics = excluded.metrics, committed = excluded.committed, version = excluded.version,
+                 manifest = excluded.manifest, problem = excluded.problem,
+                 created_at = CASE WHEN checkpoints.version IS excluded.version THEN checkpoints.created_at
+                                   ELSE excluded.created_at END
+               RETURNING id""",
+            (
+                run,
+                name,
+                step,
+                layout,
+                state.value,
+                created_at,
+                last_write,
+                bytes,
+                json.dumps(dict(metrics), sort_keys=True),
+                int(committed),
+                version,
+                manifest_json,
+                problem,
+            ),
+        ).fetchone()
+        return int(row[0])
+
+    def checkpoints(self, run: str | None = None) -> list[CheckpointRow]:
+        if run is None:
+            rows = self._exec("SELECT * FROM checkpoints ORDER BY run, step, name").fetchall()
+            locs = self._exec("SELECT checkpoint_id, tier, version FROM locations").fetchall()
+        else:
+            rows = self._exec("SELECT * FROM checkpoints WHERE run = ? ORDER BY step, name", (run,)).fetchall()
+            locs = self._exec(
+                """SELECT l.checkpoint_id, l.tier, l.version FROM locations l
+                   JOIN checkpoints c ON c.id = l.checkpoint_id WHERE c.run = ?""",
+                (run,),
+            ).fetchall()
+        by_id: dict[int, dict[str, str]] = {}
+        for loc in locs:
+            by_id.setdefault(loc[0], {})[loc[1]] = loc[2]
+        return [_checkpoint_row(r, by_id.get(r["id"], {})) for r in rows]
+
+    def checkpoint(self, run: str, name: str) -> CheckpointRow | None:
+        row = self._exec("SELECT * FROM checkpoints WHERE run = ? AND name = ?", (run, name)).fetchone()
+        if row is None:
+            return None
+        locs = self._exec("SELECT tier, version FROM locations WHERE checkpoint_id = ?", (row["id"],)).fetchall()
+        return _checkpoint_row(row, {loc[0]: loc[1] for loc in locs})
+
+    def checkpoints_at_step(self, run: str, step: int) -> list[CheckpointRow]:
+        return [c for c in self.checkpoints(run) if c.step == step]
+
+    def delete_checkpoint(self, checkpoint_id: int) -> None:
+        self._exec("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
+
+    def set_state(self, checkpoint_id: int, state: CheckpointState, problem: str | None = None) -> None:
+        self._exec("UPDATE checkpoints SET state = ?, problem = ? WHERE id = ?", (state.value, problem, checkpoint_id))
+
+    def set_pinned(self, run: str, step: int, pinned: bool) -> int:
+        """Pin/unpin every checkpoint of ``run`` at ``step``; returns how many rows changed."""
+        cur = self._exec("UPDATE checkpoints SET pinned = ? WHERE run = ? AND step = ?", (int(pinned), run, step))
+        return cur.rowcount
+
+    # -- locations -------------------------------------------------------------------------
+
+    def set_location(self, checkpoint_id: int, tier: str, version: str, verified_at: float | None = None) -> None:
+        self._exec(
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at) VALUES (?, ?, ?, ?)
+               ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
+                 verified_at = excluded.verified_at""",
+            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at),
+        )
+
+    def remove_location(self, checkpoint_id: int, tier: str) -> None:
+        self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
+
+    def locations_in_tier(self, tier: str) -> dict[tuple[str, str], tuple[int, str]]:
+        """(run, name) -> (checkpoint id, version) for every location recorded in ``tier``."""
+        rows = self._exec(
+            """SELECT c.run, c.name, c.id, l.version FROM locations l JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.tier = ?""",
+            (tier,),
+        ).fetchall()
+        return {(r[0], r[1]): (r[2], r[3]) for r in rows}
+
+    def prune_orphans(self) -> int:
+        """Drop checkpoints with no location that are not in the hot tier's working set (gone everywhere)."""
+        cur = self._exec(
+            """DELETE FROM checkpoints WHERE state = 'complete'
+               AND NOT EXISTS (SELECT 1 FROM locations l WHERE l.checkpoint_id = checkpoints.id)"""
+        )
+        return cur.rowcount
+
+    # -- artifacts & tier status -----------------------------------------------------------
+
+    def replace_artifacts(self, tier: str, artifacts: Iterable[Artifact], *, kinds: Sequence[str] | None = None) -> None:
+        """Replace the artifacts of ``tier`` (optionally only those of the given kinds)."""
+        with self.transaction():
+            if kinds is None:
+                self._exec("DELETE FROM artifacts WHERE tier = ?", (tier,))
+            else:
+                marks = ",".join("?" * len(kinds))
+                self._exec(f"DELETE FROM artifacts WHERE tier = ? AND kind IN ({marks})", (tier, *kinds))
+            for a in artifacts:
+                self._exec(
+                    """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id)
+                       VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                    (a.tier, a.path, a.kind, a.bytes, a.last_write, a.run, a.upload_id or ""),
+                )
+
+    def remove_artifact(self, tier: str, path: str, upload_id: str | None = None) -> None:
+        self._exec(
+            "DELETE FROM artifacts WHERE tier = ? AND path = ? AND upload_id = ?", (tier, path, upload_id or "")
+        )
+
+    def artifacts(self) -> list[Artifact]:
+        rows = self._exec("SELECT * FROM artifacts ORDER BY tier, path").fetchall()
+        return [
+            Artifact(
+                tier=r["tier"],
+                path=r["path"],
+                kind=r["kind"],
+                bytes=r["bytes"],
+                last_write=r["last_write"],
+                run=r["run"],
+                upload_id=r["upload_id"] or None,
+            )
+            for r in rows
+        ]
+
+    def set_tier_status(self, tier: str, ok: bool, error: str | None = None) -> None:
+        self._exec(
+            """INSERT INTO tier_status (tier, ok, error, checked_at) VALUES (?, ?, ?, ?)
+               ON CONFLICT (tier) DO UPDATE SET ok = excluded.ok, error = excluded.error,
+                 checked_at = excluded.checked_at""",
+            (tier, int(ok), error, time.time()),
+        )
+
+    def tier_statuses(self) -> dict[str, TierStatus]:
+        rows = self._exec("SELECT * FROM tier_status").fetchall()
+        return {r["tier"]: TierStatus(r["tier"], bool(r["ok"]), r["error"], r["checked_at"]) for r in rows}
+
+    # -- snapshot for the planner ----------------------------------------------------------
+
+    def snapshot(self, tier_names: Sequence[str] | None = None) -> Snapshot:
+        """A consistent view for the planner (one read transaction).
+
+        A tier whose last listing failed, or that was never listed, is unknown: the planner must
+        not read its absence of copies as "empty".
+        """
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                runs = tuple(r.to_model() for r in self.runs())
+                checkpoints = tuple(c.to_model() for c in self.checkpoints())
+                artifacts = tuple(self.artifacts())
+                statuses = self.tier_statuses()
+            finally:
+                self._db.execute("COMMIT")
+        unknown = set()
+        for name in tier_names or ():
+            status = statuses.get(name)
+            if status is None or not status.ok:
+                unknown.add(name)
+        return Snapshot(runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown))
+
+    # -- journal ---------------------------------------------------------------------------
+
+    def journal_begin(self, action: Mapping[str, Any], phase: str = "start", detail: Mapping[str, Any] | None = None) -> int:
+        now = time.time()
+        row = self._exec(
+            "INSERT INTO journal (action, phase, detail, started_at, updated_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
+            (json.dumps(dict(action), sort_keys=True), phase, json.dumps(dict(detail or {})), now, now),
+        ).fetchone()
+        return int(row[0])
+
+    def journal_phase(self, entry_id: int, phase: str, detail: Mapping[str, Any] | None = None) -> None:
+        if detail is None:
+            self._exec("UPDATE journal SET phase = ?, updated_at = ? WHERE id = ?", (phase, time.time(), entry_id))
+        else:
+            self._exec(
+                "UPDATE journal SET phase = ?, detail = ?, updated_at = ? WHERE id = ?",
+                (phase, json.dumps(dict(detail)), time.time(), entry_id),
+            )
+
+    def journal_done(self, entry_id: int, phase: str = "done") -> None:
+        self._exec("UPDATE journal SET phase = ?, done = 1, updated_at = ? WHERE id = ?", (phase, time.time(), entry_id))
+
+    def journal_open(self) -> list[JournalEntry]:
+        rows = self._exec("SELECT * FROM journal WHERE done = 0 ORDER BY id").fetchall()
+        return [
+            JournalEntry(r["id"], json.loads(r["action"]), r["phase"], json.loads(r["detail"]), r["started_at"])
+            for r in rows
+        ]
+
+    def journal_trim(self, keep: int = 10_000) -> None:
+        self._exec("DELETE FROM journal WHERE done = 1 AND id <= (SELECT MAX(id) FROM journal) - ?", (keep,))
+
+    # -- statistics ------------------------------------------------------------------------
+
+    def add_reclaimed(self, reason: str, nbytes: int, count: int = 1) -> None:
+        self._exec(
+            """INSERT INTO reclaimed (reason, bytes, count) VALUES (?, ?, ?)
+               ON CONFLICT (reason) DO UPDATE SET bytes = bytes + excluded.bytes, count = count + excluded.count""",
+            (reason, nbytes, count),
+        )
+
+    def reclaimed(self) -> dict[str, tuple[int, int]]:
+        """reason -> (bytes, count), cumulative since the index was created."""
+        return {r[0]: (r[1], r[2]) for r in self._exec("SELECT reason, bytes, count FROM reclaimed").fetchall()}
+
+    def job_started(self, job: str) -> None:
+        self._exec(
+            """INSERT INTO job_runs (job, last_start) VALUES (?, ?)
+               ON CONFLICT (job) DO UPDATE SET last_start = excluded.last_start""",
+            (job, time.time()),
+        )
+
+    def job_finished(self, job: str, error: str | None = None) -> None:
+        now = time.time()
+        if error is None:
+            self._exec(
+                """INSERT INTO job_runs (job, last_success) VALUES (?, ?)
+                   ON CONFLICT (job) DO UPDATE SET last_success = excluded.last_success""",
+                (job, now),
+            )
+        else:
+            self._exec(
+                """INSERT INTO job_runs (job, last_error, last_error_at) VALUES (?, ?, ?)
+                   ON CONFLICT (job) DO UPDATE SET last_error = excluded.last_error,
+                     last_error_at = excluded.last_error_at""",
+                (job, error, now),
+            )
+
+    def job_runs(self) -> dict[str, JobRun]:
+        rows = self._exec("SELECT * FROM job_runs").fetchall()
+        return {
+            r["job"]: JobRun(r["job"], r["last_start"], r["last_success"], r["last_error"], r["last_error_at"])
+            for r in rows
+        }
+
+
+def _run_row(r: sqlite3.Row) -> RunRow:
+    parent = (r["parent_run"], int(r["parent_step"])) if r["parent_run"] is not None else None
+    return RunRow(
+        name=r["name"],
+        state=RunState(r["state"]),
+        state_reason=r["state_reason"],
+        last_seen=r["last_seen"],
+        parent=parent,
+        host=r["host"],
+        pid=r["pid"],
+        on_hot=bool(r["on_hot"]),
+    )
+
+
+def _checkpoint_row(r: sqlite3.Row, locations: Mapping[str, str]) -> CheckpointRow:
+    return CheckpointRow(
+        id=r["id"],
+        run=r["run"],
+        name=r["name"],
+        step=r["step"],
+        layout=r["layout"],
+        state=CheckpointState(r["state"]),
+        created_at=r["created_at"],
+        last_write=r["last_write"],
+        bytes=r["bytes"],
+        metrics=json.loads(r["metrics"]),
+        pinned=bool(r["pinned"]),
+        committed=bool(r["committed"]),
+        version=r["version"],
+        manifest_json=r["manifest"],
+        problem=r["problem"],
+        locations=dict(locations),
+    )
