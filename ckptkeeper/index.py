@@ -454,14 +454,19 @@ class Index:
 
     # -- artifacts & tier status -----------------------------------------------------------
 
-    def replace_artifacts(self, tier: str, artifacts: Iterable[Artifact], *, kinds: Sequence[str] | None = None) -> None:
-        """Replace the artifacts of ``tier`` (optionally only those of the given kinds)."""
+    def replace_artifacts(
+        self, tier: str, artifacts: Iterable[Artifact], *, kinds: Sequence[str] | None = None, run: str | None = None
+    ) -> None:
+        """Replace the artifacts of ``tier``, optionally only those of some kinds or of one run."""
+        where, params = "tier = ?", [tier]
+        if kinds is not None:
+            where += f" AND kind IN ({','.join('?' * len(kinds))})"
+            params.extend(kinds)
+        if run is not None:
+            where += " AND run = ?"
+            params.append(run)
         with self.transaction():
-            if kinds is None:
-                self._exec("DELETE FROM artifacts WHERE tier = ?", (tier,))
-            else:
-                marks = ",".join("?" * len(kinds))
-                self._exec(f"DELETE FROM artifacts WHERE tier = ? AND kind IN ({marks})", (tier, *kinds))
+            self._exec(f"DELETE FROM artifacts WHERE {where}", params)
             for a in artifacts:
                 self._exec(
                     """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id)

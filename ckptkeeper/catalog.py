@@ -1,0 +1,447 @@
+"""Reconcile what is on the tiers with the index.
+
+The hot tier is walked (layouts recognise checkpoints, the hook's files say which are committed and
+how the run is doing); slower tiers are listed through the manifests stored beside each copy, so
+the index can always be rebuilt from the tiers alone. Hashing is the expensive part, so a
+checkpoint whose size and newest mtime did not change keeps its manifest: ``scan`` is idempotent
+and cheap when nothing changed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptkeeper import hook, layouts
+from ckptkeeper.config import Settings
+from ckptkeeper.hashing import hash_file
+from ckptkeeper.index import Index
+from ckptkeeper.logs import get_logger
+from ckptkeeper.model import CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.reaper import RunFacts, derive_run_state
+
+log = get_logger("ckptkeeper.catalog")
+
+HOOK_DIR = ".ckptkeeper"
+MAX_STEP = 2**63 - 1
+"""SQLite integers are 64-bit; a larger "step" is not a step anyone trains to."""
+
+
+@dataclass
+class ReconcileReport:
+    runs: int = 0
+    new: int = 0
+    new_versions: int = 0
+    unchanged: int = 0
+    removed: int = 0
+    partial: int = 0
+    corrupt: int = 0
+    hashed_bytes: int = 0
+    tiers_failed: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, other: ReconcileReport) -> None:
+        for name in ("runs", "new", "new_versions", "unchanged", "removed", "partial", "corrupt", "hashed_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.tiers_failed.update(other.tiers_failed)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+class Catalog:
+    """Applies tier contents to the index. One instance per daemon / CLI invocation."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        index: Index,
+        *,
+        clock: Callable[[], float] = time.time,
+        storage_factory: Callable[[str], object] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.clock = clock
+        self.hot_root = settings.hot.local_path
+        self.hostname = socket.gethostname()
+        self._storage_factory = storage_factory
+
+    # -- the hot tier ----------------------------------------------------------------------
+
+    def iter_run_dirs(self) -> Iterator[tuple[str, Path]]:
+        """(run name, dir) for every directory ``run_depth`` levels under the hot root.
+
+        Hidden entries and symlinks are skipped: a symlink could lead out of the tier root.
+        """
+        depth = self.settings.run_depth
+
+        def walk(path: Path, rel: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
+            try:
+                entries = sorted(os.scandir(path), key=lambda e: e.name)
+            except OSError:
+                return
+            for entry in entries:
+                if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+                    continue
+                if HOOK_DIR in entry.name or ".ckptkeeper-tmp" in entry.name:
+                    continue
+                sub = (*rel, entry.name)
+                if len(sub) == depth:
+                    yield "/".join(sub), Path(entry.path)
+                else:
+                    yield from walk(Path(entry.path), sub)
+
+        yield from walk(self.hot_root, ())
+
+    def reconcile_hot(self) -> ReconcileReport:
+        report = ReconcileReport()
+        hot = self.settings.hot.name
+        if not self.hot_root.is_dir():
+            self.index.set_tier_status(hot, False, f"hot root {self.hot_root} is not a directory")
+            report.tiers_failed[hot] = f"hot root {self.hot_root} is not a directory"
+            return report
+        seen: set[str] = set()
+        for run, run_dir in self.iter_run_dirs():
+            seen.add(run)
+            report.merge(self.reconcile_run(run, run_dir))
+        for row in self.index.runs():
+            if row.on_hot and row.name not in seen:
+                self._run_gone_from_hot(row.name)
+        self.index.set_tier_status(hot, True)
+        return report
+
+    def reconcile_run(self, run: str, run_dir: Path | None = None) -> ReconcileReport:
+        """Bring one run in line with its directory (the watcher calls this per changed run)."""
+        run_dir = run_dir or self.hot_root / run
+        report = ReconcileReport(runs=1)
+        try:
+            st = os.lstat(run_dir)
+        except FileNotFoundError:
+            self._run_gone_from_hot(run)
+            return report
+        if not stat.S_ISDIR(st.st_mode):
+            return report
+        now = self.clock()
+        scan = layouts.scan_run(run_dir, run)
+        commits, commit_errors = hook.read_commits(run_dir)
+        for err in commit_errors:
+            log.warning("malformed hook commit line", run=run, error=err)
+        committed = {c.path: c for c in commits}
+        candidates = {c.name: c for c in scan.candidates}
+        for commit in commits:
+            if commit.path not in candidates and not any(commit.path.startswith(n + "/") for n in candidates):
+                extra = self._committed_candidate(run_dir, run, commit)
+                if extra is not None:
+                    candidates[extra.name] = extra
+
+        existing = {row.name: row for row in self.index.checkpoints(run)}
+        hot = self.settings.hot.name
+        settle = self.settings.daemon.settle_seconds
+        newest_write = st.st_mtime
+        with self.index.transaction():
+            for name, cand in sorted(candidates.items()):
+                if cand.step > MAX_STEP:
+                    log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
+                    continue
+                newest_write = max(newest_write, cand.last_write)
+                commit = committed.get(name) or next(
+                    (c for p, c in committed.items() if p.startswith(name + "/")), None
+                )
+                metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
+                if cand.corrupt:
+                    state = CheckpointState.CORRUPT
+                elif commit is not None or (cand.complete and now - cand.last_write >= settle):
+                    state = CheckpointState.COMPLETE
+                else:
+                    state = CheckpointState.WRITING
+                row = existing.pop(name, None)
+                if state is not CheckpointState.COMPLETE:
+                    report.partial += state is CheckpointState.WRITING
+                    report.corrupt += state is CheckpointState.CORRUPT
+                    cid = self.index.upsert_checkpoint(
+                        run=run,
+                        name=name,
+                        step=cand.step,
+                        layout=cand.layout,
+                        state=state,
+                        created_at=row.created_at if row else cand.last_write,
+                        last_write=cand.last_write,
+                        bytes=cand.bytes,
+                        metrics=metrics,
+                        committed=commit is not None,
+                        version=None,
+                        manifest_json=None,
+                        problem=cand.problem or ("settling: written less than settle_seconds ago" if cand.complete else None),
+                    )
+                    self.index.remove_location(cid, hot)
+                    continue
+                unchanged = (
+                    row is not None
+                    and row.version is not None
+                    and row.manifest_json is not None
+                    and row.state is CheckpointState.COMPLETE
+                    and row.bytes == cand.bytes
+                    and row.last_write == cand.last_write
+                    and row.locations.get(hot) == row.version
+                )
+                if unchanged and row is not None:
+                    report.unchanged += 1
+                    if dict(row.metrics) != metrics or row.committed != (commit is not None):
+                        self.index.upsert_checkpoint(
+                            run=run,
+                            name=name,
+                            step=cand.step,
+                            layout=cand.layout,
+                            state=state,
+                            created_at=row.created_at,
+                            last_write=cand.last_write,
+                            bytes=cand.bytes,
+                            metrics=metrics,
+                            committed=commit is not None,
+                            version=row.version,
+                            manifest_json=row.manifest_json,
+                            problem=None,
+                        )
+                    continue
+                try:
+                    manifest = self._hash_candidate(run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write)
+                except OSError as exc:
+                    log.warning("cannot read checkpoint, marked corrupt", run=run, name=name, error=str(exc))
+                    cid = self.index.upsert_checkpoint(
+                        run=run, name=name, step=cand.step, layout=cand.layout, state=CheckpointState.CORRUPT,
+                        created_at=cand.last_write, last_write=cand.last_write, bytes=cand.bytes, metrics=metrics,
+                        committed=commit is not None, version=None, manifest_json=None, problem=f"unreadable: {exc}",
+                    )
+                    self.index.remove_location(cid, hot)
+                    report.corrupt += 1
+                    continue
+                report.hashed_bytes += manifest.total_bytes
+                if row is None or row.version is None:
+                    report.new += 1
+                elif row.version != manifest.digest:
+                    report.new_versions += 1
+                    log.info("checkpoint rewritten: new version", run=run, name=name, old=row.version, new=manifest.digest)
+                cid = self.index.upsert_checkpoint(
+                    run=run,
+                    name=name,
+                    step=cand.step,
+                    layout=cand.layout,
+                    state=state,
+                    created_at=manifest.created_at,
+                    last_write=cand.last_write,
+                    bytes=manifest.total_bytes,
+                    metrics=metrics,
+                    committed=commit is not None,
+                    version=manifest.digest,
+                    manifest_json=manifest.to_json(),
+                    problem=None,
+                )
+                self.index.set_location(cid, hot, manifest.digest)
+            # Whatever the index knew in hot that is no longer there was removed (by us or by hand).
+            for row in existing.values():
+                if hot in row.locations:
+                    self.index.remove_location(row.id, hot)
+                    report.removed += 1
+                if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
+                    self.index.delete_checkpoint(row.id)
+            self.index.replace_artifacts(hot, scan.artifacts, run=run)
+            self._update_run_state(run, run_dir, newest_write, now)
+        return report
+
+    def _committed_candidate(self, run_dir: Path, run: str, commit: hook.Commit) -> layouts.Candidate | None:
+        """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
+        path = run_dir / commit.path
+        found = layouts.recognize(path, run_dir, run)
+        if found is not None:
+            return found
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if stat.S_ISREG(st.st_mode):
+            return layouts.Candidate(
+                run=run, step=commit.step, name=commit.path, layout="file", is_dir=False, complete=True,
+                files=("",), last_write=st.st_mtime, bytes=st.st_size, metrics={}, problem=None,
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        files: list[str] = []
+        total, newest = 0, st.st_mtime
+        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            for fname in filenames:
+                full = os.path.join(dirpath, fname)
+                fst = os.lstat(full)
+                if stat.S_ISREG(fst.st_mode):
+                    files.append(os.path.relpath(full, path).replace(os.sep, "/"))
+                    total += fst.st_size
+                    newest = max(newest, fst.st_mtime)
+            for dname in dirnames:
+                newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
+        return layouts.Candidate(
+            run=run, step=commit.step, name=commit.path, layout="committed", is_dir=True, complete=True,
+            files=tuple(sorted(files)), last_write=newest, bytes=total, metrics={}, problem=None,
+        )
+
+    def _hash_candidate(
+        self, run_dir: Path, cand: layouts.Candidate, metrics: Mapping[str, float], *, created_at: float
+    ) -> Manifest:
+        base = run_dir / cand.name
+        entries = []
+        for rel in cand.files:
+            size, digest = hash_file(base / rel if rel else base)
+            entries.append(FileEntry(path=rel, size=size, hash=digest))
+        return Manifest(
+            run=cand.run,
+            step=cand.step,
+            name=cand.name,
+            layout=cand.layout,
+            is_dir=cand.is_dir,
+            files=tuple(entries),
+            metrics=dict(metrics),
+            created_at=created_at,
+            node=self.hostname,
+        )
+
+    def _update_run_state(self, run: str, run_dir: Path, newest_write: float, now: float) -> None:
+        info = hook.read_run_dir(run_dir)
+        heartbeat = hook.heartbeat_mtime(run_dir)
+        host = info.host if info and info.host else None
+        pid = info.pid if info else None
+        alive = pid_alive(pid) if pid and host == self.hostname else None
+        facts = RunFacts(
+            hook_state=info.state if info else None,
+            host=host,
+            pid=pid,
+            pid_alive=alive,
+            heartbeat=heartbeat,
+            newest_write=newest_write,
+        )
+        state, reason = derive_run_state(
+            facts, this_host=self.hostname, now=now, failed_after=self.settings.reaper.failed_after
+        )
+        last_seen = max(newest_write, heartbeat or 0.0)
+        self.index.upsert_run(
+            run,
+            state=state,
+            state_reason=reason,
+            last_seen=last_seen,
+            parent=info.parent if info else None,
+            host=host or "",
+            pid=pid,
+            on_hot=True,
+        )
+
+    def _run_gone_from_hot(self, run: str) -> None:
+        """The run directory disappeared: its hot copies are gone; copies elsewhere stay cataloged."""
+        hot = self.settings.hot.name
+        with self.index.transaction():
+            for row in self.index.checkpoints(run):
+                self.index.remove_location(row.id, hot)
+                if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
+                    self.index.delete_checkpoint(row.id)
+            self.index.replace_artifacts(hot, [], run=run)
+            prev = self.index.run(run)
+            if not self.index.checkpoints(run):
+                self.index.delete_run(run)
+            elif prev is not None:
+                self._mark_off_hot(run, prev.last_seen, prev.parent)
+
+    def _mark_off_hot(self, run: str, last_seen: float, parent: tuple[str, int] | None) -> None:
+        # A run that lives only in slower tiers has no writer on this node. It may belong to another
+        # node sharing the cold tier, so it is never treated as failed or stale here.
+        self.index.upsert_run(
+            run,
+            state=RunState.FINISHED,
+            state_reason="not on this node's hot tier",
+            last_seen=last_seen,
+            parent=parent,
+            on_hot=False,
+        )
+
+    # -- slower tiers ----------------------------------------------------------------------
+
+    def reconcile_tier(self, tier_name: str) -> ReconcileReport:
+        """Sync locations of one slower tier from the manifests stored beside its copies.
+
+        A failed listing marks the tier unknown and keeps every location the index had: a tier we
+        cannot read is never taken for an empty one.
+        """
+        from ckptkeeper.storage import TierUnavailable, open_tier
+
+        report = ReconcileReport()
+        tier = next(t for t in self.settings.tiers if t.name == tier_name)
+        try:
+            storage = open_tier(tier.to_spec())
+            listing = storage.list_manifests()
+            uploads = storage.list_multipart_uploads()
+            staging = storage.list_staging()
+        except TierUnavailable as exc:
+            log.warning("tier listing failed; treating it as unknown (no deletes depend on it)", tier=tier_name, error=str(exc))
+            self.index.set_tier_status(tier_name, False, str(exc))
+            report.tiers_failed[tier_name] = str(exc)
+            return report
+        known = self.index.locations_in_tier(tier_name)
+        listed: set[tuple[str, str]] = set()
+        with self.index.transaction():
+            for rel, manifest, error in listing:
+                if manifest is None:
+                    log.warning("unreadable manifest in tier, copy ignored", tier=tier_name, path=rel, error=error)
+                    report.corrupt += 1
+                    continue
+                key = (manifest.run, manifest.name)
+                listed.add(key)
+                row = self.index.checkpoint(*key)
+                if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
+                    cid = self.index.upsert_checkpoint(
+                        run=manifest.run,
+                        name=manifest.name,
+                        step=manifest.step,
+                        layout=manifest.layout,
+                        state=CheckpointState.COMPLETE,
+                        created_at=manifest.created_at,
+                        last_write=manifest.created_at,
+                        bytes=manifest.total_bytes,
+                        metrics=manifest.metrics,
+                        committed=False,
+                        version=manifest.digest,
+                        manifest_json=manifest.to_json(),
+                        problem=None,
+                    )
+                    report.new += 1
+                    if self.index.run(manifest.run) is None:
+                        self._mark_off_hot(manifest.run, manifest.created_at, None)
+                else:
+                    cid = row.id
+                    if known.get(key, (0, ""))[1] == manifest.digest:
+                        report.unchanged += 1
+                self.index.set_location(cid, tier_name, manifest.digest)
+            for key, (cid, _version) in known.items():
+                if key not in listed:
+                    self.index.remove_location(cid, tier_name)
+                    report.removed += 1
+            self.index.prune_orphans()
+            self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            self.index.set_tier_status(tier_name, True)
+        return report
+
+    def reconcile(self, *, slower_tiers: bool = True) -> ReconcileReport:
+        report = self.reconcile_hot()
+        if slower_tiers:
+            for tier in self.settings.tiers[1:]:
+                report.merge(self.reconcile_tier(tier.name))
+        return report
+
