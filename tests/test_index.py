@@ -1,0 +1,113 @@
+"""The index: durable settings, migrations, locations/versions, journal, pins."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from ckptkeeper.index import SCHEMA_VERSION, Index, IndexCorrupt
+from ckptkeeper.model import CheckpointState, RunState
+
+
+def add(ix: Index, name: str = "checkpoint-100", step: int = 100, version: str | None = "v1") -> int:
+    return ix.upsert_checkpoint(
+        run="r", name=name, step=step, layout="hf", state=CheckpointState.COMPLETE, created_at=1.0,
+        last_write=1.0, bytes=10, metrics={"eval_loss": 1.5}, committed=False, version=version,
+        manifest_json=None, problem=None,
+    )
+
+
+def test_pragmas_and_schema_version(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        assert ix.schema_version == SCHEMA_VERSION
+        assert ix._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert ix._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert ix._db.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
+        ix.quick_check()
+
+
+def test_reopen_keeps_data_and_does_not_remigrate(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        add(ix)
+    with Index(tmp_path / "i.db") as ix:
+        assert [c.name for c in ix.checkpoints()] == ["checkpoint-100"]
+
+
+def test_newer_schema_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "i.db")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(RuntimeError, match="newer than this ckptkeeper"):
+        Index(tmp_path / "i.db")
+
+
+def test_corrupt_file_detected(tmp_path: Path) -> None:
+    path = tmp_path / "i.db"
+    with Index(path) as ix:
+        for i in range(200):
+            add(ix, name=f"checkpoint-{i}", step=i)
+    data = bytearray(path.read_bytes())
+    for off in range(4096, len(data), 97):
+        data[off] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises((IndexCorrupt, sqlite3.DatabaseError)):
+        Index(path).quick_check()
+
+
+def test_locations_count_only_current_version(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        cid = add(ix)
+        ix.set_location(cid, "hot", "v1")
+        ix.set_location(cid, "warm", "v1")
+        assert ix.checkpoints()[0].verified_tiers == {"hot", "warm"}
+        add(ix, version="v2")  # rewritten in place: the warm copy holds the old content
+        ix.set_location(cid, "hot", "v2")
+        row = ix.checkpoints()[0]
+        assert row.verified_tiers == {"hot"}
+        assert row.locations["warm"] == "v1"
+
+
+def test_pin_survives_rewrite(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        add(ix)
+        assert ix.set_pinned("r", 100, True) == 1
+        add(ix, version="v2")
+        assert ix.checkpoints()[0].pinned
+        assert ix.set_pinned("r", 999, True) == 0
+
+
+def test_journal_lifecycle(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        j = ix.journal_begin({"action": "copy", "run": "r"}, detail={"staging": "x"})
+        ix.journal_phase(j, "copied", {"staging": "x", "verified": True})
+        (entry,) = ix.journal_open()
+        assert entry.phase == "copied" and entry.detail["verified"] is True
+        ix.journal_done(j)
+        assert ix.journal_open() == []
+
+
+def test_transaction_rolls_back(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        with pytest.raises(ZeroDivisionError), ix.transaction():
+            add(ix)
+            1 / 0  # noqa: B018
+        assert ix.checkpoints() == []
+
+
+def test_snapshot_marks_unlisted_and_failed_tiers_unknown(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        ix.upsert_run("r", state=RunState.ACTIVE)
+        ix.set_tier_status("hot", True)
+        ix.set_tier_status("cold", False, "503")
+        snap = ix.snapshot(["hot", "warm", "cold"])
+        assert snap.unknown_tiers == {"warm", "cold"}
+
+
+def test_reclaimed_accumulates(tmp_path: Path) -> None:
+    with Index(tmp_path / "i.db") as ix:
+        ix.add_reclaimed("partial", 100)
+        ix.add_reclaimed("partial", 50)
+        ix.add_reclaimed("expired", 7)
+        assert ix.reclaimed() == {"partial": (150, 2), "expired": (7, 1)}
