@@ -306,6 +306,9 @@ class Plan:
     reclaim_bytes: Mapping[str, int]
     refused: str | None = None
     """Set when a guard (max_delete, …) refused the destructive part; actions then hold no deletes."""
+    notes: tuple[str, ...] = ()
+    """Things the operator should know that are not actions (e.g. the last tier is above its high
+    watermark and has nowhere to demote to; a reap the planner blocked)."""
 
     @property
     def is_empty(self) -> bool:
@@ -317,4 +320,5 @@ class Plan:
             "keep": [k.to_dict() for k in self.keep],
             "reclaim_bytes": dict(self.reclaim_bytes),
             "refused": self.refused,
+            "notes": list(self.notes),
         }
