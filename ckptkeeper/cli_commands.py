@@ -1,9 +1,271 @@
-"""CLI commands that drive the planner and executor: prune, restore, verify, daemon, demo."""
+"""CLI commands that drive the planner and executor: prune, restore, verify, demo."""
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import click
+
+from ckptkeeper.fmt import human_bytes, table
+
+
+def _ctx() -> Any:
+    from ckptkeeper.cli import Context
+
+    return click.get_current_context().find_object(Context)
+
+
+def _policy_summary(settings: Any) -> str:
+    parts = []
+    for t in settings.tiers:
+        rules = []
+        for key in ("keep_last", "keep_best", "keep_every", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly"):
+            value = getattr(t, key)
+            if value is not None:
+                label = key.removeprefix("keep_")
+                if key == "keep_best":
+                    label = f"best by {t.metric} ({t.mode})"
+                rules.append(f"{label} {value}")
+        if t.keep_within is not None:
+            from ckptkeeper.config import format_duration
+
+            rules.append(f"within {format_duration(t.keep_within)}")
+        if t.replicate:
+            rules.append("replicate")
+        if t.high_watermark:
+            rules.append(f"watermarks {t.high_watermark:.0%}/{t.low_watermark:.0%}")
+        parts.append(f"{t.name}: {', '.join(rules) or 'keep all'}")
+    return "; ".join(parts)
+
+
+def _render_plan(plan: Any, settings: Any, *, dry_run: bool) -> None:
+    from ckptkeeper.reaper import summarize_reclaim
+
+    click.echo(f"policy  {_policy_summary(settings)}")
+    keep_by_run: dict[str, list[Any]] = {}
+    for k in plan.keep:
+        keep_by_run.setdefault(k.run, []).append(k)
+    act_by_run: dict[str, list[Any]] = {}
+    for a in plan.actions:
+        act_by_run.setdefault(a.run or "(no run)", []).append(a)
+    for run in sorted(set(keep_by_run) | set(act_by_run)):
+        click.echo(f"\nrun {run}")
+        keeps = sorted(keep_by_run.get(run, []), key=lambda k: (k.step, k.tier))
+        if keeps:
+            click.echo(f"keep {len(keeps)} checkpoint copies:")
+            click.echo(table(["STEP", "TIER", "REASONS"], [(k.step, k.tier, "; ".join(k.reasons)) for k in keeps], right=(0,)))
+        acts = act_by_run.get(run, [])
+        if acts:
+            verb = "would" if dry_run else "will"
+            click.echo(f"{verb} carry out {len(acts)} actions:")
+            rows = [
+                (
+                    a.action.value,
+                    a.step if a.step is not None else "-",
+                    a.tier or "-",
+                    a.to_tier or "",
+                    human_bytes(a.bytes),
+                    a.path or "",
+                    a.reason,
+                )
+                for a in acts
+            ]
+            click.echo(table(["ACTION", "STEP", "TIER", "TO", "SIZE", "PATH", "REASON"], rows, right=(1, 4)))
+    click.echo()
+    reclaim = {t: b for t, b in plan.reclaim_bytes.items() if b}
+    total = sum(reclaim.values())
+    verb = "would reclaim" if dry_run else "reclaiming"
+    per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in reclaim.items()) or "nothing"
+    click.echo(f"{verb} {human_bytes(total)}: {per_tier}")
+    reaps = [a for a in plan.actions if a.action.value == "reap"]
+    if reaps:
+        summary = summarize_reclaim(reaps)
+        click.echo("reaped by reason: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items()))
+        click.echo("reaped by run: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items()))
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+    if plan.refused:
+        click.echo(f"refused: {plan.refused}", err=True)
+
+
+def _progress_printer() -> Callable[..., None] | None:
+    """Progress for long copies, only on a terminal (journald gets one log line per action)."""
+    if not sys.stderr.isatty():
+        return None
+    last = [0.0]
+
+    def show(action: Any, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.2:
+            return
+        last[0] = now
+        pct = done / total * 100 if total else 100.0
+        click.echo(
+            f"\r{action.action.value} {action.path} {action.tier}->{action.to_tier}: "
+            f"{human_bytes(done)}/{human_bytes(total)} ({pct:.0f}%)",
+            err=True,
+            nl=done >= total,
+        )
+
+    return show
+
+
+@click.command()
+@click.option("--dry-run", "-n", is_flag=True, help="Show what would be done; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable plan (and result).")
+@click.option("--run", "run", default=None, help="Only act on this run.")
+@click.option("--force", is_flag=True, help="Override the max_delete guard.")
+@click.option("--lock-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for another executor.")
+def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeout: float) -> None:
+    """Plan retention and reaping; without --dry-run, carry the plan out."""
+    import json
+
+    from ckptkeeper.operations import EXIT_LOCKED, Locked, run_prune
+
+    app = _ctx()
+    settings = app.settings
+    with app.index() as ix:
+        try:
+            outcome = run_prune(
+                settings, ix, dry_run=dry_run, force=force, run=run, lock_timeout=lock_timeout,
+                progress=None if as_json else _progress_printer(),
+            )
+        except Locked as exc:
+            click.echo(f"ckptkeeper: {exc}; try again later", err=True)
+            sys.exit(EXIT_LOCKED)
+        if settings.daemon.textfile and not dry_run:
+            _write_textfile(settings, ix, outcome)
+    plan = outcome.plan
+    if as_json:
+        from ckptkeeper.reaper import summarize_reclaim
+
+        doc = plan.to_dict()
+        summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap"])
+        doc["reap_summary"] = {"by_reason": summary.by_reason, "by_run": summary.by_run, "total": summary.total}
+        doc["dry_run"] = dry_run
+        if outcome.result is not None:
+            r = outcome.result
+            doc["result"] = {
+                "done": len(r.done),
+                "failed": outcome.failed,
+                "skipped": [{"action": a.to_dict(), "reason": why} for a, why in r.skipped],
+                "reclaimed_bytes": r.reclaimed_bytes,
+                "recovered": r.recovered,
+            }
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        _render_plan(plan, settings, dry_run=dry_run)
+        if outcome.result is not None:
+            r = outcome.result
+            for note in r.recovered:
+                click.echo(f"recovered: {note}")
+            click.echo(
+                f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
+                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}"
+            )
+            for line in outcome.failed:
+                click.echo(f"failed: {line}", err=True)
+            for a, why in r.skipped:
+                click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
+    sys.exit(outcome.exit_code)
+
+
+def _write_textfile(settings: Any, index: Any, outcome: Any) -> None:
+    try:
+        from ckptkeeper.metrics import write_prune_textfile
+    except ImportError:
+        return
+    try:
+        write_prune_textfile(settings, index, outcome)
+    except OSError as exc:
+        click.echo(f"ckptkeeper: cannot write metrics textfile {settings.daemon.textfile}: {exc}", err=True)
+
+
+class _StepType(click.ParamType):
+    name = "N|latest|best"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str | int:
+        if value in ("latest", "best"):
+            return str(value)
+        try:
+            step = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a step number, 'latest' or 'best'", param, ctx)
+        if step < 0:
+            self.fail("a step is a non-negative number", param, ctx)
+        return step
+
+
+@click.command()
+@click.argument("run")
+@click.option("--step", type=_StepType(), default="latest", show_default=True)
+@click.option("--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into.")
+def restore(run: str, step: str | int, to: str) -> None:
+    """Materialise a checkpoint from whichever tier holds it, verified."""
+    from ckptkeeper import operations
+
+    app = _ctx()
+    with app.index() as ix:
+        printer = _progress_printer()
+        try:
+            path = operations.restore(app.settings, ix, run, step, Path(to))
+        except LookupError as exc:
+            click.echo(f"ckptkeeper: {exc}", err=True)
+            sys.exit(1)
+        del printer
+    click.echo(str(path))
+
+
+@click.command()
+@click.argument("run", required=False)
+@click.option("--json", "as_json", is_flag=True)
+def verify(run: str | None, as_json: bool) -> None:
+    """Re-hash every copy against its manifest; exit 1 on any mismatch."""
+    import json
+
+    from ckptkeeper.storage import StorageError, TierStorage
+
+    app = _ctx()
+    settings = app.settings
+    storages = {t.name: TierStorage(t.to_spec(), hot=i == 0) for i, t in enumerate(settings.tiers)}
+    checked, problems = 0, []
+    with app.index() as ix:
+        rows = ix.checkpoints(run)
+    for row in rows:
+        manifest = row.manifest()
+        if manifest is None:
+            continue
+        for tier in sorted(row.verified_tiers, key=lambda n: [t.name for t in settings.tiers].index(n)):
+            checked += 1
+            try:
+                found = storages[tier].verify(manifest)
+            except StorageError as exc:
+                found = [f"cannot verify: {exc}"]
+            problems.extend({"run": row.run, "step": row.step, "tier": tier, "problem": p} for p in found)
+    if as_json:
+        click.echo(json.dumps({"checked": checked, "problems": problems}, indent=2))
+    else:
+        for p in problems:
+            click.echo(f"MISMATCH {p['run']}@{p['step']} in {p['tier']}: {p['problem']}")
+        click.echo(f"verified {checked} copies: {len(problems)} problems")
+    sys.exit(1 if problems else 0)
+
+
+@click.command()
+@click.option("--keep", is_flag=True, help="Keep the demo directory afterwards.")
+@click.option("--no-apply", is_flag=True, help="Stop after prune --dry-run.")
+def demo(keep: bool, no_apply: bool) -> None:
+    """Make a throwaway node with realistic checkpoints and run scan, ls, prune on it."""
+    from ckptkeeper.demo import run_demo
+
+    sys.exit(run_demo(keep=keep, apply=not no_apply))
 
 
 def register(group: click.Group) -> None:
     """Attach the commands of this module to the ``ckptkeeper`` group."""
+    for command in (prune, restore, verify, demo):
+        group.add_command(command)

@@ -267,6 +267,23 @@ class Index:
                         self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {i + 1}")
 
+    @contextmanager
+    def in_memory_copy(self) -> Iterator[Index]:
+        """A private in-memory clone: dry runs reconcile and plan in it, leaving this index untouched."""
+        mem = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        with self._lock:
+            self._db.backup(mem)
+        clone = Index.__new__(Index)
+        clone.path = self.path
+        clone._lock = threading.RLock()
+        clone._db = mem
+        mem.row_factory = sqlite3.Row
+        mem.execute("PRAGMA foreign_keys = ON")
+        try:
+            yield clone
+        finally:
+            mem.close()
+
     @property
     def schema_version(self) -> int:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])

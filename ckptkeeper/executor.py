@@ -1,0 +1,383 @@
+"""Carry out a Plan: copy → verify → commit → delete, every step journaled in the index.
+
+The planner decided *what*; this module only makes it happen safely:
+
+* Each action is written to the journal before it touches anything, and marked done after the
+  index reflects it. After ``kill -9`` at any instant, :meth:`Executor.recover` looks at every
+  open entry and either finishes it (the copy was committed) or undoes it (staging removed); a
+  source is never deleted by recovery.
+* A delete runs only after the copies it depends on are verified and committed, and is re-checked
+  against the index at execution time (pins and locations may have changed since planning): the
+  executor refuses to delete the last verified copy of a checkpoint that is still wanted.
+* A checkpoint or partial that was written to since planning is skipped, never moved or reaped.
+* A failing tier fails its actions (logged with the cause) and leaves every checkpoint in place;
+  the rest of the plan still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptkeeper.index import CheckpointRow, Index
+from ckptkeeper.logs import get_logger
+from ckptkeeper.model import Action, ActionKind, CheckpointState, Plan, TierSpec
+from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
+
+log = get_logger("ckptkeeper.executor")
+
+CRASH_ENV = "CKPTKEEPER_TEST_CRASH_AFTER"
+"""Test-only: SIGKILL this process at the K-th crash point (journal phases and copy progress)."""
+
+Progress = Callable[[Action, int, int], None]
+"""(action, bytes done, bytes total)."""
+
+
+class _CrashPoints:
+    """Counts crash points; kills the process with SIGKILL at the configured one (tests only)."""
+
+    def __init__(self) -> None:
+        raw = os.environ.get(CRASH_ENV)
+        self.target = int(raw) if raw and raw.isdigit() else None
+        self.count = 0
+
+    def hit(self, where: str) -> None:
+        if self.target is None:
+            return
+        self.count += 1
+        if self.count >= self.target:
+            log.warning("test crash point reached", where=where, count=self.count)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class ExecResult:
+    done: list[Action] = field(default_factory=list)
+    failed: list[tuple[Action, str]] = field(default_factory=list)
+    skipped: list[tuple[Action, str]] = field(default_factory=list)
+    reclaimed_bytes: dict[str, int] = field(default_factory=dict)
+    """tier -> bytes actually freed."""
+    recovered: list[str] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class Executor:
+    def __init__(
+        self,
+        index: Index,
+        tiers: Sequence[TierSpec],
+        *,
+        storages: Mapping[str, TierStorage] | None = None,
+        stop: threading.Event | None = None,
+        progress: Progress | None = None,
+        partial_after: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.index = index
+        self.tiers = list(tiers)
+        self.hot = self.tiers[0].name
+        self._storages: dict[str, TierStorage] = dict(storages or {})
+        self.stop = stop or threading.Event()
+        self.progress = progress
+        self.partial_after = partial_after
+        self.clock = clock
+        self._crash = _CrashPoints()
+
+    def storage(self, tier: str) -> TierStorage:
+        if tier not in self._storages:
+            spec = next(t for t in self.tiers if t.name == tier)
+            self._storages[tier] = TierStorage(spec, hot=tier == self.hot)
+        return self._storages[tier]
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """Finish or undo every step a crash interrupted. Never deletes a source."""
+        notes = []
+        for entry in self.index.journal_open():
+            action = entry.action
+            kind = action.get("action")
+            try:
+                if kind == ActionKind.COPY.value:
+                    note = self._recover_copy(action, entry.detail)
+                elif kind in (ActionKind.DELETE.value, ActionKind.REAP.value):
+                    note = self._recover_removal(action, entry.detail)
+                else:
+                    note = f"unknown journal action {kind!r}: dropped"
+            except StorageError as exc:
+                log.warning("recovery step failed; will retry next start", entry=entry.id, error=str(exc))
+                notes.append(f"journal {entry.id}: recovery failed, retried next time: {exc}")
+                continue
+            self.index.journal_done(entry.id, "recovered")
+            log.info("recovered interrupted step", entry=entry.id, action=kind, note=note)
+            notes.append(f"journal {entry.id}: {note}")
+        return notes
+
+    def _recover_copy(self, action: Mapping[str, Any], detail: Mapping[str, Any]) -> str:
+        rel, to_tier, version = action["path"], action["to_tier"], detail.get("version")
+        dest = self.storage(to_tier)
+        row = self._row_by_path(rel)
+        manifest = dest.read_manifest(rel) if to_tier != self.hot else None
+        if manifest is not None and version and manifest.digest == version:
+            # Committed before the crash: record it. A rename-move also lost its source location.
+            if row is not None:
+                self.index.set_location(row.id, to_tier, version)
+                if detail.get("rename") and action.get("tier"):
+                    self.index.remove_location(row.id, action["tier"])
+            return f"copy of {rel} to {to_tier} had committed; recorded"
+        self._discard_staging(dest, rel)
+        if detail.get("rename"):
+            self._discard_staging(self.storage(action["tier"]), rel)
+        return f"copy of {rel} to {to_tier} had not committed; staging removed, source untouched"
+
+    def _recover_removal(self, action: Mapping[str, Any], detail: Mapping[str, Any]) -> str:
+        tier, rel = action["tier"], action["path"]
+        storage = self.storage(tier)
+        if action.get("upload_id"):
+            # Abort is idempotent on the server side; the artifact row may already be gone.
+            return "multipart abort interrupted; the reaper retries it on the next pass"
+        if not detail.get("started"):
+            return f"{action['action']} of {rel} in {tier} never started"
+        # The removal had begun (data renamed to a tombstone): finish it, the copy is de-committed.
+        freed = self._discard_staging(storage, rel)
+        row = self._row_by_path(rel)
+        if row is not None and action["action"] == ActionKind.DELETE.value:
+            self.index.remove_location(row.id, tier)
+        return f"{action['action']} of {rel} in {tier} finished ({freed} bytes)"
+
+    def _discard_staging(self, storage: TierStorage, rel: str) -> int:
+        freed = 0
+        for art in storage.list_staging():
+            base = art.path.split(".ckptkeeper-tmp-", 1)[0]
+            if base == rel or base.removesuffix(".ckptkeeper-manifest.json") == rel:
+                freed += storage.discard_staging(art)
+        return freed
+
+    def _row_by_path(self, rel: str) -> CheckpointRow | None:
+        for row in self.index.checkpoints(rel.split("/", 1)[0]):
+            if f"{row.run}/{row.name}" == rel:
+                return row
+        # run_depth > 1: the run part holds slashes; fall back to a full scan.
+        return next((r for r in self.index.checkpoints() if f"{r.run}/{r.name}" == rel), None)
+
+    # -- apply -----------------------------------------------------------------------------
+
+    def apply(self, plan: Plan) -> ExecResult:
+        result = ExecResult()
+        result.recovered = self.recover()
+        moves = self._local_moves(plan.actions)
+        copied_ok: set[tuple[str, str]] = set()
+        failed_keys: set[str] = set()
+        for action in plan.actions:
+            if self.stop.is_set():
+                result.stopped = True
+                break
+            path = action.path or ""
+            if action.action is ActionKind.DELETE and path in failed_keys:
+                result.skipped.append((action, "a copy it depends on failed"))
+                continue
+            if action.action is ActionKind.DELETE and (path, action.tier) in moves and (path, action.tier) in copied_ok:
+                result.done.append(action)  # the rename already removed the source
+                continue
+            try:
+                skipped = self._apply_one(action, rename=(path, action.tier) in moves and action.action is ActionKind.COPY)
+            except (StorageError, OSError) as exc:
+                log.error("action failed; data left in place", action=action.action.value, path=path,
+                          tier=action.tier, to_tier=action.to_tier, error=str(exc))
+                result.failed.append((action, str(exc)))
+                if action.action is ActionKind.COPY:
+                    failed_keys.add(path)
+                continue
+            if skipped:
+                log.info("action skipped", action=action.action.value, path=path, reason=skipped)
+                result.skipped.append((action, skipped))
+                if action.action is ActionKind.COPY:
+                    failed_keys.add(path)
+                continue
+            result.done.append(action)
+            if action.action is ActionKind.COPY:
+                copied_ok.add((path, action.tier or ""))
+            elif action.bytes:
+                result.reclaimed_bytes[action.tier or ""] = result.reclaimed_bytes.get(action.tier or "", 0) + action.bytes
+        return result
+
+    def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
+        """(path, source tier) pairs where a copy and a delete of the source form a same-fs move."""
+        deletes = {(a.path, a.tier) for a in actions if a.action is ActionKind.DELETE}
+        moves = set()
+        for a in actions:
+            if a.action is ActionKind.COPY and (a.path, a.tier) in deletes and a.tier and a.to_tier:
+                src, dst = self.storage(a.tier), self.storage(a.to_tier)
+                if isinstance(src, LocalTierStorage) and isinstance(dst, LocalTierStorage) and dst.same_filesystem(src):
+                    moves.add((a.path or "", a.tier))
+        return moves
+
+    def _apply_one(self, action: Action, *, rename: bool) -> str | None:
+        """Run one action; return a reason if it was skipped, raise on failure."""
+        if action.action is ActionKind.COPY:
+            return self._copy(action, rename=rename)
+        if action.action is ActionKind.DELETE:
+            return self._delete(action)
+        return self._reap(action)
+
+    def _copy(self, action: Action, *, rename: bool) -> str | None:
+        assert action.path and action.tier and action.to_tier
+        row = self._row_by_path(action.path)
+        if row is None or row.version is None or row.state is not CheckpointState.COMPLETE:
+            return "checkpoint no longer complete in the index"
+        if action.tier not in row.verified_tiers:
+            return f"no verified copy in {action.tier} any more"
+        manifest = row.manifest()
+        if manifest is None:
+            return "no manifest recorded"
+        if action.tier == self.hot and self._changed_since_cataloged(row):
+            return "written to since it was cataloged; it will be rescanned"
+        src, dst = self.storage(action.tier), self.storage(action.to_tier)
+        entry = self.index.journal_begin(action.to_dict(), "copying", {"version": row.version, "rename": rename})
+        self._crash.hit("copy-journaled")
+        if rename:
+            assert isinstance(dst, LocalTierStorage) and isinstance(src, LocalTierStorage)
+            dst.rename_from(src, manifest)
+        else:
+            total = manifest.total_bytes
+            done = 0
+
+            def on_bytes(n: int) -> None:
+                nonlocal done
+                done += n
+                if self.progress:
+                    self.progress(action, done, total)
+                self._crash.hit("copy-progress")
+
+            dst.copy_from(src, manifest, progress=on_bytes)
+        self._crash.hit("copy-committed")
+        with self.index.transaction():
+            self.index.set_location(row.id, action.to_tier, row.version)
+            if rename:
+                self.index.remove_location(row.id, action.tier)
+            self.index.journal_done(entry)
+        self._crash.hit("copy-recorded")
+        return None
+
+    def _delete(self, action: Action) -> str | None:
+        assert action.path and action.tier
+        row = self._row_by_path(action.path)
+        if row is None or action.tier not in row.locations:
+            return "already gone"
+        expiring = action.rule == "expired"
+        others = row.verified_tiers - {action.tier}
+        if row.pinned:
+            return "pinned since the plan was made"
+        if not expiring and not others:
+            # Invariant 1: never delete the last verified copy of a checkpoint that is still wanted.
+            return "refusing: no other verified copy exists"
+        if action.tier == self.hot and self._changed_since_cataloged(row):
+            return "written to since it was cataloged"
+        self._remove(action, row, reason="expired" if expiring else "moved")
+        if not (set(row.locations) - {action.tier}):
+            self.index.delete_checkpoint(row.id)
+        return None
+
+    def _reap(self, action: Action) -> str | None:
+        assert action.tier and action.path
+        storage = self.storage(action.tier)
+        if action.upload_id:
+            entry = self.index.journal_begin(action.to_dict(), "aborting")
+            from ckptkeeper.model import Artifact
+
+            storage.abort_multipart(
+                Artifact(tier=action.tier, path=action.path, kind="multipart-upload", bytes=action.bytes,
+                         last_write=0.0, upload_id=action.upload_id)
+            )
+            with self.index.transaction():
+                self.index.remove_artifact(action.tier, action.path, action.upload_id)
+                self.index.add_reclaimed(action.rule or "multipart-upload", action.bytes)
+                self.index.journal_done(entry)
+            return None
+        row = self._row_by_path(action.path) if action.step is not None else None
+        if row is not None:
+            if row.pinned:
+                return "pinned since the plan was made"
+            if action.tier == self.hot and row.state is not CheckpointState.COMPLETE:
+                newest = _newest_mtime(self._hot_path(action.path))
+                if newest is not None and self.clock() - newest < self.partial_after:
+                    return "still being written"
+        elif action.tier == self.hot:
+            newest = _newest_mtime(self._hot_path(action.path))
+            if newest is not None and self.clock() - newest < min(self.partial_after, 60.0) and action.rule != "ckptkeeper-staging":
+                return "written to since the plan was made"
+        if action.rule == "ckptkeeper-staging":
+            entry = self.index.journal_begin(action.to_dict(), "reaping", {"started": True})
+            from ckptkeeper.model import Artifact
+
+            freed = storage.discard_staging(
+                Artifact(tier=action.tier, path=action.path, kind="ckptkeeper-staging", bytes=action.bytes, last_write=0.0)
+            )
+            with self.index.transaction():
+                self.index.remove_artifact(action.tier, action.path)
+                self.index.add_reclaimed(action.rule, freed)
+                self.index.journal_done(entry)
+            return None
+        self._remove(action, row, reason=action.rule or "reap")
+        if row is not None:
+            remaining = set(row.locations) - {action.tier}
+            if not remaining or row.state is not CheckpointState.COMPLETE:
+                self.index.delete_checkpoint(row.id)
+        else:
+            self.index.remove_artifact(action.tier, action.path)
+        return None
+
+    def _remove(self, action: Action, row: CheckpointRow | None, *, reason: str) -> int:
+        assert action.tier and action.path
+        storage = self.storage(action.tier)
+        entry = self.index.journal_begin(action.to_dict(), "removing", {"started": True})
+        self._crash.hit("remove-journaled")
+        freed = storage.delete(action.path)
+        self._crash.hit("remove-done")
+        with self.index.transaction():
+            if row is not None:
+                self.index.remove_location(row.id, action.tier)
+            self.index.add_reclaimed(reason, freed or action.bytes)
+            self.index.journal_done(entry)
+        return freed
+
+    def _hot_path(self, rel: str) -> str:
+        return os.path.join(self.tiers[0].url.removeprefix("file://"), rel)
+
+    def _changed_since_cataloged(self, row: CheckpointRow) -> bool:
+        """Re-recognise the hot copy the way the catalog did; any change in size or mtimes counts."""
+        from pathlib import Path
+
+        from ckptkeeper import layouts
+
+        run_dir = Path(self._hot_path(row.run))
+        cand = layouts.recognize(run_dir / row.name, run_dir, row.run)
+        if cand is None:
+            return _newest_mtime(str(run_dir / row.name)) != row.last_write
+        return cand.last_write != row.last_write or cand.bytes != row.bytes
+
+
+def _newest_mtime(path: str) -> float | None:
+    """Newest mtime under ``path`` without following symlinks; None if it is gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    newest = st.st_mtime
+    if os.path.isdir(path) and not os.path.islink(path):
+        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            for name in (*dirnames, *filenames):
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+                except OSError:
+                    continue
+    return newest
