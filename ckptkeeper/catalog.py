@@ -151,7 +151,10 @@ class Catalog:
         existing = {row.name: row for row in self.index.checkpoints(run)}
         hot = self.settings.hot.name
         settle = self.settings.daemon.settle_seconds
-        newest_write = st.st_mtime
+        # The run dir's own mtime is not a write by the trainer (our deletes change it too).
+        newest_write = max(
+            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts], default=st.st_mtime
+        )
         with self.index.transaction():
             for name, cand in sorted(candidates.items()):
                 if cand.step > MAX_STEP:
@@ -380,12 +383,12 @@ class Catalog:
         A failed listing marks the tier unknown and keeps every location the index had: a tier we
         cannot read is never taken for an empty one.
         """
-        from ckptkeeper.storage import TierUnavailable, open_tier
+        from ckptkeeper.storage import TierStorage, TierUnavailable
 
         report = ReconcileReport()
         tier = next(t for t in self.settings.tiers if t.name == tier_name)
         try:
-            storage = open_tier(tier.to_spec())
+            storage = TierStorage(tier.to_spec())
             listing = storage.list_manifests()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()

@@ -141,7 +141,7 @@ def _cold_tier(base: Path) -> Iterator[tuple[str, dict[str, str]]]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # quiet: no request log
     server.start()
     try:
         host, port = server.get_host_and_port()

@@ -213,9 +213,21 @@ class Executor:
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
         """(path, source tier) pairs where a copy and a delete of the source form a same-fs move."""
         deletes = {(a.path, a.tier) for a in actions if a.action is ActionKind.DELETE}
+        copies_from: dict[tuple[str | None, str | None], int] = {}
+        for a in actions:
+            if a.action is ActionKind.COPY:
+                copies_from[(a.path, a.tier)] = copies_from.get((a.path, a.tier), 0) + 1
         moves = set()
         for a in actions:
-            if a.action is ActionKind.COPY and (a.path, a.tier) in deletes and a.tier and a.to_tier:
+            # Only a lone copy may become a rename: another copy (e.g. a replica to cold) still
+            # needs to read the source.
+            if (
+                a.action is ActionKind.COPY
+                and (a.path, a.tier) in deletes
+                and copies_from[(a.path, a.tier)] == 1
+                and a.tier
+                and a.to_tier
+            ):
                 src, dst = self.storage(a.tier), self.storage(a.to_tier)
                 if isinstance(src, LocalTierStorage) and isinstance(dst, LocalTierStorage) and dst.same_filesystem(src):
                     moves.add((a.path or "", a.tier))
@@ -346,7 +358,8 @@ class Executor:
         with self.index.transaction():
             if row is not None:
                 self.index.remove_location(row.id, action.tier)
-            self.index.add_reclaimed(reason, freed or action.bytes)
+            if reason != "moved":  # a move frees the faster tier but reclaims nothing overall
+                self.index.add_reclaimed(reason, freed or action.bytes)
             self.index.journal_done(entry)
         return freed
 
