@@ -14,9 +14,9 @@ from ckptkeeper.fmt import human_bytes, table
 
 
 def _ctx() -> Any:
-    from ckptkeeper.cli import Context
-
-    return click.get_current_context().find_object(Context)
+    """The invocation's ``cli.Context`` (found by position: ``python -m ckptkeeper.cli`` runs a
+    second copy of the cli module as ``__main__``, so an isinstance lookup would miss it)."""
+    return click.get_current_context().find_root().obj
 
 
 def _policy_summary(settings: Any) -> str:
@@ -269,3 +269,6 @@ def register(group: click.Group) -> None:
     """Attach the commands of this module to the ``ckptkeeper`` group."""
     for command in (prune, restore, verify, demo):
         group.add_command(command)
+    from ckptkeeper import cli_daemon
+
+    cli_daemon.register(group)
