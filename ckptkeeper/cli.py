@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from ckptkeeper import __version__
-from ckptkeeper.config import ConfigError, Settings, load_settings
 from ckptkeeper.fmt import format_metrics, human_age, human_bytes, table
 
 EXIT_OK = 0
@@ -29,6 +28,9 @@ EXIT_REFUSED = 3
 EXIT_LOCKED = 11
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+if TYPE_CHECKING:
+    from ckptkeeper.config import Settings
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
@@ -46,6 +48,8 @@ class Context:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            from ckptkeeper.config import ConfigError, load_settings  # pydantic: ~0.5 s, not for --help
+
             try:
                 self._settings = load_settings(self.config_path)
             except ConfigError as exc:
