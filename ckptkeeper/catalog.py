@@ -45,7 +45,16 @@ class ReconcileReport:
     tiers_failed: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: ReconcileReport) -> None:
-        for name in ("runs", "new", "new_versions", "unchanged", "removed", "partial", "corrupt", "hashed_bytes"):
+        for name in (
+            "runs",
+            "new",
+            "new_versions",
+            "unchanged",
+            "removed",
+            "partial",
+            "corrupt",
+            "hashed_bytes",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)
 
@@ -97,7 +106,7 @@ class Catalog:
             for entry in entries:
                 if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
                     continue
-                if HOOK_DIR in entry.name or ".ckptkeeper-tmp" in entry.name:
+                if HOOK_DIR in entry.name or ".ckptkeeper-tmp" in entry.name or _has_surrogates(entry.name):
                     continue
                 sub = (*rel, entry.name)
                 if len(sub) == depth:
@@ -136,15 +145,20 @@ class Catalog:
         if not stat.S_ISDIR(st.st_mode):
             return report
         now = self.clock()
-        scan = layouts.scan_run(run_dir, run)
+        try:
+            scan = layouts.scan_run(run_dir, run)
+        except OSError as exc:
+            # An unlistable run is unknown, not empty: keep what the index knew.
+            log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
+            return report
         commits, commit_errors = hook.read_commits(run_dir)
         for err in commit_errors:
             log.warning("malformed hook commit line", run=run, error=err)
         committed = {c.path: c for c in commits}
         candidates = {c.name: c for c in scan.candidates}
-        for commit in commits:
-            if commit.path not in candidates and not any(commit.path.startswith(n + "/") for n in candidates):
-                extra = self._committed_candidate(run_dir, run, commit)
+        for c in commits:
+            if c.path not in candidates and not any(c.path.startswith(n + "/") for n in candidates):
+                extra = self._committed_candidate(run_dir, run, c)
                 if extra is not None:
                     candidates[extra.name] = extra
 
@@ -153,7 +167,8 @@ class Catalog:
         settle = self.settings.daemon.settle_seconds
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts], default=st.st_mtime
+            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            default=st.st_mtime,
         )
         with self.index.transaction():
             for name, cand in sorted(candidates.items()):
@@ -165,7 +180,18 @@ class Catalog:
                     (c for p, c in committed.items() if p.startswith(name + "/")), None
                 )
                 metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
-                if cand.corrupt:
+                if _has_surrogates(name):
+                    # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
+                    # never moved or reaped either.
+                    log.warning(
+                        "checkpoint name is not UTF-8; ignored",
+                        run=run,
+                        name=name.encode("utf-8", "backslashreplace").decode(),
+                    )
+                    continue
+                if cand.corrupt and now - cand.last_write < settle:
+                    state = CheckpointState.WRITING  # a marker caught mid-write looks malformed
+                elif cand.corrupt:
                     state = CheckpointState.CORRUPT
                 elif commit is not None or (cand.complete and now - cand.last_write >= settle):
                     state = CheckpointState.COMPLETE
@@ -188,7 +214,8 @@ class Catalog:
                         committed=commit is not None,
                         version=None,
                         manifest_json=None,
-                        problem=cand.problem or ("settling: written less than settle_seconds ago" if cand.complete else None),
+                        problem=cand.problem
+                        or ("settling: written less than settle_seconds ago" if cand.complete else None),
                     )
                     self.index.remove_location(cid, hot)
                     continue
@@ -221,13 +248,25 @@ class Catalog:
                         )
                     continue
                 try:
-                    manifest = self._hash_candidate(run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write)
+                    manifest = self._hash_candidate(
+                        run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
+                    )
                 except OSError as exc:
                     log.warning("cannot read checkpoint, marked corrupt", run=run, name=name, error=str(exc))
                     cid = self.index.upsert_checkpoint(
-                        run=run, name=name, step=cand.step, layout=cand.layout, state=CheckpointState.CORRUPT,
-                        created_at=cand.last_write, last_write=cand.last_write, bytes=cand.bytes, metrics=metrics,
-                        committed=commit is not None, version=None, manifest_json=None, problem=f"unreadable: {exc}",
+                        run=run,
+                        name=name,
+                        step=cand.step,
+                        layout=cand.layout,
+                        state=CheckpointState.CORRUPT,
+                        created_at=cand.last_write,
+                        last_write=cand.last_write,
+                        bytes=cand.bytes,
+                        metrics=metrics,
+                        committed=commit is not None,
+                        version=None,
+                        manifest_json=None,
+                        problem=f"unreadable: {exc}",
                     )
                     self.index.remove_location(cid, hot)
                     report.corrupt += 1
@@ -237,7 +276,13 @@ class Catalog:
                     report.new += 1
                 elif row.version != manifest.digest:
                     report.new_versions += 1
-                    log.info("checkpoint rewritten: new version", run=run, name=name, old=row.version, new=manifest.digest)
+                    log.info(
+                        "checkpoint rewritten: new version",
+                        run=run,
+                        name=name,
+                        old=row.version,
+                        new=manifest.digest,
+                    )
                 cid = self.index.upsert_checkpoint(
                     run=run,
                     name=name,
@@ -254,14 +299,24 @@ class Catalog:
                     problem=None,
                 )
                 self.index.set_location(cid, hot, manifest.digest)
-            # Whatever the index knew in hot that is no longer there was removed (by us or by hand).
+            # Whatever the index knew in hot that is no longer there was removed (by us or by hand),
+            # unless part of the run could not be read: then absence proves nothing.
+            if scan.errors:
+                log.warning(
+                    "parts of the run could not be read; nothing marked removed",
+                    run=run,
+                    errors=list(scan.errors)[:5],
+                )
+                existing.clear()
             for row in existing.values():
                 if hot in row.locations:
                     self.index.remove_location(row.id, hot)
                     report.removed += 1
                 if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
                     self.index.delete_checkpoint(row.id)
-            self.index.replace_artifacts(hot, scan.artifacts, run=run)
+            self.index.replace_artifacts(
+                hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
+            )
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
@@ -277,8 +332,17 @@ class Catalog:
             return None
         if stat.S_ISREG(st.st_mode):
             return layouts.Candidate(
-                run=run, step=commit.step, name=commit.path, layout="file", is_dir=False, complete=True,
-                files=("",), last_write=st.st_mtime, bytes=st.st_size, metrics={}, problem=None,
+                run=run,
+                step=commit.step,
+                name=commit.path,
+                layout="file",
+                is_dir=False,
+                complete=True,
+                files=("",),
+                last_write=st.st_mtime,
+                bytes=st.st_size,
+                metrics={},
+                problem=None,
             )
         if not stat.S_ISDIR(st.st_mode):
             return None
@@ -295,8 +359,17 @@ class Catalog:
             for dname in dirnames:
                 newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
         return layouts.Candidate(
-            run=run, step=commit.step, name=commit.path, layout="committed", is_dir=True, complete=True,
-            files=tuple(sorted(files)), last_write=newest, bytes=total, metrics={}, problem=None,
+            run=run,
+            step=commit.step,
+            name=commit.path,
+            layout="committed",
+            is_dir=True,
+            complete=True,
+            files=tuple(sorted(files)),
+            last_write=newest,
+            bytes=total,
+            metrics={},
+            problem=None,
         )
 
     def _hash_candidate(
@@ -393,7 +466,11 @@ class Catalog:
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
         except TierUnavailable as exc:
-            log.warning("tier listing failed; treating it as unknown (no deletes depend on it)", tier=tier_name, error=str(exc))
+            log.warning(
+                "tier listing failed; treating it as unknown (no deletes depend on it)",
+                tier=tier_name,
+                error=str(exc),
+            )
             self.index.set_tier_status(tier_name, False, str(exc))
             report.tiers_failed[tier_name] = str(exc)
             return report
@@ -402,7 +479,9 @@ class Catalog:
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if manifest is None:
-                    log.warning("unreadable manifest in tier, copy ignored", tier=tier_name, path=rel, error=error)
+                    log.warning(
+                        "unreadable manifest in tier, copy ignored", tier=tier_name, path=rel, error=error
+                    )
                     report.corrupt += 1
                     continue
                 key = (manifest.run, manifest.name)
@@ -448,3 +527,10 @@ class Catalog:
                 report.merge(self.reconcile_tier(tier.name))
         return report
 
+
+def _has_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -129,7 +129,9 @@ def scan(app: Context, as_json: bool) -> None:
             f"{report.corrupt} corrupt; hashed {human_bytes(report.hashed_bytes)}"
         )
         for tier, error in report.tiers_failed.items():
-            click.echo(f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True)
+            click.echo(
+                f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True
+            )
     if report.tiers_failed:
         sys.exit(EXIT_ACTION_FAILED)
 
@@ -207,7 +209,9 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
             )
             for c in r["checkpoints"]
         ]
-        click.echo(table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4)))
+        click.echo(
+            table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
+        )
 
 
 # -- status -------------------------------------------------------------------------------
@@ -218,7 +222,11 @@ def _local_usage(path: Path) -> dict[str, Any] | None:
         du = shutil.disk_usage(path)
     except OSError:
         return None
-    return {"total_bytes": du.total, "used_bytes": du.used, "fraction": round(du.used / du.total, 4) if du.total else 0}
+    return {
+        "total_bytes": du.total,
+        "used_bytes": du.used,
+        "fraction": round(du.used / du.total, 4) if du.total else 0,
+    }
 
 
 @main.command()
@@ -235,7 +243,7 @@ def status(app: Context, as_json: bool) -> None:
         jobs = ix.job_runs()
         journal_open = ix.journal_open()
     now = time.time()
-    tiers = []
+    tiers: list[dict[str, Any]] = []
     for t in settings.tiers:
         held = [c for c in checkpoints if t.name in c.verified_tiers]
         st = statuses.get(t.name)
@@ -278,12 +286,20 @@ def status(app: Context, as_json: bool) -> None:
         _emit_json(doc)
         return
     rows = []
-    for t in tiers:
-        usage = t["usage"]
-        used = f"{human_bytes(usage['used_bytes'])}/{human_bytes(usage['total_bytes'])} ({usage['fraction']:.0%})" if usage else "-"
-        health = "ok" if t["ok"] else ("unknown" if t["ok"] is None else "FAILING")
-        age = human_age(t["newest_checkpoint_age_seconds"]) if t["newest_checkpoint_age_seconds"] is not None else "-"
-        rows.append((t["name"], health, t["checkpoints"], human_bytes(t["bytes"]), used, age, t["url"]))
+    for td in tiers:
+        usage = td["usage"]
+        used = (
+            f"{human_bytes(usage['used_bytes'])}/{human_bytes(usage['total_bytes'])} ({usage['fraction']:.0%})"
+            if usage
+            else "-"
+        )
+        health = "ok" if td["ok"] else ("unknown" if td["ok"] is None else "FAILING")
+        age = (
+            human_age(td["newest_checkpoint_age_seconds"])
+            if td["newest_checkpoint_age_seconds"] is not None
+            else "-"
+        )
+        rows.append((td["name"], health, td["checkpoints"], human_bytes(td["bytes"]), used, age, td["url"]))
     click.echo(table(["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"], rows, right=(2, 3)))
     click.echo()
     click.echo("runs: " + (", ".join(f"{n} {s}" for s, n in sorted(run_states.items())) or "none"))
@@ -294,10 +310,16 @@ def status(app: Context, as_json: bool) -> None:
         click.echo(f"  {reason}: {human_bytes(b)} ({n} items)")
     for j in sorted(jobs.values(), key=lambda j: j.job):
         ok = f"ok {human_age(now - j.last_success)} ago" if j.last_success else "never succeeded"
-        err = f"; last error {human_age(now - j.last_error_at)} ago: {j.last_error}" if j.last_error and j.last_error_at else ""
+        err = (
+            f"; last error {human_age(now - j.last_error_at)} ago: {j.last_error}"
+            if j.last_error and j.last_error_at
+            else ""
+        )
         click.echo(f"job {j.job}: {ok}{err}")
     if journal_open:
-        click.echo(f"pending: {len(journal_open)} interrupted step(s) will be finished or undone by the next prune/daemon start")
+        click.echo(
+            f"pending: {len(journal_open)} interrupted step(s) will be finished or undone by the next prune/daemon start"
+        )
 
 
 # -- pin / unpin --------------------------------------------------------------------------

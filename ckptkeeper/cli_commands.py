@@ -23,7 +23,15 @@ def _policy_summary(settings: Any) -> str:
     parts = []
     for t in settings.tiers:
         rules = []
-        for key in ("keep_last", "keep_best", "keep_every", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly"):
+        for key in (
+            "keep_last",
+            "keep_best",
+            "keep_every",
+            "keep_hourly",
+            "keep_daily",
+            "keep_weekly",
+            "keep_monthly",
+        ):
             value = getattr(t, key)
             if value is not None:
                 label = key.removeprefix("keep_")
@@ -57,7 +65,13 @@ def _render_plan(plan: Any, settings: Any, *, dry_run: bool) -> None:
         keeps = sorted(keep_by_run.get(run, []), key=lambda k: (k.step, k.tier))
         if keeps:
             click.echo(f"keep {len(keeps)} checkpoint copies:")
-            click.echo(table(["STEP", "TIER", "REASONS"], [(k.step, k.tier, "; ".join(k.reasons)) for k in keeps], right=(0,)))
+            click.echo(
+                table(
+                    ["STEP", "TIER", "REASONS"],
+                    [(k.step, k.tier, "; ".join(k.reasons)) for k in keeps],
+                    right=(0,),
+                )
+            )
         acts = act_by_run.get(run, [])
         if acts:
             verb = "would" if dry_run else "will"
@@ -84,7 +98,9 @@ def _render_plan(plan: Any, settings: Any, *, dry_run: bool) -> None:
     reaps = [a for a in plan.actions if a.action.value == "reap"]
     if reaps:
         summary = summarize_reclaim(reaps)
-        click.echo("reaped by reason: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items()))
+        click.echo(
+            "reaped by reason: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
+        )
         click.echo("reaped by run: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items()))
     for note in plan.notes:
         click.echo(f"note: {note}")
@@ -119,7 +135,9 @@ def _progress_printer() -> Callable[..., None] | None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable plan (and result).")
 @click.option("--run", "run", default=None, help="Only act on this run.")
 @click.option("--force", is_flag=True, help="Override the max_delete guard.")
-@click.option("--lock-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for another executor.")
+@click.option(
+    "--lock-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for another executor."
+)
 def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeout: float) -> None:
     """Plan retention and reaping; without --dry-run, carry the plan out."""
     import json
@@ -131,7 +149,12 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
     with app.index() as ix:
         try:
             outcome = run_prune(
-                settings, ix, dry_run=dry_run, force=force, run=run, lock_timeout=lock_timeout,
+                settings,
+                ix,
+                dry_run=dry_run,
+                force=force,
+                run=run,
+                lock_timeout=lock_timeout,
                 progress=None if as_json else _progress_printer(),
             )
         except Locked as exc:
@@ -145,7 +168,11 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
 
         doc = plan.to_dict()
         summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap"])
-        doc["reap_summary"] = {"by_reason": summary.by_reason, "by_run": summary.by_run, "total": summary.total}
+        doc["reap_summary"] = {
+            "by_reason": summary.by_reason,
+            "by_run": summary.by_run,
+            "total": summary.total,
+        }
         doc["dry_run"] = dry_run
         if outcome.result is not None:
             r = outcome.result
@@ -203,7 +230,9 @@ class _StepType(click.ParamType):
 @click.command()
 @click.argument("run")
 @click.option("--step", type=_StepType(), default="latest", show_default=True)
-@click.option("--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into.")
+@click.option(
+    "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
+)
 def restore(run: str, step: str | int, to: str) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified."""
     from ckptkeeper import operations
@@ -232,7 +261,7 @@ def verify(run: str | None, as_json: bool) -> None:
     app = _ctx()
     settings = app.settings
     storages = {t.name: TierStorage(t.to_spec(), hot=i == 0) for i, t in enumerate(settings.tiers)}
-    checked, problems = 0, []
+    checked, problems = 0, list[dict[str, Any]]()
     with app.index() as ix:
         rows = ix.checkpoints(run)
     for row in rows:

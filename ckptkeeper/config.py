@@ -61,7 +61,7 @@ def parse_duration(value: object) -> float:
 
 def format_duration(seconds: float) -> str:
     """Inverse of parse_duration for messages: 7200 -> '2h', 5400 -> '1h30m'."""
-    remaining = int(round(seconds))
+    remaining = round(seconds)
     if remaining == 0:
         return "0s"
     out = []
@@ -258,7 +258,9 @@ def check_permissions(path: Path) -> None:
         )
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None) -> Settings:
+def load_settings(
+    path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None
+) -> Settings:
     """Load and validate; raises ConfigError with one line per problem."""
     config_path = resolve_config_path(path)
     try:

@@ -34,7 +34,9 @@ def _age(path: Path, when: float) -> None:
 
 
 def _safetensors(path: Path, nbytes: int) -> None:
-    header = json.dumps({"w": {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes // 4 * 4]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes // 4 * 4]}}
+    ).encode()
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(header)) + header + os.urandom(nbytes // 4 * 4))
 
@@ -46,12 +48,17 @@ def _hf_checkpoint(run_dir: Path, step: int, eval_loss: float, when: float, *, c
     (ckpt / "optimizer.pt").write_bytes(os.urandom(64 * 1024))
     (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
     if complete:
-        history = [{"step": s, "eval_loss": eval_loss + (step - s) / 10000, "epoch": s / 100} for s in range(100, step + 1, 100)]
+        history = [
+            {"step": s, "eval_loss": eval_loss + (step - s) / 10000, "epoch": s / 100}
+            for s in range(100, step + 1, 100)
+        ]
         (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
     _age(ckpt, when)
 
 
-def _lightning_checkpoint(run_dir: Path, epoch: int, step: int, when: float, *, truncated: bool = False) -> None:
+def _lightning_checkpoint(
+    run_dir: Path, epoch: int, step: int, when: float, *, truncated: bool = False
+) -> None:
     path = run_dir / "checkpoints" / f"epoch={epoch}-step={step}.ckpt"
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w") as zf:
@@ -78,7 +85,9 @@ def _orbax_checkpoint(run_dir: Path, step: int, when: float, *, tmp: bool = Fals
     ckpt.mkdir(parents=True)
     (ckpt / "array_data").write_bytes(os.urandom(64 * 1024))
     if not tmp:
-        (run_dir / name / "_CHECKPOINT_METADATA").write_text(json.dumps({"init_timestamp_nsecs": int(when * 1e9)}))
+        (run_dir / name / "_CHECKPOINT_METADATA").write_text(
+            json.dumps({"init_timestamp_nsecs": int(when * 1e9)})
+        )
     _age(run_dir / name, when)
 
 
@@ -86,8 +95,15 @@ def _hook_files(run_dir: Path, state: str, when: float, reason: str | None = Non
     control = run_dir / ".ckptkeeper"
     control.mkdir(parents=True, exist_ok=True)
     doc = {
-        "version": 1, "name": run_dir.name, "state": state, "host": "demo-node", "pid": None,
-        "started": when - 6 * HOUR, "ended": when if state != "active" else None, "reason": reason, "parent": None,
+        "version": 1,
+        "name": run_dir.name,
+        "state": state,
+        "host": "demo-node",
+        "pid": None,
+        "started": when - 6 * HOUR,
+        "ended": when if state != "active" else None,
+        "reason": reason,
+        "parent": None,
     }
     (control / "run.json").write_text(json.dumps(doc))
 

@@ -185,14 +185,26 @@ class Executor:
             if action.action is ActionKind.DELETE and path in failed_keys:
                 result.skipped.append((action, "a copy it depends on failed"))
                 continue
-            if action.action is ActionKind.DELETE and (path, action.tier) in moves and (path, action.tier) in copied_ok:
+            if (
+                action.action is ActionKind.DELETE
+                and (path, action.tier) in moves
+                and (path, action.tier) in copied_ok
+            ):
                 result.done.append(action)  # the rename already removed the source
                 continue
             try:
-                skipped = self._apply_one(action, rename=(path, action.tier) in moves and action.action is ActionKind.COPY)
+                skipped = self._apply_one(
+                    action, rename=(path, action.tier) in moves and action.action is ActionKind.COPY
+                )
             except (StorageError, OSError) as exc:
-                log.error("action failed; data left in place", action=action.action.value, path=path,
-                          tier=action.tier, to_tier=action.to_tier, error=str(exc))
+                log.error(
+                    "action failed; data left in place",
+                    action=action.action.value,
+                    path=path,
+                    tier=action.tier,
+                    to_tier=action.to_tier,
+                    error=str(exc),
+                )
                 result.failed.append((action, str(exc)))
                 if action.action is ActionKind.COPY:
                     failed_keys.add(path)
@@ -207,7 +219,9 @@ class Executor:
             if action.action is ActionKind.COPY:
                 copied_ok.add((path, action.tier or ""))
             elif action.bytes:
-                result.reclaimed_bytes[action.tier or ""] = result.reclaimed_bytes.get(action.tier or "", 0) + action.bytes
+                result.reclaimed_bytes[action.tier or ""] = (
+                    result.reclaimed_bytes.get(action.tier or "", 0) + action.bytes
+                )
         return result
 
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
@@ -217,7 +231,7 @@ class Executor:
         for a in actions:
             if a.action is ActionKind.COPY:
                 copies_from[(a.path, a.tier)] = copies_from.get((a.path, a.tier), 0) + 1
-        moves = set()
+        moves: set[tuple[str, str | None]] = set()
         for a in actions:
             # Only a lone copy may become a rename: another copy (e.g. a replica to cold) still
             # needs to read the source.
@@ -229,7 +243,11 @@ class Executor:
                 and a.to_tier
             ):
                 src, dst = self.storage(a.tier), self.storage(a.to_tier)
-                if isinstance(src, LocalTierStorage) and isinstance(dst, LocalTierStorage) and dst.same_filesystem(src):
+                if (
+                    isinstance(src, LocalTierStorage)
+                    and isinstance(dst, LocalTierStorage)
+                    and dst.same_filesystem(src)
+                ):
                     moves.add((a.path or "", a.tier))
         return moves
 
@@ -254,7 +272,9 @@ class Executor:
         if action.tier == self.hot and self._changed_since_cataloged(row):
             return "written to since it was cataloged; it will be rescanned"
         src, dst = self.storage(action.tier), self.storage(action.to_tier)
-        entry = self.index.journal_begin(action.to_dict(), "copying", {"version": row.version, "rename": rename})
+        entry = self.index.journal_begin(
+            action.to_dict(), "copying", {"version": row.version, "rename": rename}
+        )
         self._crash.hit("copy-journaled")
         if rename:
             assert isinstance(dst, LocalTierStorage) and isinstance(src, LocalTierStorage)
@@ -307,8 +327,14 @@ class Executor:
             from ckptkeeper.model import Artifact
 
             storage.abort_multipart(
-                Artifact(tier=action.tier, path=action.path, kind="multipart-upload", bytes=action.bytes,
-                         last_write=0.0, upload_id=action.upload_id)
+                Artifact(
+                    tier=action.tier,
+                    path=action.path,
+                    kind="multipart-upload",
+                    bytes=action.bytes,
+                    last_write=0.0,
+                    upload_id=action.upload_id,
+                )
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path, action.upload_id)
@@ -325,14 +351,24 @@ class Executor:
                     return "still being written"
         elif action.tier == self.hot:
             newest = _newest_mtime(self._hot_path(action.path))
-            if newest is not None and self.clock() - newest < min(self.partial_after, 60.0) and action.rule != "ckptkeeper-staging":
+            if (
+                newest is not None
+                and self.clock() - newest < min(self.partial_after, 60.0)
+                and action.rule != "ckptkeeper-staging"
+            ):
                 return "written to since the plan was made"
         if action.rule == "ckptkeeper-staging":
             entry = self.index.journal_begin(action.to_dict(), "reaping", {"started": True})
             from ckptkeeper.model import Artifact
 
             freed = storage.discard_staging(
-                Artifact(tier=action.tier, path=action.path, kind="ckptkeeper-staging", bytes=action.bytes, last_write=0.0)
+                Artifact(
+                    tier=action.tier,
+                    path=action.path,
+                    kind="ckptkeeper-staging",
+                    bytes=action.bytes,
+                    last_write=0.0,
+                )
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path)

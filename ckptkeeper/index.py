@@ -223,7 +223,9 @@ class Index:
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
-        self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
+        self._db = sqlite3.connect(
+            uri, uri=True, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         self._db.execute("PRAGMA foreign_keys = ON")
@@ -407,7 +409,9 @@ class Index:
             rows = self._exec("SELECT * FROM checkpoints ORDER BY run, step, name").fetchall()
             locs = self._exec("SELECT checkpoint_id, tier, version FROM locations").fetchall()
         else:
-            rows = self._exec("SELECT * FROM checkpoints WHERE run = ? ORDER BY step, name", (run,)).fetchall()
+            rows = self._exec(
+                "SELECT * FROM checkpoints WHERE run = ? ORDER BY step, name", (run,)
+            ).fetchall()
             locs = self._exec(
                 """SELECT l.checkpoint_id, l.tier, l.version FROM locations l
                    JOIN checkpoints c ON c.id = l.checkpoint_id WHERE c.run = ?""",
@@ -422,7 +426,9 @@ class Index:
         row = self._exec("SELECT * FROM checkpoints WHERE run = ? AND name = ?", (run, name)).fetchone()
         if row is None:
             return None
-        locs = self._exec("SELECT tier, version FROM locations WHERE checkpoint_id = ?", (row["id"],)).fetchall()
+        locs = self._exec(
+            "SELECT tier, version FROM locations WHERE checkpoint_id = ?", (row["id"],)
+        ).fetchall()
         return _checkpoint_row(row, {loc[0]: loc[1] for loc in locs})
 
     def checkpoints_at_step(self, run: str, step: int) -> list[CheckpointRow]:
@@ -432,16 +438,23 @@ class Index:
         self._exec("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
 
     def set_state(self, checkpoint_id: int, state: CheckpointState, problem: str | None = None) -> None:
-        self._exec("UPDATE checkpoints SET state = ?, problem = ? WHERE id = ?", (state.value, problem, checkpoint_id))
+        self._exec(
+            "UPDATE checkpoints SET state = ?, problem = ? WHERE id = ?",
+            (state.value, problem, checkpoint_id),
+        )
 
     def set_pinned(self, run: str, step: int, pinned: bool) -> int:
         """Pin/unpin every checkpoint of ``run`` at ``step``; returns how many rows changed."""
-        cur = self._exec("UPDATE checkpoints SET pinned = ? WHERE run = ? AND step = ?", (int(pinned), run, step))
+        cur = self._exec(
+            "UPDATE checkpoints SET pinned = ? WHERE run = ? AND step = ?", (int(pinned), run, step)
+        )
         return cur.rowcount
 
     # -- locations -------------------------------------------------------------------------
 
-    def set_location(self, checkpoint_id: int, tier: str, version: str, verified_at: float | None = None) -> None:
+    def set_location(
+        self, checkpoint_id: int, tier: str, version: str, verified_at: float | None = None
+    ) -> None:
         self._exec(
             """INSERT INTO locations (checkpoint_id, tier, version, verified_at) VALUES (?, ?, ?, ?)
                ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
@@ -472,7 +485,12 @@ class Index:
     # -- artifacts & tier status -----------------------------------------------------------
 
     def replace_artifacts(
-        self, tier: str, artifacts: Iterable[Artifact], *, kinds: Sequence[str] | None = None, run: str | None = None
+        self,
+        tier: str,
+        artifacts: Iterable[Artifact],
+        *,
+        kinds: Sequence[str] | None = None,
+        run: str | None = None,
     ) -> None:
         """Replace the artifacts of ``tier``, optionally only those of some kinds or of one run."""
         where, params = "tier = ?", [tier]
@@ -493,7 +511,8 @@ class Index:
 
     def remove_artifact(self, tier: str, path: str, upload_id: str | None = None) -> None:
         self._exec(
-            "DELETE FROM artifacts WHERE tier = ? AND path = ? AND upload_id = ?", (tier, path, upload_id or "")
+            "DELETE FROM artifacts WHERE tier = ? AND path = ? AND upload_id = ?",
+            (tier, path, upload_id or ""),
         )
 
     def artifacts(self) -> list[Artifact]:
@@ -545,11 +564,15 @@ class Index:
             status = statuses.get(name)
             if status is None or not status.ok:
                 unknown.add(name)
-        return Snapshot(runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown))
+        return Snapshot(
+            runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown)
+        )
 
     # -- journal ---------------------------------------------------------------------------
 
-    def journal_begin(self, action: Mapping[str, Any], phase: str = "start", detail: Mapping[str, Any] | None = None) -> int:
+    def journal_begin(
+        self, action: Mapping[str, Any], phase: str = "start", detail: Mapping[str, Any] | None = None
+    ) -> int:
         now = time.time()
         row = self._exec(
             "INSERT INTO journal (action, phase, detail, started_at, updated_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
@@ -559,7 +582,9 @@ class Index:
 
     def journal_phase(self, entry_id: int, phase: str, detail: Mapping[str, Any] | None = None) -> None:
         if detail is None:
-            self._exec("UPDATE journal SET phase = ?, updated_at = ? WHERE id = ?", (phase, time.time(), entry_id))
+            self._exec(
+                "UPDATE journal SET phase = ?, updated_at = ? WHERE id = ?", (phase, time.time(), entry_id)
+            )
         else:
             self._exec(
                 "UPDATE journal SET phase = ?, detail = ?, updated_at = ? WHERE id = ?",
@@ -567,12 +592,17 @@ class Index:
             )
 
     def journal_done(self, entry_id: int, phase: str = "done") -> None:
-        self._exec("UPDATE journal SET phase = ?, done = 1, updated_at = ? WHERE id = ?", (phase, time.time(), entry_id))
+        self._exec(
+            "UPDATE journal SET phase = ?, done = 1, updated_at = ? WHERE id = ?",
+            (phase, time.time(), entry_id),
+        )
 
     def journal_open(self) -> list[JournalEntry]:
         rows = self._exec("SELECT * FROM journal WHERE done = 0 ORDER BY id").fetchall()
         return [
-            JournalEntry(r["id"], json.loads(r["action"]), r["phase"], json.loads(r["detail"]), r["started_at"])
+            JournalEntry(
+                r["id"], json.loads(r["action"]), r["phase"], json.loads(r["detail"]), r["started_at"]
+            )
             for r in rows
         ]
 
@@ -590,7 +620,9 @@ class Index:
 
     def reclaimed(self) -> dict[str, tuple[int, int]]:
         """reason -> (bytes, count), cumulative since the index was created."""
-        return {r[0]: (r[1], r[2]) for r in self._exec("SELECT reason, bytes, count FROM reclaimed").fetchall()}
+        return {
+            r[0]: (r[1], r[2]) for r in self._exec("SELECT reason, bytes, count FROM reclaimed").fetchall()
+        }
 
     def job_started(self, job: str) -> None:
         self._exec(
@@ -618,7 +650,9 @@ class Index:
     def job_runs(self) -> dict[str, JobRun]:
         rows = self._exec("SELECT * FROM job_runs").fetchall()
         return {
-            r["job"]: JobRun(r["job"], r["last_start"], r["last_success"], r["last_error"], r["last_error_at"])
+            r["job"]: JobRun(
+                r["job"], r["last_start"], r["last_success"], r["last_error"], r["last_error_at"]
+            )
             for r in rows
         }
 

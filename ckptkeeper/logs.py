@@ -17,7 +17,9 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -153,8 +153,12 @@ def run_prune(
 
     with executor_lock(settings, lock_timeout):
         executor = Executor(
-            index, settings.tier_specs(), stop=stop, progress=progress,
-            partial_after=settings.reaper.partial_after, clock=now,
+            index,
+            settings.tier_specs(),
+            stop=stop,
+            progress=progress,
+            partial_after=settings.reaper.partial_after,
+            clock=now,
         )
         recovered = executor.recover()
         if rescan:
@@ -165,7 +169,10 @@ def run_prune(
         if result.done or result.failed:
             # Make the index reflect what the tiers now hold (cheap: unchanged checkpoints are not rehashed).
             Catalog(settings, index).reconcile()
-    failed = [f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}" for a, err in result.failed]
+    failed = [
+        f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
+        for a, err in result.failed
+    ]
     code = EXIT_ACTION_FAILED if failed else (EXIT_REFUSED if plan.refused else EXIT_OK)
     return PruneOutcome(
         plan=plan,
@@ -178,7 +185,9 @@ def run_prune(
 
 def find_checkpoint(index: Index, run: str, step: str | int) -> CheckpointRow:
     """Resolve ``latest`` / ``best`` / a step number to one complete cataloged checkpoint."""
-    rows = [r for r in index.checkpoints(run) if r.state.value == "complete" and r.version and r.verified_tiers]
+    rows = [
+        r for r in index.checkpoints(run) if r.state.value == "complete" and r.version and r.verified_tiers
+    ]
     if not rows:
         raise LookupError(f"no complete checkpoint of run {run!r} with a verified copy in the index")
     if step == "latest":
@@ -202,12 +211,17 @@ def find_best(settings: Settings, index: Index, run: str) -> CheckpointRow:
         raise LookupError("no tier names a metric (set `metric` and `mode` on a tier to use best)")
     metric, mode = tier.metric, tier.mode
     rows = [
-        r for r in index.checkpoints(run)
+        r
+        for r in index.checkpoints(run)
         if r.state.value == "complete" and r.verified_tiers and metric in r.metrics
     ]
     if not rows:
         raise LookupError(f"no complete checkpoint of run {run!r} reports {metric}")
-    key = (lambda r: (r.metrics[metric], -r.step)) if mode == "min" else (lambda r: (-r.metrics[metric], -r.step))
+    key = (
+        (lambda r: (r.metrics[metric], -r.step))
+        if mode == "min"
+        else (lambda r: (-r.metrics[metric], -r.step))
+    )
     return min(rows, key=key)
 
 
@@ -244,8 +258,22 @@ def restore(
     for tier in order:
         storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
         try:
-            return storage.fetch(manifest, target, progress=progress)
+            path = storage.fetch(manifest, target, progress=progress)
         except StorageError as exc:
             log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
             errors.append(f"{tier.name}: {exc}")
+            continue
+        _uniform_mtime(path, manifest.created_at or time.time())
+        return path
     raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+
+
+def _uniform_mtime(path: Path, when: float) -> None:
+    """Give every restored file one mtime: layouts read "a shard newer than its marker" as a save
+    in progress (torch DCP), and the copy order would otherwise decide that."""
+    import os
+
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*filenames, *dirnames):
+            os.utime(os.path.join(dirpath, name), (when, when), follow_symlinks=False)
+    os.utime(path, (when, when), follow_symlinks=False)

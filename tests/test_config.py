@@ -33,14 +33,28 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "ckptkeeper.cli", *args], capture_output=True, text=True, env=full_env, timeout=60
+        [sys.executable, "-m", "ckptkeeper.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=60,
     )
 
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [(90, 90.0), ("90", 90.0), ("90s", 90.0), ("5m", 300.0), ("2h", 7200.0), ("7d", 604800.0), ("1w", 604800.0),
-     ("1h30m", 5400.0), ("250ms", 0.25), ("1.5h", 5400.0)],
+    [
+        (90, 90.0),
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("5m", 300.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        ("1w", 604800.0),
+        ("1h30m", 5400.0),
+        ("250ms", 0.25),
+        ("1.5h", 5400.0),
+    ],
 )
 def test_durations_parse(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -77,16 +91,34 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     ("body", "expected"),
     [
         ("[[tiers]]\nname='hot'\nurl='/x'\nkeep_lsat=3\n", "tiers[0].keep_lsat: unknown key"),
-        ("[[tiers]]\nname='hot'\nurl='/x'\nkeep_last=-1\n", "tiers[0].keep_last: Input should be greater than or equal to 0"),
+        (
+            "[[tiers]]\nname='hot'\nurl='/x'\nkeep_last=-1\n",
+            "tiers[0].keep_last: Input should be greater than or equal to 0",
+        ),
         ("[[tiers]]\nname='hot'\nurl='/x'\nhigh_watermark=1.5\n", "tiers[0].high_watermark:"),
-        ("[[tiers]]\nname='hot'\nurl='/x'\nhigh_watermark=0.5\nlow_watermark=0.7\n", "low_watermark (0.7) must be below"),
+        (
+            "[[tiers]]\nname='hot'\nurl='/x'\nhigh_watermark=0.5\nlow_watermark=0.7\n",
+            "low_watermark (0.7) must be below",
+        ),
         ("[[tiers]]\nname='hot'\nurl='/x'\nkeep_best=1\n", "keep_best needs metric"),
         ("[[tiers]]\nname='hot'\nurl='/x'\nmode='median'\n", "tiers[0].mode:"),
-        ("[[tiers]]\nname='hot'\nurl='/x'\n[[tiers]]\nname='w'\nurl='/y'\nkeep_within='7x'\n", "tiers[1].keep_within: invalid duration"),
-        ("[[tiers]]\nname='hot'\nurl='s3://b/x'\n", "first tier is the watched hot tier and must be a local path"),
+        (
+            "[[tiers]]\nname='hot'\nurl='/x'\n[[tiers]]\nname='w'\nurl='/y'\nkeep_within='7x'\n",
+            "tiers[1].keep_within: invalid duration",
+        ),
+        (
+            "[[tiers]]\nname='hot'\nurl='s3://b/x'\n",
+            "first tier is the watched hot tier and must be a local path",
+        ),
         ("[[tiers]]\nname='hot'\nurl='/x'\n[[tiers]]\nname='hot'\nurl='/y'\n", "tier names must be unique"),
-        ("[[tiers]]\nname='hot'\nurl='/x'\n[reaper]\nfailed_afterr='2h'\n", "reaper.failed_afterr: unknown key"),
-        ("[[tiers]]\nname='hot'\nurl='/x'\n[daemon]\nsettle_seconds='soon'\n", "daemon.settle_seconds: invalid duration"),
+        (
+            "[[tiers]]\nname='hot'\nurl='/x'\n[reaper]\nfailed_afterr='2h'\n",
+            "reaper.failed_afterr: unknown key",
+        ),
+        (
+            "[[tiers]]\nname='hot'\nurl='/x'\n[daemon]\nsettle_seconds='soon'\n",
+            "daemon.settle_seconds: invalid duration",
+        ),
         ("max_delete = 99999999999999999\n[[tiers]]\nname='hot'\nurl='/x'\n", "max_delete:"),
         ("tiers = []\n", "tiers: List should have at least 1 item"),
         ("[[tiers]]\nname='hot'\nurl='/x'\nkeep_every=0\n", "tiers[0].keep_every:"),

@@ -13,9 +13,19 @@ from ckptkeeper.model import CheckpointState, RunState
 
 def add(ix: Index, name: str = "checkpoint-100", step: int = 100, version: str | None = "v1") -> int:
     return ix.upsert_checkpoint(
-        run="r", name=name, step=step, layout="hf", state=CheckpointState.COMPLETE, created_at=1.0,
-        last_write=1.0, bytes=10, metrics={"eval_loss": 1.5}, committed=False, version=version,
-        manifest_json=None, problem=None,
+        run="r",
+        name=name,
+        step=step,
+        layout="hf",
+        state=CheckpointState.COMPLETE,
+        created_at=1.0,
+        last_write=1.0,
+        bytes=10,
+        metrics={"eval_loss": 1.5},
+        committed=False,
+        version=version,
+        manifest_json=None,
+        problem=None,
     )
 
 

@@ -34,7 +34,9 @@ def hf_checkpoint(run: Path, step: int, when: float) -> Path:
     ckpt = run / f"checkpoint-{step}"
     ckpt.mkdir(parents=True)
     (ckpt / "pytorch_model.bin").write_bytes(os.urandom(20_000 + step))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": [{"step": step, "loss": 1.0}]}))
+    (ckpt / "trainer_state.json").write_text(
+        json.dumps({"global_step": step, "log_history": [{"step": step, "loss": 1.0}]})
+    )
     age(ckpt, when)
     return ckpt
 
@@ -54,11 +56,21 @@ def hook_state(run: Path, state: str, *, pid: int | None = None) -> None:
     control.mkdir(parents=True, exist_ok=True)
     import socket
 
-    (control / "run.json").write_text(json.dumps({
-        "version": 1, "name": run.name, "state": state, "host": socket.gethostname(), "pid": pid,
-        "started": time.time() - 10 * HOUR, "ended": None if state == "active" else time.time() - 3 * HOUR,
-        "reason": "RuntimeError: NCCL timeout" if state == "failed" else None, "parent": None,
-    }))
+    (control / "run.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "name": run.name,
+                "state": state,
+                "host": socket.gethostname(),
+                "pid": pid,
+                "started": time.time() - 10 * HOUR,
+                "ended": None if state == "active" else time.time() - 3 * HOUR,
+                "reason": "RuntimeError: NCCL timeout" if state == "failed" else None,
+                "parent": None,
+            }
+        )
+    )
     (control / "heartbeat").touch()
 
 
@@ -67,7 +79,11 @@ def regular_bytes(root: Path) -> int:
 
 
 def snapshot_files(root: Path) -> dict[str, tuple[int, float]]:
-    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime) for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime)
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 class Campaign:
@@ -97,7 +113,11 @@ class Campaign:
         (partial / "pytorch_model.bin").write_bytes(os.urandom(12_000))  # no trainer_state.json
         age(partial, now - 5 * HOUR)
         hook_state(failed, "failed")
-        self.expected_reaps |= {"failed-run/checkpoint-100", "failed-run/checkpoint-200", "failed-run/checkpoint-400"}
+        self.expected_reaps |= {
+            "failed-run/checkpoint-100",
+            "failed-run/checkpoint-200",
+            "failed-run/checkpoint-400",
+        }
 
         crashed = self.hot / "crashed-run"
         doomed = dcp_checkpoint(crashed, 100, now - 9 * HOUR)
@@ -111,7 +131,11 @@ class Campaign:
         age(orbax_tmp, now - 7 * HOUR)
         (crashed / "outside-link").symlink_to(self.outside / "precious.bin")
         os.utime(crashed, (now - 7 * HOUR, now - 7 * HOUR))
-        self.expected_reaps |= {"crashed-run/step_100", "crashed-run/step_300", "crashed-run/400.orbax-checkpoint-tmp-1700000000"}
+        self.expected_reaps |= {
+            "crashed-run/step_100",
+            "crashed-run/step_300",
+            "crashed-run/400.orbax-checkpoint-tmp-1700000000",
+        }
 
         self.live = self.hot / "live-run"
         for i, step in enumerate((100, 200)):
@@ -207,7 +231,9 @@ def test_campaign_reaps_exactly_the_waste_and_reports_the_bytes(campaign: Campai
     assert (c.hot / "crashed-run" / "step_200" / ".metadata").is_file()
     assert (c.hot / "failed-run" / "checkpoint-300" / "trainer_state.json").is_file()
     assert sorted(p.name for p in (c.hot / "finished-run").iterdir() if not p.name.startswith(".")) == [
-        "checkpoint-100", "checkpoint-200", "checkpoint-300",
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
     ]
     assert (c.hot / "crashed-run" / "outside-link").is_symlink()
     assert not (c.hot / "crashed-run" / "step_100").exists()

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from layout_fixtures import make_campaign, make_hf
 
 
@@ -43,7 +42,10 @@ class Hot:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
         return subprocess.run(
             [sys.executable, "-m", "ckptkeeper.cli", "--config", str(self.config), *args],
-            capture_output=True, text=True, timeout=120, env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
 
     def ls(self) -> dict[str, Any]:

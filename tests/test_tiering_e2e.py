@@ -38,7 +38,9 @@ def write_hf_checkpoint(run_dir: Path, step: int, when: float) -> None:
     ckpt = run_dir / f"checkpoint-{step}"
     (ckpt / "nested").mkdir(parents=True)
     payload = os.urandom(48 * 1024 + step * 4)
-    header = json.dumps({"w": {"dtype": "F32", "shape": [len(payload) // 4], "data_offsets": [0, len(payload)]}})
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [len(payload) // 4], "data_offsets": [0, len(payload)]}}
+    )
     (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + payload)
     (ckpt / "nested" / "optimizer.pt").write_bytes(os.urandom(16 * 1024))
     loss = 0.5 if step == BEST else 2.0 - step / 10000
@@ -68,7 +70,9 @@ def s3_listing(client: Any, bucket: str) -> dict[str, str]:
 def index_dump(db: Path) -> list[Any]:
     con = sqlite3.connect(db)
     try:
-        rows = con.execute("SELECT run, name, step, state, version, pinned FROM checkpoints ORDER BY run, name").fetchall()
+        rows = con.execute(
+            "SELECT run, name, step, state, version, pinned FROM checkpoints ORDER BY run, name"
+        ).fetchall()
         rows += con.execute("SELECT checkpoint_id, tier, version FROM locations ORDER BY 1, 2").fetchall()
         return rows
     finally:
@@ -78,7 +82,9 @@ def index_dump(db: Path) -> list[Any]:
 class Node:
     """A hot/warm/cold node and a CLI to drive it."""
 
-    def __init__(self, tmp: Path, endpoint: str, bucket: str, *, replicate: bool = False, max_delete: int = 100) -> None:
+    def __init__(
+        self, tmp: Path, endpoint: str, bucket: str, *, replicate: bool = False, max_delete: int = 100
+    ) -> None:
         self.tmp = tmp
         self.hot = tmp / "hot"
         self.warm = tmp / "warm"
@@ -129,10 +135,15 @@ replicate = {"true" if replicate else "false"}
         code, out = self.cli(*args, "--json")
         return code, json.loads(out)
 
-    def subprocess_cli(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def subprocess_cli(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "ckptkeeper.cli", "--config", str(self.config), *args],
-            capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **(env or {})},
         )
 
     def tiers_of(self) -> dict[int, list[str]]:
@@ -154,7 +165,9 @@ def test_worked_example_is_planned_as_documented(node: Node) -> None:
     for k in plan["keep"]:
         keep.setdefault(k["tier"], set()).add(k["step"])
     assert keep == EXPECTED
-    deletes = {a["step"] for a in plan["actions"] if a["action"] == "delete" and a["reason"].startswith("expired")}
+    deletes = {
+        a["step"] for a in plan["actions"] if a["action"] == "delete" and a["reason"].startswith("expired")
+    }
     assert deletes == EXPIRED
     copies = {(a["step"], a["to_tier"]) for a in plan["actions"] if a["action"] == "copy"}
     assert copies == {(800, "warm"), (900, "warm"), (1000, "warm"), (400, "cold")}
@@ -168,15 +181,27 @@ def test_worked_example_is_planned_as_documented(node: Node) -> None:
 
 def test_dry_run_changes_nothing_anywhere(node: Node, s3_client: Any) -> None:
     assert node.cli("scan")[0] == 0
-    before = (tree_digest(node.hot), tree_digest(node.warm), s3_listing(s3_client, node.bucket), index_dump(node.index))
+    before = (
+        tree_digest(node.hot),
+        tree_digest(node.warm),
+        s3_listing(s3_client, node.bucket),
+        index_dump(node.index),
+    )
     code, out = node.cli("prune", "--dry-run")
     assert code == 0
     assert "would reclaim" in out and "expired: no tier keeps it" in out
-    after = (tree_digest(node.hot), tree_digest(node.warm), s3_listing(s3_client, node.bucket), index_dump(node.index))
+    after = (
+        tree_digest(node.hot),
+        tree_digest(node.warm),
+        s3_listing(s3_client, node.bucket),
+        index_dump(node.index),
+    )
     assert after == before
 
 
-def test_execute_then_restore_every_kept_checkpoint_byte_identical(node: Node, s3_client: Any, tmp_path: Path) -> None:
+def test_execute_then_restore_every_kept_checkpoint_byte_identical(
+    node: Node, s3_client: Any, tmp_path: Path
+) -> None:
     code, out = node.cli("prune")
     assert code == 0, out
     tiers = node.tiers_of()
@@ -189,7 +214,9 @@ def test_execute_then_restore_every_kept_checkpoint_byte_identical(node: Node, s
         f"checkpoint-{s}" for s in EXPECTED["hot"]
     )
     warm_run = node.warm / "gpt-run"
-    assert sorted(p.name for p in warm_run.iterdir() if p.is_dir()) == sorted(f"checkpoint-{s}" for s in EXPECTED["warm"])
+    assert sorted(p.name for p in warm_run.iterdir() if p.is_dir()) == sorted(
+        f"checkpoint-{s}" for s in EXPECTED["warm"]
+    )
     assert all((warm_run / f"checkpoint-{s}.ckptkeeper-manifest.json").is_file() for s in EXPECTED["warm"])
     keys = set(s3_listing(s3_client, node.bucket))
     assert "ckpt/gpt-run/checkpoint-400.ckptkeeper-manifest.json" in keys
@@ -215,7 +242,9 @@ def test_execute_then_restore_every_kept_checkpoint_byte_identical(node: Node, s
     assert "verified 7 copies: 0 problems" in out
 
 
-def test_replicate_copies_newest_to_cold_while_it_stays_hot(tmp_path: Path, s3_server: str, s3_bucket: str) -> None:
+def test_replicate_copies_newest_to_cold_while_it_stays_hot(
+    tmp_path: Path, s3_server: str, s3_bucket: str
+) -> None:
     node = Node(tmp_path, s3_server, s3_bucket, replicate=True)
     assert node.cli("prune")[0] == 0
     tiers = node.tiers_of()
@@ -224,7 +253,9 @@ def test_replicate_copies_newest_to_cold_while_it_stays_hot(tmp_path: Path, s3_s
     assert tiers[400] == ["cold"]
 
 
-def test_max_delete_refuses_with_exit_3_and_deletes_nothing(tmp_path: Path, s3_server: str, s3_bucket: str) -> None:
+def test_max_delete_refuses_with_exit_3_and_deletes_nothing(
+    tmp_path: Path, s3_server: str, s3_bucket: str
+) -> None:
     node = Node(tmp_path, s3_server, s3_bucket, max_delete=2)
     before = tree_digest(node.hot)
     code, out = node.cli("prune")
