@@ -1,0 +1,641 @@
+"""``ckptkeeper daemon``: watch the hot tier, run retention / reaping / rescans on a schedule.
+
+Threads, and why each exists:
+
+- the watchdog observer (inotify or polling) and ONE watcher worker that reconciles changed runs
+  (see :mod:`ckptkeeper.watcher`);
+- APScheduler's ``BackgroundScheduler`` with a single worker thread: ``retention`` and ``reap``
+  run the prune operation, ``rescan`` reconciles every tier. One worker because the jobs contend
+  for the same executor lock and index anyway, and serial jobs are easier to reason about than a
+  retention pass racing a reap pass;
+- the Prometheus endpoint and the systemd watchdog pinger;
+- the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
+  :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
+
+Single instance per index (``<index>.daemon.lock``); the executor lock inside ``run_prune``
+serialises the daemon's jobs with a manual ``ckptkeeper prune``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from ckptkeeper import __version__, logs
+from ckptkeeper.config import ConfigError, Settings, format_duration, load_settings
+from ckptkeeper.lock import DaemonLock, LockHeld
+from ckptkeeper.logs import get_logger
+from ckptkeeper.sdnotify import WatchdogPinger, notify, watchdog_interval
+
+if TYPE_CHECKING:
+    from ckptkeeper.catalog import ReconcileReport
+    from ckptkeeper.index import Index
+    from ckptkeeper.metrics import Metrics, MetricsServer
+    from ckptkeeper.watcher import Watcher
+
+__all__ = ["JOB_IDS", "Daemon", "run_daemon"]
+
+log = get_logger("ckptkeeper.daemon")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+JOB_IDS = ("retention", "reap", "rescan")
+FIRST_RUN_DELAY = {"retention": 30.0, "reap": 60.0}
+"""A restarted node gets a prune soon (a full disk cannot wait an interval); rescan just ran."""
+PROMPT_RETENTION_DELAY = 2.0
+"""New complete checkpoints within this window share one prompt retention pass."""
+EXECUTOR_LOCK_WAIT = 2.0
+"""A manual prune holds the executor lock: skip this round rather than queue behind it."""
+STATUS_INTERVAL = 30.0
+WATCHER_RESTART_BACKOFF = 30.0
+
+
+class _StdlibBridge(logging.Handler):
+    """Route stdlib logging (APScheduler, watchdog) through structlog, so journald gets one format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            logger = get_logger(record.name)
+            method = getattr(logger, record.levelname.lower(), logger.warning)
+            if record.exc_info:
+                method(record.getMessage(), exc_info=record.exc_info)
+            else:
+                method(record.getMessage())
+        except Exception:  # logging must never raise into the code that logs
+            self.handleError(record)
+
+
+def _bridge_stdlib_logging() -> _StdlibBridge:
+    handler = _StdlibBridge(logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # Python warnings become JSON log lines too
+    # watchdog warns when its recursive registration races a `mkdir -p` under the hot tier; the watch
+    # is re-registered and nothing is lost, so it is noise in the journal.
+    warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
+    # "Running job ..." / "Added job ..." every interval is noise in the journal.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    return handler
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _flatten(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, value
+
+
+def config_changes(old: Settings, new: Settings) -> list[str]:
+    """Key paths whose value differs (for the reload log line; values may hold secrets)."""
+    a = dict(_flatten(old.model_dump()))
+    b = dict(_flatten(new.model_dump()))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object()))
+
+
+def _watch_keys_changed(old: Settings, new: Settings) -> bool:
+    return (
+        old.hot.url != new.hot.url
+        or old.hot.name != new.hot.name
+        or old.run_depth != new.run_depth
+        or old.daemon.polling != new.daemon.polling
+        or old.daemon.polling_interval != new.daemon.polling_interval
+    )
+
+
+def _intervals(settings: Settings) -> dict[str, float]:
+    d = settings.daemon
+    return {"retention": d.retention_interval, "reap": d.reap_interval, "rescan": d.rescan_interval}
+
+
+def _ago(now: float, then: float | None) -> str:
+    return "never" if then is None else f"{format_duration(max(0.0, now - then))} ago"
+
+
+class Daemon:
+    """One daemon process. :meth:`run` returns the exit code; the CLI passes it to ``sys.exit``."""
+
+    def __init__(self, config_path: str | None, settings: Settings) -> None:
+        self.config_path = config_path
+        self.settings = settings
+        self.stopping = threading.Event()
+        """Set on SIGTERM/SIGINT; passed to ``run_prune`` so the executor stops between steps."""
+        self._wake = threading.Event()
+        self._reload_requested = False
+        self._starting = True
+        self.index: Index | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.watcher: Watcher | None = None
+        self.scheduler: Any = None
+        self.pinger: WatchdogPinger | None = None
+        self._reconcile_lock = threading.Lock()
+        self._last_watcher_restart = 0.0
+
+    # -- entry point -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        bridge = _bridge_stdlib_logging()
+        lock = DaemonLock(self.settings.index)
+        try:
+            lock.acquire(timeout=0)
+        except LockHeld as exc:
+            print(f"ckptkeeper: {exc}", file=sys.stderr)
+            log.error("refusing to start", reason=str(exc))
+            return EXIT_FAILED
+        except OSError as exc:
+            print(f"ckptkeeper: cannot take {lock.path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILED
+        previous = self._install_signal_handlers()
+        try:
+            return self._run_locked()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            lock.release()
+            logging.getLogger().removeHandler(bridge)
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous  # embedded (tests): the caller drives stop()/reload() itself
+        for sig, handler in (
+            (signal.SIGTERM, self._on_stop_signal),
+            (signal.SIGINT, self._on_stop_signal),
+            (signal.SIGHUP, self._on_hup),
+        ):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop()
+
+    def _on_hup(self, signum: int, frame: FrameType | None) -> None:
+        self.request_reload()
+
+    def stop(self) -> None:
+        """Stop accepting work; safe from a signal handler (only sets events)."""
+        self.stopping.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake.set()
+
+    # -- startup and main loop -------------------------------------------------------------
+
+    def _run_locked(self) -> int:
+        from ckptkeeper.index import Index
+        from ckptkeeper.metrics import Metrics, parse_addr
+
+        settings = self.settings
+        try:
+            parse_addr(settings.daemon.metrics_addr)
+        except ValueError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        try:
+            self.index = Index(settings.index)
+        except Exception as exc:
+            print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        try:
+            self.metrics = Metrics.for_settings(settings, extra=self._daemon_metrics)
+            if not self._serve_metrics(settings.daemon.metrics_addr, fatal=True):
+                return EXIT_FAILED
+            notify(f"STATUS=initial scan of {settings.hot.local_path}", env=None)
+            self._start_pinger()
+            log.info(
+                "starting",
+                version=__version__,
+                pid=os.getpid(),
+                config=self.config_path,
+                index=settings.index,
+                hot=str(settings.hot.local_path),
+                intervals={k: format_duration(v) for k, v in _intervals(settings).items()},
+                metrics=self.metrics_server and f"{self.metrics_server.host}:{self.metrics_server.port}",
+            )
+            try:
+                self.watcher = self._make_watcher(settings)
+                self.watcher.start(initial_reconcile=True)
+            except OSError as exc:
+                print(f"ckptkeeper: cannot watch hot tier {settings.hot.local_path}: {exc}", file=sys.stderr)
+                log.error("cannot watch the hot tier", root=str(settings.hot.local_path), error=str(exc))
+                return EXIT_FAILED
+            if self.stopping.is_set():
+                return EXIT_OK
+            self.scheduler = self._make_scheduler()
+            self.scheduler.start()
+            self._starting = False
+            notify("READY=1\n" + self._status_line())
+            log.info("ready", observer="polling" if self.watcher.polling else "inotify")
+            self._main_loop()
+            return EXIT_OK
+        finally:
+            self._shutdown()
+
+    def _main_loop(self) -> None:
+        last_status = time.monotonic()
+        while not self.stopping.is_set():
+            self._wake.wait(STATUS_INTERVAL)
+            self._wake.clear()
+            if self.stopping.is_set():
+                break
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
+            self._check_health()
+            if time.monotonic() - last_status >= STATUS_INTERVAL:
+                notify(self._status_line())
+                last_status = time.monotonic()
+
+    def _shutdown(self) -> None:
+        notify("STOPPING=1")
+        log.info("stopping")
+        self.stopping.set()
+        if self.pinger is not None:
+            self.pinger.stop()
+        if self.scheduler is not None and self.scheduler.running:
+            # wait=True: the running job sees `stopping` and ends after its current step.
+            self.scheduler.shutdown(wait=True)
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        if self.index is not None:
+            self.index.close()
+        log.info("stopped")
+
+    # -- components ------------------------------------------------------------------------
+
+    def _serve_metrics(self, addr: str, *, fatal: bool) -> bool:
+        assert self.metrics is not None
+        try:
+            self.metrics_server = self.metrics.serve(addr)
+        except OSError as exc:
+            message = f"cannot serve metrics on {addr}: {exc.strerror or exc}"
+            if fatal:
+                print(f"ckptkeeper: {message} (daemon.metrics_addr; empty disables)", file=sys.stderr)
+            log.error("cannot serve metrics", addr=addr, error=str(exc))
+            return False
+        return True
+
+    def _make_watcher(self, settings: Settings) -> Watcher:
+        from ckptkeeper.catalog import Catalog
+        from ckptkeeper.watcher import Watcher
+
+        assert self.index is not None
+        return Watcher(
+            Catalog(settings, self.index),
+            on_reconciled=self._on_reconciled,
+            on_error=self._on_reconcile_error,
+            reconcile_lock=self._reconcile_lock,
+        )
+
+    def _start_pinger(self) -> None:
+        interval = watchdog_interval()
+        if interval is None:
+            return
+        self.pinger = WatchdogPinger(interval, self._healthy, extra=self._startup_extension)
+        self.pinger.start()
+
+    def _healthy(self) -> bool:
+        if self._starting:
+            return True  # the first scan runs in the main thread; EXTEND_TIMEOUT_USEC rides along
+        return bool(
+            self.watcher is not None
+            and self.watcher.is_alive()
+            and self.scheduler is not None
+            and self.scheduler.running
+        )
+
+    def _startup_extension(self) -> str | None:
+        if not self._starting or self.pinger is None:
+            return None
+        # A first scan of a large hot tier hashes everything once; keep systemd's start timeout
+        # from killing it half-way (progress is kept, but it would start over and over).
+        return f"EXTEND_TIMEOUT_USEC={int(self.pinger.interval * 4 * 1_000_000)}"
+
+    def _make_scheduler(self) -> Any:
+        from apscheduler.executors.pool import ThreadPoolExecutor
+        from apscheduler.jobstores.memory import MemoryJobStore
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        assert self.index is not None
+        scheduler = BackgroundScheduler(
+            timezone=UTC,
+            jobstores={"default": MemoryJobStore()},
+            executors={"default": ThreadPoolExecutor(max_workers=1)},
+            job_defaults={"coalesce": True, "max_instances": 1},
+        )
+        now = datetime.now(UTC)
+        pending = len(self.index.journal_open())
+        if pending:
+            log.warning(
+                "interrupted executor steps found; the first prune finishes or undoes them", steps=pending
+            )
+        for job_id, interval in _intervals(self.settings).items():
+            if job_id == "rescan":
+                first = now + timedelta(seconds=interval)
+            elif job_id == "retention" and pending:
+                first = now
+            else:
+                first = now + timedelta(seconds=min(interval, FIRST_RUN_DELAY[job_id]))
+            scheduler.add_job(
+                self._job_function(job_id),
+                "interval",
+                seconds=interval,
+                id=job_id,
+                name=job_id,
+                next_run_time=first,
+                misfire_grace_time=max(1, int(interval)),
+            )
+        return scheduler
+
+    def _job_function(self, job_id: str) -> Callable[[], None]:
+        body: Callable[[], str | None] = (
+            self._rescan if job_id == "rescan" else functools.partial(self._prune, job_id, (job_id,))
+        )
+        return functools.partial(self._run_job, job_id, body)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def _run_job(self, job: str, body: Callable[[], str | None]) -> None:
+        """Record start/finish in the index; a job error is logged and counted, never raised."""
+        if self.stopping.is_set() or self.index is None:
+            return
+        started = time.monotonic()
+        try:
+            self.index.job_started(job)
+        except Exception:
+            log.exception("cannot record job start", job=job)
+        try:
+            error = body()
+        except Exception as exc:
+            log.exception("job failed", job=job)
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            self.index.job_finished(job, error)
+        except Exception:
+            log.exception("cannot record job end", job=job)
+        if error is not None and self.metrics is not None:
+            self.metrics.record_error("job")
+        log.info(
+            "job finished",
+            job=job,
+            ok=error is None,
+            error=error,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        notify(self._status_line())
+
+    def _rescan(self) -> str | None:
+        if self.watcher is None:
+            return "the hot tier is not being watched (see the watcher errors above)"
+        report = self.watcher.reconcile_all()
+        if report.tiers_failed and self.metrics is not None:
+            for _ in report.tiers_failed:
+                self.metrics.record_error("tier")
+        if report.tiers_failed:
+            return "tier listing failed: " + "; ".join(
+                f"{t}: {e}" for t, e in sorted(report.tiers_failed.items())
+            )
+        return None
+
+    def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
+        try:
+            from ckptkeeper.operations import run_prune
+        except ImportError as exc:
+            log.error("prune operation not available yet", job=job, error=str(exc))
+            return "prune operation not available yet"
+        if self.watcher is None or self.index is None:
+            return "the hot tier is not being watched (see the watcher errors above)"
+        params = inspect.signature(run_prune).parameters
+        kwargs: dict[str, Any] = {"kinds": kinds, "lock_timeout": EXECUTOR_LOCK_WAIT}
+        if "stop" in params:
+            kwargs["stop"] = self.stopping
+        if "rescan" in params:
+            # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune
+            # where it could interleave with a watcher reconcile of the same run.
+            kwargs["rescan"] = False
+            self.watcher.reconcile_all()
+        try:
+            outcome = run_prune(self.settings, self.index, **kwargs)
+        except Exception as exc:
+            if type(exc).__name__ == "Locked":
+                log.info("prune skipped: another process holds the executor lock", job=job, detail=str(exc))
+                return f"skipped: {exc}"
+            raise
+        finally:
+            # The executor changed the hot tier behind the watcher's back (and run_prune may have
+            # reconciled without our lock): re-sync the hot tier once it is done. Cheap: nothing
+            # unchanged is rehashed.
+            self.watcher.request_full()
+        if self.metrics is not None:
+            self.metrics.record_outcome(outcome)
+        code = getattr(outcome, "exit_code", 0)
+        failed = list(getattr(outcome, "failed", ()) or ())
+        reclaimed = int(getattr(outcome, "reclaimed_bytes", 0) or 0)
+        plan = getattr(outcome, "plan", None)
+        log.info(
+            "prune done",
+            job=job,
+            exit_code=code,
+            actions=len(getattr(plan, "actions", ()) or ()),
+            failed=len(failed),
+            reclaimed_bytes=reclaimed,
+        )
+        for line in failed:
+            log.error("prune action failed", job=job, detail=line)
+        if code == 0:
+            return None
+        if failed:
+            return f"{len(failed)} action(s) failed; first: {failed[0]}"
+        refused = getattr(plan, "refused", None)
+        if refused:
+            return f"refused by a guard: {refused}"
+        return f"prune exited with code {code}"
+
+    # -- watcher callbacks (watcher worker thread) -----------------------------------------
+
+    def _on_reconciled(self, run: str, report: ReconcileReport) -> None:
+        if not (report.new or report.new_versions) or not self._prompt_policy():
+            return
+        self.prompt_retention()
+
+    def _on_reconcile_error(self, run: str, exc: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.record_error("reconcile")
+
+    def _prompt_policy(self) -> bool:
+        """A new checkpoint needs a retention pass before the next interval when a slower tier
+        replicates it (a node can die any minute) or the hot tier has watermarks (disk filling)."""
+        tiers = self.settings.tiers
+        return any(t.replicate for t in tiers[1:]) or tiers[0].high_watermark is not None
+
+    def prompt_retention(self) -> bool:
+        """Move the retention job's next run to within ``PROMPT_RETENTION_DELAY``; never later."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.running or self.stopping.is_set():
+            return False
+        from apscheduler.jobstores.base import JobLookupError
+
+        target = datetime.now(UTC) + timedelta(seconds=PROMPT_RETENTION_DELAY)
+        try:
+            job = scheduler.get_job("retention")
+            if job is None or (job.next_run_time is not None and job.next_run_time <= target):
+                return False
+            scheduler.modify_job("retention", next_run_time=target)
+        except JobLookupError:
+            return False
+        log.info("new checkpoint: prompt retention pass scheduled", at=target.isoformat())
+        return True
+
+    # -- reload and health -----------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read the config; on any problem keep running with the old one. True if applied."""
+        from ckptkeeper.catalog import Catalog
+        from ckptkeeper.metrics import _tier_paths, parse_addr
+
+        notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            try:
+                new = load_settings(self.config_path)
+                parse_addr(new.daemon.metrics_addr)
+            except ConfigError as exc:
+                log.error("config reload failed; keeping the running config", problems=exc.problems)
+                return False
+            except ValueError as exc:
+                log.error("config reload failed; keeping the running config", problems=[str(exc)])
+                return False
+            old = self.settings
+            if new.index != old.index:
+                log.error(
+                    "config reload failed; keeping the running config",
+                    problems=[f"index: changing the index path ({old.index} -> {new.index}) needs a restart"],
+                )
+                return False
+            changes = config_changes(old, new)
+            if not changes:
+                log.info("config reloaded: nothing changed")
+                return True
+            self.settings = new
+            logs.configure(new.log_level)
+            assert self.index is not None
+            if _watch_keys_changed(old, new) or self.watcher is None:
+                self._restart_watcher(new)
+            else:
+                with self._reconcile_lock:
+                    self.watcher.catalog = Catalog(new, self.index)
+            self._reschedule(old, new)
+            if self.metrics is not None:
+                self.metrics.collector.set_tiers(_tier_paths(new))
+                if new.daemon.metrics_addr != old.daemon.metrics_addr:
+                    if self.metrics_server is not None:
+                        self.metrics_server.stop()
+                        self.metrics_server = None
+                    self._serve_metrics(new.daemon.metrics_addr, fatal=False)
+            log.info("config reloaded", changed=changes)
+            return True
+        finally:
+            notify("READY=1\n" + self._status_line())
+
+    def _restart_watcher(self, settings: Settings) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
+        self._last_watcher_restart = time.monotonic()
+        watcher = self._make_watcher(settings)
+        try:
+            watcher.start(initial_reconcile=True)
+        except OSError as exc:
+            log.error("cannot watch the hot tier", root=str(settings.hot.local_path), error=str(exc))
+            return
+        self.watcher = watcher
+
+    def _reschedule(self, old: Settings, new: Settings) -> None:
+        if self.scheduler is None:
+            return
+        before, after = _intervals(old), _intervals(new)
+        for job_id in JOB_IDS:
+            if before[job_id] == after[job_id]:
+                continue
+            self.scheduler.reschedule_job(job_id, trigger="interval", seconds=after[job_id])
+            self.scheduler.modify_job(job_id, misfire_grace_time=max(1, int(after[job_id])))
+            log.info("job rescheduled", job=job_id, interval=format_duration(after[job_id]))
+
+    def _check_health(self) -> None:
+        if self.stopping.is_set():
+            return
+        if self.watcher is None or not self.watcher.is_alive():
+            if time.monotonic() - self._last_watcher_restart < WATCHER_RESTART_BACKOFF:
+                return
+            log.error("watcher is not running; restarting it", root=str(self.settings.hot.local_path))
+            self._restart_watcher(self.settings)
+        if self.scheduler is not None and not self.scheduler.running:
+            log.error("scheduler stopped unexpectedly; withholding watchdog pings so systemd restarts us")
+
+    # -- status ----------------------------------------------------------------------------
+
+    def _status_line(self) -> str:
+        """``STATUS=watching /nvme: 42 checkpoints, last prune ok 3m ago``."""
+        root = self.settings.hot.local_path
+        if self.index is None:
+            return f"STATUS=starting ({root})"
+        try:
+            hot = self.settings.hot.name
+            count = sum(
+                1 for c in self.index.checkpoints() if c.state.value == "complete" and hot in c.verified_tiers
+            )
+            jobs = self.index.job_runs()
+        except Exception as exc:
+            return f"STATUS=watching {root}: index unreadable ({exc})"
+        now = time.time()
+        prune_jobs = [j for j in jobs.values() if j.job in ("retention", "reap")]
+        last_ok = max((j.last_success for j in prune_jobs if j.last_success), default=None)
+        last_err = max((j.last_error_at for j in prune_jobs if j.last_error_at), default=None)
+        if last_err is not None and (last_ok is None or last_err > last_ok):
+            prune = f"last prune failed {_ago(now, last_err)}"
+        elif last_ok is not None:
+            prune = f"last prune ok {_ago(now, last_ok)}"
+        else:
+            prune = "no prune yet"
+        mode = " (polling)" if self.watcher is not None and self.watcher.polling else ""
+        return f"STATUS=watching {root}{mode}: {count} checkpoints, {prune}"
+
+    def _daemon_metrics(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        watcher = self.watcher
+        g = GaugeMetricFamily(
+            "ckptkeeper_watcher_polling", "1 if the hot tier is polled instead of inotify-watched"
+        )
+        g.add_metric([], 1 if watcher is not None and watcher.polling else 0)
+        yield g
+        g = GaugeMetricFamily("ckptkeeper_watcher_up", "1 if the observer and the watcher worker are running")
+        g.add_metric([], 1 if watcher is not None and watcher.is_alive() else 0)
+        yield g
+
+
+def run_daemon(config_path: str | None, settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    return Daemon(config_path, settings).run()
