@@ -405,14 +405,10 @@ def plan_reaps(
         if isinstance(verdict, _Spare):
             keep_reasons[c.key] = verdict.reasons
 
-    seen: set[tuple[str, str, str | None]] = set()
-    # Sorted so that which duplicate wins never depends on the catalog's listing order.
-    for a in sorted(snapshot.artifacts, key=_artifact_order):
+    for a in _distinct_artifacts(snapshot.artifacts):
         action = _artifact_action(a, actionable, spared_paths, covered, policy, now)
-        if action is None or (a.tier, a.path, a.upload_id) in seen:
-            continue
-        seen.add((a.tier, a.path, a.upload_id))
-        actions.append(action)
+        if action is not None:
+            actions.append(action)
 
     actions.sort(key=lambda a: (a.run or "", -1 if a.step is None else a.step, a.tier or "", a.path or ""))
     return ReapDecision(
@@ -422,8 +418,25 @@ def plan_reaps(
     )
 
 
-def _artifact_order(a: Artifact) -> tuple[str, str, str, str, str, float, int]:
-    return (a.tier, a.path, a.upload_id or "", a.kind, a.run or "", a.last_write, a.bytes)
+def _artifact_identity(a: Artifact) -> tuple[str, str, str | None]:
+    """One object on disk per (tier, path); one upload per (tier, key, upload id)."""
+    return (a.tier, a.path, a.upload_id if a.kind == MULTIPART_UPLOAD else None)
+
+
+def _distinct_artifacts(artifacts: Iterable[Artifact]) -> list[Artifact]:
+    """One record per identity, the most recently written one.
+
+    Two records of one path (say, listed before and after a write) must not let the older record
+    reap what the newer one shows is still being written; sorting makes the pick independent of
+    the catalog's listing order.
+    """
+    freshest: dict[tuple[str, str, str | None], Artifact] = {}
+    for a in sorted(
+        artifacts,
+        key=lambda a: (-a.last_write, a.tier, a.path, a.upload_id or "", a.kind, a.run or "", a.bytes),
+    ):
+        freshest.setdefault(_artifact_identity(a), a)
+    return list(freshest.values())
 
 
 def _artifact_action(

@@ -461,6 +461,15 @@ def test_multipart_upload_carries_upload_id_and_is_skipped_without_one() -> None
     assert d.actions[0].run is None
 
 
+def test_duplicate_artifact_records_the_freshest_decides() -> None:
+    """One path listed twice (before and after a write): the stale record must not reap it."""
+    old = Artifact("hot", "r/x.tmp", "tmp-file", 5, NOW - 9 * H)
+    fresh = replace(old, last_write=NOW - 60)
+    for records in ((old, fresh), (fresh, old)):
+        assert reap(Snapshot(runs=(), checkpoints=(), artifacts=records)).actions == ()
+    assert len(reap(Snapshot(runs=(), checkpoints=(), artifacts=(old, old))).actions) == 1
+
+
 def test_unknown_artifact_kind_is_never_reaped() -> None:
     odd = Artifact("hot", "r/whatever", "mystery", 50, NOW - 50 * H)
     assert reap(Snapshot(runs=(), checkpoints=(), artifacts=(odd,))).actions == ()
@@ -692,9 +701,13 @@ def test_property_protections_hold(snapshot: Snapshot, keep_n: int) -> None:
                 assert a.tier in c.tiers or (a.tier == "hot" and c.state is CORRUPT and not c.tiers)
         else:
             assert a.rule in ARTIFACT_KINDS
-            artifact = next(
-                x for x in snapshot.artifacts if (x.tier, x.path, x.kind) == (a.tier, a.path, a.rule)
-            )
+            # Several records of one path: the freshest decides (never the stale listing).
+            same = [x for x in snapshot.artifacts if (x.tier, x.path) == (a.tier, a.path)]
+            if a.rule == "multipart-upload":
+                same = [x for x in same if x.kind == a.rule and x.upload_id == a.upload_id]
+            else:
+                same = [x for x in same if x.kind != "multipart-upload"]
+            artifact = max(same, key=lambda x: x.last_write)
             assert NOW - artifact.last_write > policy.partial_after
             assert (a.upload_id is not None) == (a.rule == "multipart-upload")
             if a.rule != "multipart-upload":  # a file inside a kept checkpoint is part of it
