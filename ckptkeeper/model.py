@@ -275,7 +275,7 @@ class Action:
     upload_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        doc = {
             "action": self.action.value,
             "run": self.run,
             "step": self.step,
@@ -286,6 +286,9 @@ class Action:
             "reason": self.reason,
             "rule": self.rule,
         }
+        if self.upload_id is not None:
+            doc["upload_id"] = self.upload_id
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
