@@ -135,6 +135,12 @@ class Catalog:
 
     def reconcile_run(self, run: str, run_dir: Path | None = None) -> ReconcileReport:
         """Bring one run in line with its directory (the watcher calls this per changed run)."""
+        # Two reconciles of one run (watcher + a prune job) must not interleave: the slower one
+        # would write an older view over a newer one.
+        with self.index.reconcile_lock:
+            return self._reconcile_run(run, run_dir)
+
+    def _reconcile_run(self, run: str, run_dir: Path | None) -> ReconcileReport:
         run_dir = run_dir or self.hot_root / run
         report = ReconcileReport(runs=1)
         try:
@@ -456,6 +462,10 @@ class Catalog:
         A failed listing marks the tier unknown and keeps every location the index had: a tier we
         cannot read is never taken for an empty one.
         """
+        with self.index.reconcile_lock:
+            return self._reconcile_tier(tier_name)
+
+    def _reconcile_tier(self, tier_name: str) -> ReconcileReport:
         from ckptkeeper.storage import TierStorage, TierUnavailable
 
         report = ReconcileReport()

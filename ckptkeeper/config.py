@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckptkeeper.model import ReaperPolicy, TierPolicy, TierSpec
@@ -157,6 +165,17 @@ class DaemonConfig(_Strict):
     polling_interval: Duration = 5.0
     textfile: str | None = None
     """Write Prometheus metrics to this ``.prom`` file after each one-shot ``prune``."""
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _check_addr(cls, value: str) -> str:
+        from ckptkeeper.metrics import parse_addr
+
+        try:
+            parse_addr(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("daemon.metrics_addr: ")) from None
+        return value.strip()
 
 
 class ReaperConfig(_Strict):

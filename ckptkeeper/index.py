@@ -220,6 +220,8 @@ class Index:
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
+        self.reconcile_lock = threading.RLock()
+        """Serialises catalog reconciles that share this connection (watcher vs scheduled jobs)."""
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
@@ -278,6 +280,7 @@ class Index:
         clone = Index.__new__(Index)
         clone.path = self.path
         clone._lock = threading.RLock()
+        clone.reconcile_lock = threading.RLock()
         clone._db = mem
         mem.row_factory = sqlite3.Row
         mem.execute("PRAGMA foreign_keys = ON")

@@ -100,30 +100,17 @@ def make_plan(
 @contextmanager
 def executor_lock(settings: Settings, timeout: float) -> Iterator[None]:
     """One executor per index (flock); waits up to ``timeout`` seconds, then raises Locked."""
-    import fcntl
-    import os
+    from ckptkeeper.lock import ExecutorLock, LockHeld
 
-    path = Path(settings.index).with_name(Path(settings.index).name + ".executor.lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = ExecutorLock(settings.index)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Locked(f"another ckptkeeper process holds {path}") from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        lock.acquire(timeout)
+    except LockHeld as exc:
+        raise Locked(str(exc)) from None
+    try:
+        yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def run_prune(
