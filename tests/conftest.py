@@ -1,0 +1,141 @@
+"""Shared fixtures: a real S3 endpoint (moto over HTTP, DESIGN §9) and a thread-leak guard.
+
+Keep this file to fixtures more than one test module needs; module-specific ones live beside
+their tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_SESSION_THREADS: set[threading.Thread] = set()
+"""Threads of session-scoped fixtures: they may start inside any test (lazy fixtures), not leaks."""
+
+# --------------------------------------------------------------------------------------------
+# S3 (moto server over HTTP)
+
+_FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # never pick up a developer's real profile or credentials
+    "AWS_CONFIG_FILE": "/nonexistent/ckptkeeper-tests/config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/ckptkeeper-tests/credentials",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """Endpoint URL of a moto S3 server on 127.0.0.1 (random free port), with fake credentials in env."""
+    from moto.server import ThreadedMotoServer
+
+    patch = pytest.MonkeyPatch()
+    for name, value in _FAKE_AWS_ENV.items():
+        patch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL"):
+        patch.delenv(name, raising=False)
+    # one log line per request would bury a failing test's output
+    werkzeug_log = logging.getLogger("werkzeug")
+    level = werkzeug_log.level
+    werkzeug_log.setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    before = set(threading.enumerate())
+    server.start()
+    _SESSION_THREADS.update(set(threading.enumerate()) - before)
+    host, port = server.get_host_and_port()  # the port the OS picked for port=0
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        werkzeug_log.setLevel(level)
+        patch.undo()
+
+
+@pytest.fixture
+def s3_reset(s3_server: str) -> str:
+    """Empty moto's state before the test (every bucket, object and multipart upload)."""
+    req = urllib.request.Request(f"{s3_server}/moto-api/reset", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+    return s3_server
+
+
+@pytest.fixture
+def s3_client(s3_reset: str) -> Any:
+    """A boto3 S3 client for the moto endpoint (for arranging and inspecting state directly)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_reset,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+@pytest.fixture
+def s3_bucket(s3_client: Any) -> str:
+    """A fresh, empty bucket; its name."""
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_storage_options(s3_reset: str) -> dict[str, Any]:
+    """``storage_options`` of an S3 tier on the moto endpoint, as a user would write them."""
+    return {"endpoint_url": s3_reset, "key": "testing", "secret": "testing"}
+
+
+# --------------------------------------------------------------------------------------------
+# thread-leak guard (as watchdog's tests/conftest.py)
+
+
+def _allowed_survivor(thread: threading.Thread) -> bool:
+    """Threads that legitimately outlive a test. Keep this list short and explained.
+
+    * ``fsspecIO``: fsspec's single IO event loop thread, started on first s3fs use and kept for
+      the life of the process by design (every S3FileSystem shares it);
+    * ``asyncio_N``: that loop's default executor, in which aiohttp resolves host names
+      (ThreadedResolver); asyncio keeps its workers until the loop closes;
+    * threads of session fixtures (the moto server), recorded in ``_SESSION_THREADS``, and
+      ``… (process_request_thread)``: that server's handlers, one per keep-alive connection that
+      s3fs/boto3 pools hold open; they end when the connection closes.
+    """
+    name = thread.name
+    return (
+        thread in _SESSION_THREADS
+        or name == "fsspecIO"
+        or name.startswith("asyncio_")
+        or name.endswith("(process_request_thread)")
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_leaks() -> Iterator[None]:
+    """Fail a test that leaves behind a thread it started (observer, scheduler, worker …).
+
+    Daemon threads count too: watchdog observers and APScheduler's BackgroundScheduler run as
+    daemon threads, and leaving those running is exactly the bug this guard exists to catch.
+    """
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 2.0
+    leaked: list[threading.Thread] = []
+    for thread in threading.enumerate():
+        if thread in before or _allowed_survivor(thread) or thread is threading.current_thread():
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            leaked.append(thread)
+    if leaked:
+        pytest.fail(f"test leaked threads: {leaked!r}", pytrace=False)
