@@ -20,7 +20,7 @@ from pathlib import Path
 from ckptkeeper import hook, layouts
 from ckptkeeper.config import Settings
 from ckptkeeper.hashing import hash_file
-from ckptkeeper.index import Index
+from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.logs import get_logger
 from ckptkeeper.model import CheckpointState, FileEntry, Manifest, RunState
 from ckptkeeper.reaper import RunFacts, derive_run_state
@@ -170,7 +170,6 @@ class Catalog:
 
         existing = {row.name: row for row in self.index.checkpoints(run)}
         hot = self.settings.hot.name
-        settle = self.settings.daemon.settle_seconds
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
             [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
@@ -185,7 +184,6 @@ class Catalog:
                 commit = committed.get(name) or next(
                     (c for p, c in committed.items() if p.startswith(name + "/")), None
                 )
-                metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
                 if _has_surrogates(name):
                     # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
                     # never moved or reaped either.
@@ -195,116 +193,7 @@ class Catalog:
                         name=name.encode("utf-8", "backslashreplace").decode(),
                     )
                     continue
-                if cand.corrupt and now - cand.last_write < settle:
-                    state = CheckpointState.WRITING  # a marker caught mid-write looks malformed
-                elif cand.corrupt:
-                    state = CheckpointState.CORRUPT
-                elif commit is not None or (cand.complete and now - cand.last_write >= settle):
-                    state = CheckpointState.COMPLETE
-                else:
-                    state = CheckpointState.WRITING
-                row = existing.pop(name, None)
-                if state is not CheckpointState.COMPLETE:
-                    report.partial += state is CheckpointState.WRITING
-                    report.corrupt += state is CheckpointState.CORRUPT
-                    cid = self.index.upsert_checkpoint(
-                        run=run,
-                        name=name,
-                        step=cand.step,
-                        layout=cand.layout,
-                        state=state,
-                        created_at=row.created_at if row else cand.last_write,
-                        last_write=cand.last_write,
-                        bytes=cand.bytes,
-                        metrics=metrics,
-                        committed=commit is not None,
-                        version=None,
-                        manifest_json=None,
-                        problem=cand.problem
-                        or ("settling: written less than settle_seconds ago" if cand.complete else None),
-                    )
-                    self.index.remove_location(cid, hot)
-                    continue
-                unchanged = (
-                    row is not None
-                    and row.version is not None
-                    and row.manifest_json is not None
-                    and row.state is CheckpointState.COMPLETE
-                    and row.bytes == cand.bytes
-                    and row.last_write == cand.last_write
-                    and row.locations.get(hot) == row.version
-                )
-                if unchanged and row is not None:
-                    report.unchanged += 1
-                    if dict(row.metrics) != metrics or row.committed != (commit is not None):
-                        self.index.upsert_checkpoint(
-                            run=run,
-                            name=name,
-                            step=cand.step,
-                            layout=cand.layout,
-                            state=state,
-                            created_at=row.created_at,
-                            last_write=cand.last_write,
-                            bytes=cand.bytes,
-                            metrics=metrics,
-                            committed=commit is not None,
-                            version=row.version,
-                            manifest_json=row.manifest_json,
-                            problem=None,
-                        )
-                    continue
-                try:
-                    manifest = self._hash_candidate(
-                        run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
-                    )
-                except OSError as exc:
-                    log.warning("cannot read checkpoint, marked corrupt", run=run, name=name, error=str(exc))
-                    cid = self.index.upsert_checkpoint(
-                        run=run,
-                        name=name,
-                        step=cand.step,
-                        layout=cand.layout,
-                        state=CheckpointState.CORRUPT,
-                        created_at=cand.last_write,
-                        last_write=cand.last_write,
-                        bytes=cand.bytes,
-                        metrics=metrics,
-                        committed=commit is not None,
-                        version=None,
-                        manifest_json=None,
-                        problem=f"unreadable: {exc}",
-                    )
-                    self.index.remove_location(cid, hot)
-                    report.corrupt += 1
-                    continue
-                report.hashed_bytes += manifest.total_bytes
-                if row is None or row.version is None:
-                    report.new += 1
-                elif row.version != manifest.digest:
-                    report.new_versions += 1
-                    log.info(
-                        "checkpoint rewritten: new version",
-                        run=run,
-                        name=name,
-                        old=row.version,
-                        new=manifest.digest,
-                    )
-                cid = self.index.upsert_checkpoint(
-                    run=run,
-                    name=name,
-                    step=cand.step,
-                    layout=cand.layout,
-                    state=state,
-                    created_at=manifest.created_at,
-                    last_write=cand.last_write,
-                    bytes=manifest.total_bytes,
-                    metrics=metrics,
-                    committed=commit is not None,
-                    version=manifest.digest,
-                    manifest_json=manifest.to_json(),
-                    problem=None,
-                )
-                self.index.set_location(cid, hot, manifest.digest)
+                self._apply_candidate(run_dir, cand, commit, existing.pop(name, None), now, report)
             # Whatever the index knew in hot that is no longer there was removed (by us or by hand),
             # unless part of the run could not be read: then absence proves nothing.
             if scan.errors:
@@ -325,6 +214,97 @@ class Catalog:
             )
             self._update_run_state(run, run_dir, newest_write, now)
         return report
+
+    def _apply_candidate(
+        self,
+        run_dir: Path,
+        cand: layouts.Candidate,
+        commit: hook.Commit | None,
+        row: CheckpointRow | None,
+        now: float,
+        report: ReconcileReport,
+    ) -> None:
+        """Record one recognised checkpoint; hash it only when it is complete and changed."""
+        hot = self.settings.hot.name
+        settle = self.settings.daemon.settle_seconds
+        metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
+        if cand.corrupt and now - cand.last_write < settle:
+            state = CheckpointState.WRITING  # a marker caught mid-write looks malformed
+        elif cand.corrupt:
+            state = CheckpointState.CORRUPT
+        elif commit is not None or (cand.complete and now - cand.last_write >= settle):
+            state = CheckpointState.COMPLETE
+        else:
+            state = CheckpointState.WRITING
+
+        def record(
+            state: CheckpointState,
+            *,
+            version: str | None = None,
+            manifest: Manifest | None = None,
+            problem: str | None = None,
+        ) -> int:
+            return self.index.upsert_checkpoint(
+                run=cand.run,
+                name=cand.name,
+                step=cand.step,
+                layout=cand.layout,
+                state=state,
+                created_at=manifest.created_at if manifest else (row.created_at if row else cand.last_write),
+                last_write=cand.last_write,
+                bytes=manifest.total_bytes if manifest else cand.bytes,
+                metrics=metrics,
+                committed=commit is not None,
+                version=manifest.digest if manifest else version,
+                manifest_json=manifest.to_json()
+                if manifest
+                else (row.manifest_json if row and version else None),
+                problem=problem,
+            )
+
+        if state is not CheckpointState.COMPLETE:
+            report.partial += state is CheckpointState.WRITING
+            report.corrupt += state is CheckpointState.CORRUPT
+            settling = "settling: written less than settle_seconds ago" if cand.complete else None
+            self.index.remove_location(record(state, problem=cand.problem or settling), hot)
+            return
+        if (
+            row is not None
+            and row.version is not None
+            and row.manifest_json is not None
+            and row.state is CheckpointState.COMPLETE
+            and row.bytes == cand.bytes
+            and row.last_write == cand.last_write
+            and row.locations.get(hot) == row.version
+        ):
+            report.unchanged += 1
+            if dict(row.metrics) != metrics or row.committed != (commit is not None):
+                record(state, version=row.version)
+            return
+        try:
+            manifest = self._hash_candidate(
+                run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
+            )
+        except OSError as exc:
+            log.warning(
+                "cannot read checkpoint, marked corrupt", run=cand.run, name=cand.name, error=str(exc)
+            )
+            self.index.remove_location(record(CheckpointState.CORRUPT, problem=f"unreadable: {exc}"), hot)
+            report.corrupt += 1
+            return
+        report.hashed_bytes += manifest.total_bytes
+        if row is None or row.version is None:
+            report.new += 1
+        elif row.version != manifest.digest:
+            report.new_versions += 1
+            log.info(
+                "checkpoint rewritten: new version",
+                run=cand.run,
+                name=cand.name,
+                old=row.version,
+                new=manifest.digest,
+            )
+        self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
     def _committed_candidate(self, run_dir: Path, run: str, commit: hook.Commit) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
