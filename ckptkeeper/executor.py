@@ -278,7 +278,10 @@ class Executor:
         self._crash.hit("copy-journaled")
         if rename:
             assert isinstance(dst, LocalTierStorage) and isinstance(src, LocalTierStorage)
-            dst.rename_from(src, manifest)
+            # A rename moves the very inodes the catalog hashed; sizes are still checked, and a hot
+            # source was just re-checked for writes (_changed_since_cataloged). Re-hashing would
+            # read the whole checkpoint to move a directory entry (1 GiB: 5 ms -> 140 ms, bench/).
+            dst.rename_from(src, manifest, rehash=False)
         else:
             total = manifest.total_bytes
             done = 0
