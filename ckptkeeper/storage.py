@@ -68,7 +68,7 @@ import stat
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -1060,6 +1060,7 @@ def _parse_manifest(rel: str, text: bytes) -> Manifest:
 
 _URL_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
 _SECRET_NAMES = ("secret", "token", "password", "key", "credential", "username")
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
 
 def _collect_secrets(options: Mapping[str, Any]) -> list[str]:
@@ -1136,7 +1137,16 @@ class _S3Reader:
                 attempt += 1
                 if attempt > self.retries:
                     raise
-                log.debug("retrying read of s3://%s/%s at %d: %s", self.tier.bucket, self.key, self.pos, exc)
+                log.warning(
+                    "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
+                    self.tier.name,
+                    self.tier.bucket,
+                    self.key,
+                    self.pos,
+                    self.tier._redact(_describe(exc)),
+                    attempt,
+                    self.retries,
+                )
                 time.sleep(min(0.2 * 2**attempt, 5.0))
                 continue
             if not data:
@@ -1358,6 +1368,7 @@ class _S3Sink:
             tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir))
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
+            tier._abort_uploads_under(self.key)
 
     def open_file(self, entry: FileEntry) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
@@ -1382,6 +1393,9 @@ class _S3Sink:
                 tier._commit_manifest(self.key + MANIFEST_SUFFIX, manifest.to_json().encode())
         self.committed = True
         try:
+            # A retried CreateMultipartUpload whose first reply was lost left an upload nobody
+            # completes; the marker goes only once they are gone (list_staging finds them via it).
+            tier._abort_uploads_under(self.key)
             tier._delete_keys([self.marker])
         except Exception as exc:  # a stale marker beside a manifest is harmless
             log.warning("%s: stale staging marker left: %s", tier.name, tier._redact(_describe(exc)))
@@ -1398,6 +1412,7 @@ class _S3Sink:
             return
         try:
             self.tier._delete_keys(self.written)
+            self.tier._abort_uploads_under(self.key)
             self.tier._delete_keys([self.marker])
         except Exception as exc:
             log.warning(
@@ -1465,6 +1480,8 @@ class S3TierStorage(TierStorage):
         prefix = prefix.strip("/")
         self.prefix = f"{prefix}/" if prefix else ""
         self._secrets = _collect_secrets(spec.storage_options)
+        # credentials botocore would find on its own are just as secret as configured ones
+        self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
         self._fs: S3FileSystem | None = None
 
     @property
@@ -1479,7 +1496,53 @@ class S3TierStorage(TierStorage):
             self._fs = s3fs.S3FileSystem(
                 **opts, config_kwargs=config, skip_instance_cache=True, use_listings_cache=False
             )
+            # Every failed attempt that botocore or s3fs may retry is logged with its cause: a
+            # flaky store should be visible before it becomes a failed move.
+            self._fs.s3.meta.events.register("needs-retry.s3", self._log_retryable_failure)
+            self._register_resolved_credentials()
         return self._fs
+
+    def _log_retryable_failure(
+        self,
+        attempts: int = 0,
+        caught_exception: BaseException | None = None,
+        response: Any = None,
+        **kw: Any,
+    ) -> None:
+        operation = getattr(kw.get("operation"), "name", "request")
+        if caught_exception is not None:
+            cause = _describe(caught_exception)
+        else:
+            http, parsed = response if isinstance(response, tuple) else (None, {})
+            status = getattr(http, "status_code", 0)
+            code = (parsed or {}).get("Error", {}).get("Code") or ""
+            if not (status >= 500 or status == 429 or "Throttl" in code or code == "SlowDown"):
+                return  # success, or an answer no retry changes (404, 412, …)
+            cause = f"HTTP {status} {code}".rstrip()
+        log.warning(
+            "%s: S3 %s failed on attempt %d (%s); retried within the configured bounds",
+            self.name,
+            operation,
+            attempts,
+            self._redact(cause),
+        )
+
+    def _add_secrets(self, values: Iterable[str]) -> None:
+        from ckptkeeper import logs
+
+        found = {v for v in values if isinstance(v, str) and len(v) >= 4}
+        self._secrets = sorted(set(self._secrets) | found, key=len, reverse=True)
+        logs.register_secrets(self._secrets)
+
+    def _register_resolved_credentials(self) -> None:
+        """Credentials from ~/.aws, a profile or instance metadata: only the client knows them."""
+        try:
+            creds = self._fs.s3._request_signer._credentials  # type: ignore[union-attr]
+            self._add_secrets(
+                str(getattr(creds, f"_{n}", None) or "") for n in ("access_key", "secret_key", "token")
+            )
+        except Exception:  # private attributes of botocore: best effort
+            pass
 
     def _redact(self, text: str) -> str:
         for secret in self._secrets:
@@ -1577,6 +1640,30 @@ class S3TierStorage(TierStorage):
                         f"{first.get('Code')} {first.get('Message')}"
                     )
                 )
+
+    def _abort_uploads_under(self, key: str) -> None:
+        """Abort every multipart upload in progress for ``key`` or a key under ``key/``.
+
+        Called only by whoever holds the checkpoint's staging marker (a copy, or the discard of an
+        interrupted one), so every such upload is a leftover of ours: an interrupted copy, or a
+        CreateMultipartUpload whose reply was lost and that s3fs/botocore then retried.
+        """
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": key}
+        while True:
+            resp = self._call("list_multipart_uploads", **kw)
+            for upload in resp.get("Uploads", []):
+                if upload["Key"] == key or upload["Key"].startswith(key + "/"):
+                    with contextlib.suppress(FileNotFoundError):  # completed or aborted meanwhile
+                        self._call(
+                            "abort_multipart_upload",
+                            Bucket=self.bucket,
+                            Key=upload["Key"],
+                            UploadId=upload["UploadId"],
+                        )
+            if not resp.get("IsTruncated"):
+                return
+            kw["KeyMarker"] = resp.get("NextKeyMarker")
+            kw["UploadIdMarker"] = resp.get("NextUploadIdMarker")
 
     def _commit_manifest(self, key: str, body: bytes) -> None:
         """PUT the manifest once (``If-None-Match: *``); an ambiguous failure is resolved by reading it."""
@@ -1726,6 +1813,9 @@ class S3TierStorage(TierStorage):
                 objs = self._target_objects(target_key)
                 self._delete_keys([k for k, _, _ in objs])
                 freed = sum(size for _, size, _ in objs)
+            # uploads are never part of a committed copy: whatever is in progress under the target
+            # belongs to the interrupted copy this marker records
+            self._abort_uploads_under(target_key)
             self._delete_keys([marker])
         return freed
 
