@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json as _json
 import logging
 import sys
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
 
 _configured = False
+_secrets: tuple[str, ...] = ()
+"""Values no log line may contain (S3 credentials), longest first."""
+_secrets_lock = threading.Lock()
+_factory_installed = False
 
 
 def configure(level: str = "info", *, json: bool | None = None) -> None:
@@ -17,7 +24,7 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
-    renderer: Any = (
+    renderer: Any = _Redacting(
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
@@ -39,3 +46,53 @@ def get_logger(name: str | None = None) -> Any:
     if not _configured:
         configure()
     return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+def register_secrets(values: Iterable[str]) -> None:
+    """Never log these values (credentials): they are replaced by ``***`` in our own log lines and
+    in every stdlib log record of any library — botocore's and s3fs's debug output included, which
+    prints request headers (the access key id sits in ``Authorization``, a session token in
+    ``X-Amz-Security-Token``). Process-wide on purpose: a handler configured by anyone, at any
+    level, only ever sees redacted records."""
+    global _secrets, _factory_installed
+    new = {v for v in values if isinstance(v, str) and len(v) >= 4}
+    new |= {_json.dumps(v)[1:-1] for v in new}  # as it appears inside a JSON log line
+    with _secrets_lock:
+        if new <= set(_secrets):
+            return
+        _secrets = tuple(sorted(set(_secrets) | new, key=len, reverse=True))
+        if not _factory_installed:
+            previous = logging.getLogRecordFactory()
+
+            def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+                record = previous(*args, **kwargs)
+                if _secrets:
+                    try:
+                        message = record.getMessage()
+                    except Exception:  # a malformed record is the logging module's problem
+                        return record
+                    clean = redact(message)
+                    if clean != message:
+                        record.msg, record.args = clean, ()
+                return record
+
+            logging.setLogRecordFactory(factory)
+            _factory_installed = True
+
+
+def redact(text: str) -> str:
+    for secret in _secrets:
+        if secret in text:
+            text = text.replace(secret, "***")
+    return text
+
+
+class _Redacting:
+    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret."""
+
+    def __init__(self, renderer: Any) -> None:
+        self.renderer = renderer
+
+    def __call__(self, logger: Any, method: str, event_dict: Any) -> Any:
+        out = self.renderer(logger, method, event_dict)
+        return redact(out) if _secrets and isinstance(out, str) else out
