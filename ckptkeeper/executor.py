@@ -133,6 +133,9 @@ class Executor:
                 self.index.set_location(row.id, to_tier, version)
                 if detail.get("rename") and action.get("tier"):
                     self.index.remove_location(row.id, action["tier"])
+            # Killed between the commit and the cleanup: the S3 staging marker (and any upload a
+            # lost reply left behind) would otherwise wait an hour for the reaper.
+            self._discard_staging(dest, rel)
             return f"copy of {rel} to {to_tier} had committed; recorded"
         self._discard_staging(dest, rel)
         if detail.get("rename"):
