@@ -259,6 +259,10 @@ class Index:
             raise IndexCorrupt("; ".join(result[:5]))
 
     def _migrate(self) -> None:
+        if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            # Up to date (every open but the first): no write transaction, so `ls`, `status` and
+            # `pin` never queue behind the daemon's writer (busy_timeout) just to open the index.
+            return
         with self.transaction():
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
