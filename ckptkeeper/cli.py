@@ -62,11 +62,16 @@ class Context:
         return self._settings
 
     @contextmanager
-    def index(self) -> Iterator[Any]:
-        from ckptkeeper.index import Index
+    def index(self, *, rebuild: bool = False) -> Iterator[Any]:
+        """``rebuild`` (scan, prune): check the index and rebuild a corrupt one from the tiers."""
+        from ckptkeeper.operations import IndexUnusable, Locked, open_index
 
         try:
-            ix = Index(self.settings.index)
+            ix = open_index(self.settings, check=rebuild, rebuild=rebuild)
+        except IndexUnusable as exc:
+            fail(str(exc), EXIT_ACTION_FAILED)
+        except Locked as exc:
+            fail(f"{exc}; try again later", EXIT_LOCKED)
         except Exception as exc:  # sqlite3 errors carry the reason; the path is what users need
             fail(f"cannot open index {self.settings.index}: {exc}", EXIT_ACTION_FAILED)
         try:
@@ -107,7 +112,7 @@ def scan(app: Context, as_json: bool) -> None:
     """Reconcile the index with every tier now."""
     from ckptkeeper.catalog import Catalog
 
-    with app.index() as ix:
+    with app.index(rebuild=True) as ix:
         report = Catalog(app.settings, ix).reconcile()
     doc = {
         "runs": report.runs,
@@ -234,6 +239,8 @@ def _local_usage(path: Path) -> dict[str, Any] | None:
 @pass_ctx
 def status(app: Context, as_json: bool) -> None:
     """Tiers with usage, counts, bytes reclaimed, last job runs, pending work."""
+    from ckptkeeper.operations import deletes_held
+
     settings = app.settings
     with app.index() as ix:
         runs = ix.runs()
@@ -281,6 +288,7 @@ def status(app: Context, as_json: bool) -> None:
             for j in jobs.values()
         },
         "pending": {"journal": len(journal_open)},
+        "deletes_held": deletes_held(settings),
     }
     if as_json:
         _emit_json(doc)
@@ -320,6 +328,8 @@ def status(app: Context, as_json: bool) -> None:
         click.echo(
             f"pending: {len(journal_open)} interrupted step(s) will be finished or undone by the next prune/daemon start"
         )
+    if doc["deletes_held"]:
+        click.echo(f"deletes held: {doc['deletes_held']}")
 
 
 # -- pin / unpin --------------------------------------------------------------------------

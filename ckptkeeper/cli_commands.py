@@ -146,7 +146,7 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
 
     app = _ctx()
     settings = app.settings
-    with app.index() as ix:
+    with app.index(rebuild=not dry_run) as ix:
         try:
             outcome = run_prune(
                 settings,

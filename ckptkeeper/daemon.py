@@ -202,8 +202,8 @@ class Daemon:
     # -- startup and main loop -------------------------------------------------------------
 
     def _run_locked(self) -> int:
-        from ckptkeeper.index import Index
         from ckptkeeper.metrics import Metrics, parse_addr
+        from ckptkeeper.operations import open_index
 
         settings = self.settings
         try:
@@ -212,7 +212,9 @@ class Daemon:
             print(f"config error: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         try:
-            self.index = Index(settings.index)
+            # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
+            # every tier has been reconciled (operations.open_index).
+            self.index = open_index(settings, check=True, rebuild=True)
         except Exception as exc:
             print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
             return EXIT_FAILED
