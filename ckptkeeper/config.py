@@ -81,8 +81,18 @@ def format_duration(seconds: float) -> str:
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
+JobInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0)]
+"""A scheduled job runs at most once a second: ``0`` made the daemon spin a whole core."""
+PollInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=0.1)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+def _no_nul_byte(value: str) -> str:
+    """A path with a NUL byte reaches no file; every os call on it raised ValueError mid-command."""
+    if "\0" in value:
+        raise ValueError("contains a NUL byte")
+    return value
 
 
 class _Strict(BaseModel):
@@ -106,6 +116,11 @@ class TierConfig(_Strict):
     keep_weekly: Count | None = None
     keep_monthly: Count | None = None
     replicate: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        return _no_nul_byte(value)
 
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
@@ -155,14 +170,14 @@ class TierConfig(_Strict):
 
 class DaemonConfig(_Strict):
     settle_seconds: Duration = 30.0
-    retention_interval: Duration = 300.0
-    reap_interval: Duration = 900.0
-    rescan_interval: Duration = 3600.0
+    retention_interval: JobInterval = 300.0
+    reap_interval: JobInterval = 900.0
+    rescan_interval: JobInterval = 3600.0
     metrics_addr: str = "127.0.0.1:9464"
     """``host:port`` for Prometheus; empty string disables the endpoint."""
     polling: bool = False
     """Use a polling observer (NFS/Lustre do not deliver inotify events)."""
-    polling_interval: Duration = 5.0
+    polling_interval: PollInterval = 5.0
     textfile: str | None = None
     """Write Prometheus metrics to this ``.prom`` file after each one-shot ``prune``."""
 
@@ -206,6 +221,11 @@ class Settings(BaseSettings):
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     tiers: list[TierConfig] = Field(min_length=1)
     reaper: ReaperConfig = Field(default_factory=ReaperConfig)
+
+    @field_validator("index")
+    @classmethod
+    def _index_no_nul(cls, value: str) -> str:
+        return _no_nul_byte(value)
 
     @model_validator(mode="after")
     def _check_tiers(self) -> Settings:

@@ -179,6 +179,15 @@ _KNOWN_RUN_KEYS = frozenset(
 )
 
 
+def _json_loads(text: str) -> Any:
+    """``json.loads`` where a nesting bomb is malformed input (ValueError), not a RecursionError that
+    would abort the daemon's whole catalog pass."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def _state_path(run_dir: StrPath, name: str) -> str:
     return os.path.join(os.fspath(run_dir), STATE_DIR, name)
 
@@ -211,7 +220,7 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
         raw = b""
     if raw:
         try:
-            doc = json.loads(raw.decode("utf-8"))
+            doc = _json_loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             errors.append(f"{RUN_FILE} is not UTF-8")
         except ValueError as exc:
@@ -333,7 +342,7 @@ def _parse_commit_line(line: bytes, number: int) -> tuple[Commit | None, str | N
     except UnicodeDecodeError:
         return None, "not UTF-8"
     try:
-        doc = json.loads(text)
+        doc = _json_loads(text)
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON ({exc.msg}): {_preview(text)}"
     if not isinstance(doc, dict):

@@ -287,7 +287,7 @@ class _Dir:
         for name in self.entries:
             if name.endswith(".index.json") and self.has_file(name):
                 try:
-                    doc = json.loads(_read_small(os.path.join(self.path, name)))
+                    doc = _json(_read_small(os.path.join(self.path, name)))
                     names.update(str(v) for v in dict(doc.get("weight_map") or {}).values())
                 except (OSError, ValueError, TypeError, AttributeError):
                     continue
@@ -318,6 +318,15 @@ class _Node:
     @cached_property
     def children(self) -> _Dir:
         return _Dir(self.path, self.parent, dev=self.parent.dev)
+
+
+def _json(data: bytes | str) -> Any:
+    """``json.loads`` where a nesting bomb (``[[[[…``) is malformed input (ValueError, so the
+    checkpoint is judged corrupt) instead of a RecursionError that aborted every scan and prune."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _read_small(path: str, limit: int = MAX_MARKER_BYTES) -> bytes:
@@ -374,7 +383,7 @@ def _safetensors_problem(path: str, size: int) -> tuple[str | None, bool]:
             return f"{name}: truncated inside its header", False
         raw = f.read(header_len)
     try:
-        header = json.loads(raw)
+        header = _json(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
         end = 0
@@ -440,7 +449,7 @@ class _Hf:
             return _Verdict(problems=(f"{TRAINER_STATE} missing",))
         step = self.step(node)
         try:
-            doc = json.loads(_read_small(os.path.join(node.path, TRAINER_STATE)))
+            doc = _json(_read_small(os.path.join(node.path, TRAINER_STATE)))
             history = doc.get("log_history", [])
             if not isinstance(history, list):
                 raise ValueError("log_history is not a list")
@@ -731,7 +740,7 @@ class _Orbax:
         committed = kids.has_file(ORBAX_COMMIT_SUCCESS)
         if kids.has_file(ORBAX_CHECKPOINT_METADATA):
             try:
-                doc = json.loads(_read_small(os.path.join(node.path, ORBAX_CHECKPOINT_METADATA)))
+                doc = _json(_read_small(os.path.join(node.path, ORBAX_CHECKPOINT_METADATA)))
                 if not isinstance(doc, dict):
                     raise ValueError("not an object")
             except ValueError as exc:
@@ -816,7 +825,7 @@ class _Safetensors:
         shards: set[str] = set()
         for index in indexes:
             try:
-                doc = json.loads(_read_small(os.path.join(node.path, index)))
+                doc = _json(_read_small(os.path.join(node.path, index)))
                 weight_map = doc["weight_map"]
                 if not isinstance(weight_map, dict) or not all(
                     isinstance(v, str) for v in weight_map.values()

@@ -110,7 +110,7 @@ class Manifest:
                 node=str(doc.get("node") or ""),
                 algorithm=str(doc.get("algorithm") or HASH_ALGORITHM),
             )
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"malformed manifest: {exc}") from exc
         if "digest" in doc and doc["digest"] != manifest.digest:
             raise ValueError("manifest digest does not match its file list")
