@@ -310,16 +310,19 @@ def rules_for(policy: TierPolicy, now: float) -> list[Rule]:
     return rules
 
 
-def select_union(rules: Iterable[Rule], checkpoints: Sequence[Checkpoint]) -> dict[int, list[str]]:
-    """Union of the rules' selections: step -> every reason that kept it, in rule order."""
-    out: dict[int, list[str]] = {}
+def select_union(rules: Iterable[Rule], checkpoints: Sequence[Checkpoint]) -> dict[int, tuple[str, ...]]:
+    """Union of the rules' selections: step -> every reason that kept it, in rule order.
+
+    Equal reason tuples are shared (there are only as many distinct ones as rule combinations), so
+    a million kept checkpoints do not cost a million small tuples.
+    """
+    out: dict[int, tuple[str, ...]] = {}
+    interned: dict[tuple[str, ...], tuple[str, ...]] = {}
     for rule in rules:
         for step, reason in rule.select(checkpoints).items():
-            reasons = out.get(step)
-            if reasons is None:
-                out[step] = [reason]
-            else:
-                reasons.append(reason)
+            prev = out.get(step)
+            reasons = (reason,) if prev is None else (*prev, reason)
+            out[step] = interned.setdefault(reasons, reasons)
     return out
 
 
