@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,11 @@ from faultnode import GOLDEN, FaultNode, Template
 from faultproxy import FaultProxy, Request
 
 FAULT_RATE = 0.2
-SEEDS = (1, 2)
+_STRESS = int(os.environ.get("CKPTKEEPER_STRESS_TRIALS") or 0)
+SEEDS = tuple(range(1, 1 + max(2, _STRESS // 20)))
+"""Two seeds in CI; the stress command (``CKPTKEEPER_STRESS_TRIALS=200``) runs ten."""
 MAX_ROUNDS = 4
+TALLY: dict[str, int] = {"runs": 0, "requests": 0, "faults": 0, "prunes": 0}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,13 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
 def small(tmp_path_factory: pytest.TempPathFactory) -> Template:
     """No multipart uploads: these tests are about listings, not uploads."""
     return Template.build(tmp_path_factory.mktemp("small"), multipart=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report() -> Iterator[None]:
+    yield
+    if TALLY["runs"]:
+        print(f"\nS3 fault runs at {FAULT_RATE:.0%}: {TALLY}")
 
 
 @pytest.fixture
@@ -97,6 +108,10 @@ def test_twenty_percent_faults_moves_complete_or_roll_back(
         assert "SlowDown" in causes or "503" in causes
     if counts.get("reset_before") or counts.get("reset_after"):
         assert re.search(r"Connect|closed|reset", causes, re.I), causes
+    TALLY["runs"] += 1
+    TALLY["requests"] += proxy.requests
+    TALLY["faults"] += sum(counts.values())
+    TALLY["prunes"] += len(outputs)
     print(f"seed {seed}: {proxy.requests} requests, faults {counts}, rounds {len(outputs)}")
 
 
