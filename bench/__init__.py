@@ -1,0 +1,16 @@
+"""ckptkeeper's side-by-side performance harness (issue 8): ``python -m bench [--quick] [--json]``.
+
+One module per benchmark, each exposing ``run(cfg) -> list[Row]``; :mod:`bench.__main__` runs
+them in order and prints one table (metric, baseline, ckptkeeper, ratio, target, result).
+"""
+
+BENCHMARKS = (
+    "tier_move",
+    "s3_transfer",
+    "hook_latency",
+    "planning",
+    "daemon_idle",
+    "trainer_slowdown",
+    "campaign",
+)
+"""Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""
