@@ -312,6 +312,11 @@ class Catalog:
         found = layouts.recognize(path, run_dir, run)
         if found is not None:
             return found
+        if _leaves_run_dir(run_dir, commit.path):
+            # A symlinked directory on the way leads outside the tier: never cataloged, so never
+            # read, copied or deleted through (it used to be hashed, then fail every prune).
+            log.warning("committed path goes through a symlink; ignored", run=run, path=commit.path)
+            return None
         try:
             st = os.lstat(path)
         except OSError:
@@ -516,6 +521,19 @@ class Catalog:
             for tier in self.settings.tiers[1:]:
                 report.merge(self.reconcile_tier(tier.name))
         return report
+
+
+def _leaves_run_dir(run_dir: Path, rel: str) -> bool:
+    """True when a directory on the way to ``rel`` is a symlink (or not a directory at all)."""
+    current = run_dir
+    for part in rel.split("/")[:-1]:
+        current = current / part
+        try:
+            if not stat.S_ISDIR(os.lstat(current).st_mode):
+                return True
+        except OSError:
+            return True
+    return False
 
 
 def _has_surrogates(text: str) -> bool:

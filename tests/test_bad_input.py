@@ -429,3 +429,30 @@ def test_a_config_others_may_write_is_refused_by_every_command(tmp_path: Path, m
         assert result.returncode == 2, (args, result.stdout + result.stderr)
         assert "refusing a config file writable by group or others" in result.stderr
     assert len(list((node.hot / "r").iterdir())) == 2  # nothing ran
+
+
+def test_a_committed_path_through_a_symlinked_directory_is_not_cataloged(tmp_path: Path) -> None:
+    """The hook may commit any path under the run dir; one through ``link -> /outside`` used to be
+    cataloged as a checkpoint (its outside bytes hashed), then every prune failed to move it."""
+    node = Node(tmp_path)
+    run = node.hot / "r"
+    hf(run, 1)
+    hf(run, 2)
+    os.symlink(node.outside, run / "link-out")
+    control = run / ".ckptkeeper"
+    control.mkdir()
+    (control / "commits.jsonl").write_text(
+        json.dumps({"path": "link-out/precious.bin", "step": 0, "time": 1.0})
+        + "\n"
+        + json.dumps({"path": "link-out/sub", "step": 0, "time": 1.0})
+        + "\n"
+    )
+    age_tree(node.hot, HOUR)
+    outside_before = snapshot(node.outside)
+    scan = node.cli("scan")
+    assert scan.returncode == 0 and "committed path goes through a symlink; ignored" in scan.stderr
+    names = {c["name"] for c in json.loads(node.cli("ls", "--json").stdout)["runs"][0]["checkpoints"]}
+    assert names == {"checkpoint-1", "checkpoint-2"}
+    result = node.cli("prune")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert snapshot(node.outside) == outside_before
