@@ -166,18 +166,31 @@ def delete(self, rel):
         os.symlink(os.environ["OUTSIDE"], path)
     return _delete(self, rel)
 _st.LocalTierStorage.delete = delete
+_rename_from = _st.LocalTierStorage.rename_from
+def rename_from(self, src, manifest, **kw):
+    # a directory inside the checkpoint being moved swapped for a link just before the rename
+    ckpt = os.path.join(str(src.root), manifest.run, manifest.name)
+    os.rename(os.path.join(ckpt, "nested"), os.path.join(ckpt, "nested-away"))
+    os.symlink(os.environ["OUTSIDE"], os.path.join(ckpt, "nested"))
+    return _rename_from(self, src, manifest, **kw)
+_st.LocalTierStorage.rename_from = rename_from
 from ckptkeeper.cli import main
 sys.exit(main())
 """
 
 
 def test_directories_swapped_for_symlinks_mid_delete_are_never_followed(tmp_path: Path) -> None:
-    """A racing process swaps a directory inside a checkpoint being deleted, and a whole
-    checkpoint directory, for symlinks to outside the root: the delete unlinks the links and
-    never removes anything through them."""
-    node = Node(tmp_path)  # hot and warm keep the newest only: 1 and 2 expire
-    run = node.hot / "r"
-    for step in (1, 2, 3):
+    """A racing process swaps a directory inside a checkpoint being deleted, a whole checkpoint
+    directory, and a directory inside a checkpoint being moved, for symlinks to outside the root:
+    deletes unlink the links and never remove anything through them; the move is refused."""
+    node = Node(tmp_path)
+    node.config.write_text(
+        node.config.read_text().replace(
+            f'url = "{node.warm}"\nkeep_last = 1', f'url = "{node.warm}"\nkeep_last = 2'
+        )
+    )
+    run = node.hot / "r"  # hot keeps 4, warm keeps 3 and 4: 3 moves, 1 and 2 expire
+    for step in (1, 2, 3, 4):
         hf(run, step)
     age_tree(node.hot, HOUR)
     outside_before = snapshot(node.outside)
@@ -187,6 +200,9 @@ def test_directories_swapped_for_symlinks_mid_delete_are_never_followed(tmp_path
     assert snapshot(node.outside) == outside_before
     assert (run / "checkpoint-2-moved-by-someone" / "model.safetensors").is_file()  # theirs, untouched
     assert not (run / "checkpoint-1").exists() and not (run / "checkpoint-2").is_symlink()
+    assert "does not match its manifest" in result.stderr  # the move of 3 was refused
+    assert (run / "checkpoint-3" / "nested-away" / "optimizer.pt").is_file()  # left where it was
+    assert not (node.warm / "r" / "checkpoint-3").exists()
 
 
 # -- paths in hook lines and manifests ------------------------------------------------------------
