@@ -152,22 +152,27 @@ def _rebuild(settings: Settings, problem: str) -> Index:
         problem=problem,
     )
     pins = _salvage_pins(aside)
-    if pins is not None:
-        _write_hold(settings, {**hold, "pins_salvaged": True})
     ix = Index(path)
     report = Catalog(settings, ix).reconcile()
-    restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in pins or ())
+    wanted = sorted(set(pins or ()))
+    restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
+    # Relaxed only once every pin is back in the index: a crash before this, or a pinned checkpoint
+    # in a tier that could not be listed, keeps the strict hold.
+    if pins is not None and restored == len(wanted):
+        _write_hold(settings, {**hold, "pins_salvaged": True})
     log.warning(
         "index rebuilt from the tiers",
         checkpoints=len(ix.checkpoints()),
         tiers_failed=sorted(report.tiers_failed),
-        pins_salvaged=None if pins is None else len(pins),
+        pins_salvaged=None if pins is None else len(wanted),
         pins_restored=restored,
     )
-    if pins is None:
+    if pins is None or restored != len(wanted):
         log.error(
-            "the damaged index could not be read for pins: expiries and reaps stay held; re-pin what must "
-            "be kept (ckptkeeper pin), then run `ckptkeeper prune --force`"
+            "pins could not all be restored from the damaged index: expiries and reaps stay held; re-pin "
+            "what must be kept (ckptkeeper pin), then run `ckptkeeper prune --force`",
+            pins_restored=restored,
+            pins_salvaged=None if pins is None else len(wanted),
         )
     return ix
 
