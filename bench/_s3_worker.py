@@ -26,6 +26,17 @@ from pathlib import Path
 from typing import Any
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+_SETUP_RSS = [0]
+
+
 def _cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -40,6 +51,7 @@ def _boto3(job: dict[str, Any]) -> tuple[float, float, int]:
     total = 0
     if job["op"] == "upload":
         client.head_bucket(Bucket=job["bucket"])  # connection + credentials outside the timing
+        _SETUP_RSS[0] = _rss()
         cpu0, t0 = _cpu(), time.perf_counter()
         for rel in files:
             client.upload_file(str(root / rel), job["bucket"], f"{job['prefix']}/{rel}")
@@ -74,6 +86,7 @@ def _ckptkeeper(job: dict[str, Any]) -> tuple[float, float, int]:
     cold.fs.ls(job["bucket"])  # s3fs session + connection outside the timing, as for boto3
     if job["op"] == "upload":
         hot = TierStorage(TierSpec("hot", job["hot_root"], TierPolicy()), hot=True)
+        _SETUP_RSS[0] = _rss()
         cpu0, t0 = _cpu(), time.perf_counter()
         cold.copy_from(hot, manifest)
     else:
@@ -88,7 +101,7 @@ def main() -> None:
         os.environ[name] = value
     wall, cpu, total = (_boto3 if job["client"] == "boto3" else _ckptkeeper)(job)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"wall": wall, "cpu": cpu, "maxrss": maxrss, "bytes": total}))
+    print(json.dumps({"wall": wall, "cpu": cpu, "maxrss": maxrss, "bytes": total, "setup_rss": _SETUP_RSS[0]}))
 
 
 if __name__ == "__main__":

@@ -1165,52 +1165,109 @@ class _S3Reader:
         self._close_body()
 
 
+class _PartStream(io.BytesIO):
+    """A read-only stream over ``buf[:size]`` that never copies the whole part.
+
+    A ``BytesIO`` subclass because aiohttp streams those inline in 256 KiB reads (other file-likes
+    cost an executor hop per read; a ``bytes``/``bytearray`` body is copied whole into the socket
+    transport's buffer); each ``read`` copies out just that chunk.
+    """
+
+    def __init__(self, buf: bytearray, size: int) -> None:
+        super().__init__()
+        self._view = memoryview(buf)[:size]
+        self._pos = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        start = self._pos
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        self._pos = end
+        return self._view[start:end].tobytes()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getbuffer(self) -> memoryview:
+        return self._view[self._pos :]
+
+    def getvalue(self) -> bytes:
+        return self._view.tobytes()
+
+
+class _PartPool:
+    """Part buffers reused across the parts and files of one copy: at most ``max_inflight + 1``
+    of a size exist, and no part pays page faults on fresh memory."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[bytearray]] = {}
+
+    def get(self, size: int) -> bytearray:
+        free = self.free.get(size)
+        return free.pop() if free else bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        self.free.setdefault(len(buf), []).append(buf)
+
+
 class _S3FileWriter:
     """Streams one object: a single PUT if it fits in one part, else a multipart upload.
 
-    Memory: the part being filled (a list of the caller's chunks, joined once when full) plus at
-    most ``max_inflight`` parts uploading concurrently on fsspec's IO loop. Parts are sent as a
-    ``BytesIO``: aiohttp then streams them in 64 KiB writes, where a ``bytes`` body is copied twice
-    more inside aiohttp/asyncio (measured: ~2.4x the part size per part in flight).
+    Memory: the part being filled plus at most ``max_inflight`` parts uploading concurrently on
+    fsspec's IO loop, all in buffers of the copy's :class:`_PartPool`. Each byte is copied once
+    into a part buffer and once more, 256 KiB at a time, on its way to the socket.
     Every request carries the CRC32 of its body, computed here from the bytes that were hashed.
     """
 
-    def __init__(self, tier: S3TierStorage, key: str, entry: FileEntry, where: str) -> None:
+    def __init__(self, tier: S3TierStorage, key: str, entry: FileEntry, where: str, pool: _PartPool) -> None:
         self.tier = tier
         self.key = key
         self.entry = entry
         self.where = where
+        self.pool = pool
         self.part_size = tier._part_size_for(entry.size)
-        self.chunks: list[bytes] = []
-        self.buffered = 0
+        self.single = entry.size <= self.part_size
+        """The whole object fits in one part: one PUT, no multipart upload."""
+        self.buf: bytearray | None = None
+        self.filled = 0
         self.crc = 0
         self.upload_id: str | None = None
         self.next_part = 1
         self.parts: list[dict[str, Any]] = []
         self.part_crcs: list[int] = []
-        self.pending: deque[tuple[int, int, Future[Any]]] = deque()
+        self.pending: deque[tuple[int, int, Future[Any], bytearray]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
 
     def write(self, data: bytes | memoryview, /) -> None:
-        if isinstance(data, memoryview):
-            data = data.tobytes()  # the caller reuses its buffer
-        while data:
-            room = self.part_size - self.buffered
-            take, data = (data, b"") if len(data) <= room else (data[:room], data[room:])
-            self.chunks.append(take)
-            self.buffered += len(take)
+        view = memoryview(data)
+        while view:
+            if self.buf is None:
+                self.buf = self.pool.get(max(1, min(self.part_size, self.entry.size)))
+            n = min(len(view), len(self.buf) - self.filled)
+            if n == 0:  # only a single-PUT object can fill its one buffer before finish()
+                raise VerificationError(f"{self.where}: more than the {self.entry.size} bytes expected")
+            take = view[:n]
+            self.buf[self.filled : self.filled + n] = take
             self.crc = zlib.crc32(take, self.crc)
-            if self.buffered == self.part_size and self.entry.size > self.part_size:
+            self.filled += n
+            view = view[n:]
+            if self.filled == len(self.buf) and not self.single:
                 self._send_part()
 
-    def _take_buffer(self) -> tuple[bytes, int]:
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        crc = self.crc
-        self.chunks, self.buffered, self.crc = [], 0, 0
-        return body, crc
+    def _take_buffer(self) -> tuple[bytearray, int, int]:
+        buf = self.buf if self.buf is not None else bytearray(0)
+        taken = (buf, self.filled, self.crc)
+        self.buf, self.filled, self.crc = None, 0, 0
+        return taken
 
     def _send_part(self) -> None:
+        import asyncio
+
         tier = self.tier
         if self.upload_id is None:
             resp = tier._call(
@@ -1218,19 +1275,13 @@ class _S3FileWriter:
             )
             self.upload_id = resp["UploadId"]
         self._drain(tier.max_inflight - 1)
-        import asyncio
-
-        body, crc = self._take_buffer()
-        # The BytesIO becomes the only owner of the joined part: aiohttp's getbuffer() unshares
-        # it once (one transient copy), after which our bytes are freed.
-        stream = io.BytesIO(body)
-        del body
+        buf, size, crc = self._take_buffer()
         number = self.next_part
         self.next_part += 1
-        coro = self._upload_part(self.upload_id, number, stream, _crc32_b64(crc))
-        self.pending.append((number, crc, asyncio.run_coroutine_threadsafe(coro, tier.fs.loop)))
+        coro = self._upload_part(self.upload_id, number, _PartStream(buf, size), _crc32_b64(crc))
+        self.pending.append((number, crc, asyncio.run_coroutine_threadsafe(coro, tier.fs.loop), buf))
 
-    async def _upload_part(self, upload_id: str, number: int, body: io.BytesIO, crc: str) -> Any:
+    async def _upload_part(self, upload_id: str, number: int, body: _PartStream, crc: str) -> Any:
         """UploadPart with s3fs's retry policy, rewinding the stream before every attempt (s3fs's
         own retry loop would resend a half-consumed one; botocore's retries rewind it too)."""
         import asyncio
@@ -1261,8 +1312,9 @@ class _S3FileWriter:
 
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
-            number, crc, fut = self.pending.popleft()
+            number, crc, fut, buf = self.pending.popleft()
             resp = fut.result()
+            self.pool.put(buf)  # the request is over: nothing reads the buffer any more
             self._check_echo(resp, _crc32_b64(crc), f"part {number}")
             self.parts.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _crc32_b64(crc)})
             self.part_crcs.append(crc)
@@ -1277,19 +1329,20 @@ class _S3FileWriter:
     def finish(self) -> None:
         tier = self.tier
         if self.upload_id is None:
-            body, crc = self._take_buffer()
+            buf, size, crc = self._take_buffer()
             expected = _crc32_b64(crc)
             resp = tier._call(
                 "put_object",
                 Bucket=tier.bucket,
                 Key=self.key,
-                Body=body,
+                Body=_PartStream(buf, size),
                 ChecksumAlgorithm="CRC32",
                 ChecksumCRC32=expected,
             )
+            self.pool.put(buf)
             self._check_echo(resp, expected, "put")
         else:
-            if self.buffered:
+            if self.filled:
                 self._send_part()
             self._drain(0)
             combined = b"".join(c.to_bytes(4, "big") for c in self.part_crcs)
@@ -1324,11 +1377,11 @@ class _S3FileWriter:
     def abort(self) -> None:
         import concurrent.futures
 
-        for _, _, fut in self.pending:
+        for _, _, fut, _ in self.pending:
             fut.cancel()
-        concurrent.futures.wait([f for _, _, f in self.pending], timeout=60)
-        self.pending.clear()
-        self.chunks, self.buffered = [], 0
+        concurrent.futures.wait([f for _, _, f, _ in self.pending], timeout=60)
+        self.pending.clear()  # their buffers are dropped, not reused: a cancelled send may hold them
+        self.buf, self.filled = None, 0
         if self.upload_id is not None:
             try:
                 self.tier._call(
@@ -1361,6 +1414,7 @@ class _S3Sink:
         self.with_manifest = with_manifest
         self.written: list[str] = []
         self.writer: _S3FileWriter | None = None
+        self.pool = _PartPool()
         self.untrusted: list[tuple[str, FileEntry]] = []
         self.commit_attempted = False
         self.committed = False
@@ -1373,7 +1427,9 @@ class _S3Sink:
     def open_file(self, entry: FileEntry) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
         self.written.append(key)
-        self.writer = _S3FileWriter(self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}")
+        self.writer = _S3FileWriter(
+            self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool
+        )
         return _GuardedWriter(self, self.writer)
 
     def commit(self, manifest: Manifest) -> None:
@@ -1456,17 +1512,26 @@ class S3TierStorage(TierStorage):
     """A tier in S3-compatible object storage, through s3fs/aiobotocore."""
 
     is_local = False
-    part_size: int = 16 * 2**20
+    part_size: int = 8 * 2**20
     """Multipart part size (grown for objects that would need more than ~9000 parts)."""
-    max_inflight: int = 4
-    """Parts uploaded concurrently per file: peak memory ≈ (max_inflight + 1) * part_size."""
+    max_inflight: int = 3
+    """Parts uploaded concurrently per file: part buffers ≈ (max_inflight + 1) * part_size.
+
+    Measured against a local moto server, 4 x 256 MiB (bench/s3_transfer.py): 16 MiB x 4 took
+    1.39 client CPU-s/GiB and 150 MiB peak RSS, 8 MiB x 3 1.57 CPU-s/GiB and ~100 MiB, 5 MiB x 4
+    1.71 CPU-s/GiB (more requests, each ~ms of botocore); all at or above boto3's wall speed. A
+    training node's memory is scarcer than the difference in CPU."""
     default_config: ClassVar[dict[str, Any]] = {
         "retries": {"max_attempts": 3, "mode": "standard"},
         "read_timeout": 120,
+        "s3": {"payload_signing_enabled": False},
     }
     """botocore defaults unless ``storage_options["config_kwargs"]`` says otherwise: bounded retries
-    (on top of s3fs's own 5 for transient errors), and a read timeout long enough for
-    CompleteMultipartUpload of a large object (s3fs's 15 s made moto time out at 1 GB)."""
+    (on top of s3fs's own 5 for transient errors), a read timeout long enough for
+    CompleteMultipartUpload of a large object (s3fs's 15 s made moto time out at 1 GB), and no
+    SHA-256 of every body for the signature: each body already carries its CRC32 in a signed header
+    that the store checks, which is what botocore itself settles for over HTTPS; over plain HTTP it
+    would otherwise hash every byte a second time (~0.9 CPU-s/GiB, bench/s3_transfer.py)."""
 
     def __init__(self, spec: TierSpec, *, hot: bool = False) -> None:
         super().__init__(spec, hot=hot)

@@ -84,3 +84,26 @@ def test_a_changed_source_still_aborts_with_pending_files(tiers: tuple[Path, Tie
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert not (warm / "run" / "ckpt").exists()
     assert warm_tier.list_staging() == []
+
+
+def test_s3_parts_reuse_buffers_across_files_and_stay_exact(
+    tiers: tuple[Path, TierStorage, Path, TierStorage], s3_bucket: str, s3_reset: str, tmp_path: Path
+) -> None:
+    """Part buffers come from one pool per copy: reused across parts and files, never mixed up."""
+    hot, hot_tier, _, _ = tiers
+    ckpt = hot / "run" / "ckpt"
+    ckpt.mkdir(parents=True)
+    MiB = 2**20
+    for i, size in enumerate((11 * MiB + 7, 5 * MiB, 3, 0, 10 * MiB)):  # multipart, exact part, tiny, empty
+        (ckpt / f"shard-{i}.pt").write_bytes(os.urandom(size))
+    manifest = _manifest(hot, "run", "ckpt")
+    cold = TierStorage(
+        TierSpec("cold", f"s3://{s3_bucket}/cold", TierPolicy(), storage_options={"endpoint_url": s3_reset})
+    )
+    assert isinstance(cold, storage.S3TierStorage)
+    cold.part_size = 5 * MiB
+    cold.max_inflight = 2
+    cold.copy_from(hot_tier, manifest)
+    assert cold.verify(manifest) == []
+    restored = cold.fetch(manifest, tmp_path / "restore")
+    assert _tree(restored) == _tree(ckpt)
