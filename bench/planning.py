@@ -53,7 +53,7 @@ def synthetic_snapshot(n_checkpoints: int, seed: int = 8) -> Snapshot:
     the index of a node where retention has been running all along. Then the churn of one pass:
     every active run has a fresh checkpoint in hot only (a replica and a demotion to plan), one run
     in a hundred just failed with its whole history (reaps), failed and stale runs reaped earlier
-    hold their last checkpoint only.
+    hold their last checkpoint only. Sorted by (run, step), as ``Index.snapshot()`` returns them.
     """
     from ckptkeeper.retention import rules_for, select_union
 
@@ -115,7 +115,6 @@ def synthetic_snapshot(n_checkpoints: int, seed: int = 8) -> Snapshot:
             kept.append(replace(fresh, tiers=frozenset({"hot"})))
         runs.append(Run(name=name, state=state, last_seen=end))
         checkpoints.extend(kept)
-    rng.shuffle(checkpoints)  # the planner must not depend on input order
     return Snapshot(runs=tuple(runs), checkpoints=tuple(checkpoints))
 
 

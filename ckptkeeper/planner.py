@@ -58,7 +58,7 @@ import gc
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise, repeat
 from operator import attrgetter
 
@@ -306,7 +306,7 @@ def _reaps(
     notes: list[str],
 ) -> tuple[list[Action], set[tuple[str, int]], Mapping[tuple[str, int], tuple[str, ...]]]:
     """Ask the reaper, then drop what the planner's own guarantees forbid (defence in depth)."""
-    decision = plan_reaps(snapshot, tiers, policy, now)
+    decision = plan_reaps(_reaper_view(snapshot), tiers, policy, now)
     unknown_names = {tiers[i].name for i in unknown}
     blocked: dict[tuple[str, int], list[str]] = {}
     actions: list[Action] = []
@@ -321,6 +321,30 @@ def _reaps(
     for (run, step), why in sorted(blocked.items()):
         notes.append(f"not reaping {run}@{step}: {', '.join(why)}")
     return actions, set(decision.reaped) - blocked.keys(), decision.keep_reasons
+
+
+def _reaper_view(snapshot: Snapshot) -> Snapshot:
+    """The part of the snapshot the reaper's verdicts depend on, the same decision at a fraction
+    of the cost (1M checkpoints: 4 s -> 0.2 s, bench/planning.py).
+
+    ``plan_reaps`` says nothing about a complete checkpoint of a live run (retention's business,
+    see :class:`ckptkeeper.reaper.ReapDecision`); such a checkpoint only matters to it as a spared
+    path an artifact may sit in. So it gets every checkpoint of failed and stale runs, every
+    incomplete one, and the complete ones of live runs that hold an artifact.
+    """
+    dead = {r.name for r in snapshot.runs if r.state is RunState.FAILED or r.state is RunState.STALE}
+    holders: set[str] = set()
+    for a in snapshot.artifacts:
+        parts = a.path.rstrip("/").split("/")
+        holders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    kept = [
+        c
+        for c in snapshot.checkpoints
+        if c.state is not _COMPLETE or c.run in dead or (holders and c.rel_path.rstrip("/") in holders)
+    ]
+    if len(kept) == len(snapshot.checkpoints):
+        return snapshot
+    return replace(snapshot, checkpoints=tuple(kept))
 
 
 def _residency(

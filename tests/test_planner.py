@@ -520,7 +520,8 @@ def test_planner_vetoes_reaps_of_protected_checkpoints(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(planner, "plan_reaps", reckless)
     cps = (ckpt(100, pinned=True), ckpt(200), ckpt(300))
-    p = planner.plan(snap(*cps), [tier("hot")], {}, T0, reaper=ReaperPolicy())
+    # A failed run: the planner only shows the reaper what it may judge (not live complete ones).
+    p = planner.plan(snap(*cps, runs=[Run("a", RunState.FAILED, T0)]), [tier("hot")], {}, T0, reaper=ReaperPolicy())
     assert keys(p.actions, ActionKind.REAP) == [("a", 200, "hot")]
     assert p.notes == ("not reaping a@100: pinned", "not reaping a@300: newest complete checkpoint of run")
     assert {k.step for k in p.keep} == {100, 300}
