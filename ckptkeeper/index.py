@@ -561,7 +561,7 @@ class Index:
             self._db.execute("BEGIN")
             try:
                 runs = tuple(r.to_model() for r in self.runs())
-                checkpoints = tuple(c.to_model() for c in self.checkpoints())
+                checkpoints = self._snapshot_checkpoints()
                 artifacts = tuple(self.artifacts())
                 statuses = self.tier_statuses()
             finally:
@@ -574,6 +574,46 @@ class Index:
         return Snapshot(
             runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown)
         )
+
+    def _snapshot_checkpoints(self) -> tuple[Checkpoint, ...]:
+        """``CheckpointRow.to_model()`` of every row, without reading the manifests (the bulk of a
+        row) or building the intermediate rows: 100k checkpoints 4 s -> ~1 s (bench/planning.py)."""
+        by_id: dict[int, list[tuple[str, str]]] = {}
+        for cid, tier, version in self._db.execute("SELECT checkpoint_id, tier, version FROM locations"):
+            by_id.setdefault(cid, []).append((tier, version))
+        shared: dict[frozenset[str], frozenset[str]] = {}
+        nowhere: frozenset[str] = frozenset()
+        states = {s.value: s for s in CheckpointState}
+        loads = json.loads
+        rows = self._db.execute(
+            """SELECT id, run, name, step, layout, state, created_at, last_write, bytes, metrics, pinned,
+                      committed, version FROM checkpoints ORDER BY run, step, name"""
+        )
+        out = []
+        for cid, run, name, step, layout, state, created, last_write, nbytes, metrics, pinned, committed, version in rows:
+            tiers = nowhere
+            locations = by_id.get(cid)
+            if locations:
+                verified = frozenset(t for t, v in locations if v == version)
+                tiers = shared.setdefault(verified, verified)  # a handful of distinct sets
+            out.append(
+                Checkpoint(
+                    run=run,
+                    step=step,
+                    name=name,
+                    layout=layout,
+                    state=states[state],
+                    created_at=created,
+                    bytes=nbytes,
+                    metrics=loads(metrics),
+                    pinned=bool(pinned),
+                    version=version,
+                    tiers=tiers,
+                    last_write=last_write,
+                    committed=bool(committed),
+                )
+            )
+        return tuple(out)
 
     # -- journal ---------------------------------------------------------------------------
 
