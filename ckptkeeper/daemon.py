@@ -92,6 +92,18 @@ def _bridge_stdlib_logging() -> _StdlibBridge:
     return handler
 
 
+def _release_memory() -> None:
+    """Give the heap a job's snapshot and plan used back to the OS: the daemon idles between jobs,
+    and glibc keeps freed memory mapped otherwise (10k checkpoints: RSS 89 -> ~70 MiB, bench/)."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -407,6 +419,7 @@ class Daemon:
             error=error,
             seconds=round(time.monotonic() - started, 3),
         )
+        _release_memory()
         notify(self._status_line())
 
     def _rescan(self) -> str | None:
