@@ -160,6 +160,15 @@ class Node:
         elif path.exists():
             path.unlink()
 
+    def newest_bytes(self, runs: list[SimRun]) -> int:
+        """Bytes in hot of every run's newest complete checkpoint (protected: never demoted)."""
+        total = 0
+        for run in runs:
+            complete = [n for _, n, ok in run.written if ok]
+            if complete and (self.hot / run.name / complete[-1]).exists():
+                total += _bytes(self.hot / run.name / complete[-1])
+        return total
+
     def wasted(self, runs: list[SimRun]) -> int:
         """Bytes in hot nobody needs: partials, and all but the newest complete of dead runs."""
         waste = 0
@@ -299,6 +308,7 @@ def run(cfg: Config) -> list[Row]:
         keeper.index.close()
         b_waste, o_waste = base.wasted(runs_a), ours.wasted(runs_b)
         b_end, o_end = base.usage(), ours.usage()
+        protected = ours.newest_bytes(runs_b)
     if keeper.failed:
         raise RuntimeError(f"executor actions failed: {keeper.failed[:3]}")
     kinds = {e: sum(r.end == e for r in runs_a) for e in ("finished", "failed", "abandoned")}
@@ -335,5 +345,10 @@ def run(cfg: Config) -> list[Row]:
             target="0",
             ok=ours.full_events == 0,
             baseline_label="rotation",
+            note=(
+                f"at the end the newest complete checkpoint of each of the {len(runs_b)} runs holds "
+                f"{protected / budget * 100:.0f} % of the hot budget in ckptkeeper's hot tier: it is protected, "
+                "and DESIGN §3 never demotes a protected checkpoint, even above the high watermark"
+            ),
         ),
     ]
