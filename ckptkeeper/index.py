@@ -214,6 +214,29 @@ class JobRun:
     last_error_at: float | None
 
 
+class _Result:
+    """A finished statement: its rows, fetched while the index lock was held."""
+
+    __slots__ = ("_rows", "lastrowid", "rowcount")
+
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
+        try:
+            self._rows: list[Any] = cursor.fetchall()
+            self.rowcount = cursor.rowcount
+            self.lastrowid = cursor.lastrowid
+        finally:
+            cursor.close()
+
+    def fetchone(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
 class Index:
     """A connection to the catalog. Thread-safe by serialising access (one writer anyway)."""
 
@@ -310,11 +333,24 @@ class Index:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                # A COMMIT that failed leaves the transaction open on this shared connection: every
+                # later write of every thread would silently join it and never be committed.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
 
-    def _exec(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> sqlite3.Cursor:
+    def _exec(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> _Result:
+        """Run one statement and fetch all it returns while holding the lock.
+
+        The daemon's threads share this connection: a cursor still being read outside the lock is
+        a statement in progress, and another thread's COMMIT then fails ("cannot commit transaction
+        - SQL statements in progress").
+        """
         with self._lock:
-            return self._db.execute(sql, params)
+            return _Result(self._db.execute(sql, params))
 
     # -- runs ------------------------------------------------------------------------------
 

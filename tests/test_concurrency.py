@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,69 @@ def test_pin_from_another_process_during_a_slow_prune_saves_the_checkpoint(
     assert node.intact_in(("train", 400), "hot", s3_client) and node.intact_in(
         ("failed", 100), "hot", s3_client
     )
+
+
+def test_index_threads_never_leave_a_write_uncommitted(tmp_path: Path) -> None:
+    """Found by the crash stress (a daemon trial left an S3 staging marker): the daemon's watcher
+    and executor threads share one SQLite connection. ``journal_begin`` ran ``INSERT … RETURNING``
+    under the lock but read the returned row after releasing it; a watcher COMMIT landing in between
+    failed ("SQL statements in progress") and left its transaction open, so every later write of
+    the daemon — journal entries included — joined it and was never committed: a kill -9 lost the
+    journal, and other processes waited on the write lock ("database is locked")."""
+    import sqlite3
+    import threading
+
+    from ckptkeeper.index import Index
+    from ckptkeeper.model import RunState
+
+    path = tmp_path / "index.db"
+    ix = Index(path)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def journal() -> None:
+        try:
+            while not stop.is_set():
+                ix.journal_done(ix.journal_begin({"action": "copy", "path": "r/c"}, "copying"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reconcile() -> None:
+        try:
+            while not stop.is_set():
+                with ix.transaction():
+                    ix.set_tier_status("hot", True)
+                    ix.upsert_run("r", state=RunState.ACTIVE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=journal), threading.Thread(target=reconcile)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between any two bytecodes: the race in a second
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(10)
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert not ix._db.in_transaction
+    written = ix._exec("SELECT COUNT(*) FROM journal").fetchone()[0]
+    other = sqlite3.connect(path)  # another process's view: only what was committed
+    try:
+        assert other.execute("SELECT COUNT(*) FROM journal").fetchone()[0] == written > 0
+    finally:
+        other.close()
+
+    # and a COMMIT that does fail rolls back instead of leaving the transaction open
+    pending = ix._db.execute(
+        "INSERT INTO journal (action, phase, detail, started_at, updated_at) VALUES ('{}', 'x', '{}', 0, 0) RETURNING id"
+    )
+    with pytest.raises(sqlite3.OperationalError, match="statements in progress"), ix.transaction():
+        ix.set_tier_status("warm", True)
+    assert not ix._db.in_transaction
+    pending.fetchall()
+    ix.close()
