@@ -106,10 +106,18 @@ class Node:
     def hook_state(self, run: SimRun, state: str, when: float) -> None:
         d = self.hot / run.name / ".ckptkeeper"
         d.mkdir(parents=True, exist_ok=True)
-        doc = {"version": 1, "name": run.name, "state": state, "host": socket.gethostname(),
-               "pid": self.dead_pid, "started": when, "ended": when if state != "active" else None,
-               "reason": "CUDA error: an illegal memory access" if state == "failed" else None,
-               "parent": None, "heartbeat_interval": 10.0}
+        doc = {
+            "version": 1,
+            "name": run.name,
+            "state": state,
+            "host": socket.gethostname(),
+            "pid": self.dead_pid,
+            "started": when,
+            "ended": when if state != "active" else None,
+            "reason": "CUDA error: an illegal memory access" if state == "failed" else None,
+            "parent": None,
+            "heartbeat_interval": 10.0,
+        }
         (d / "run.json").write_text(json.dumps(doc))
         hb = d / "heartbeat"
         hb.touch()
@@ -161,7 +169,7 @@ class Node:
             path.unlink()
 
     def newest_bytes(self, runs: list[SimRun]) -> int:
-        """Bytes in hot of every run's newest complete checkpoint (protected: never demoted)."""
+        """Bytes in hot of every run's newest complete checkpoint (protected: never deleted)."""
         total = 0
         for run in runs:
             complete = [n for _, n, ok in run.written if ok]
@@ -193,7 +201,9 @@ def _bytes(path: Path) -> int:
 def _safetensors(payload: bytes) -> bytes:
     import struct
 
-    header = json.dumps({"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}
+    ).encode()
     return struct.pack("<Q", len(header)) + header + payload
 
 
@@ -252,8 +262,15 @@ class Keeper:
                 "max_delete": 10**6,
                 "daemon": {"metrics_addr": "", "settle_seconds": 30},
                 "tiers": [
-                    {"name": "hot", "url": str(node.hot), "keep_last": 2, "keep_best": 1,
-                     "metric": "eval_loss", "high_watermark": 0.8, "low_watermark": 0.6},
+                    {
+                        "name": "hot",
+                        "url": str(node.hot),
+                        "keep_last": 2,
+                        "keep_best": 1,
+                        "metric": "eval_loss",
+                        "high_watermark": 0.8,
+                        "low_watermark": 0.6,
+                    },
                     {"name": "warm", "url": str(warm), "keep_last": 5, "keep_within": "7d"},
                 ],
                 "reaper": {"failed_after": "2h", "partial_after": "1h", "keep_last_of_failed": 1},
@@ -277,8 +294,9 @@ class Keeper:
         snapshot = self.index.snapshot([t.name for t in specs])
         usage = {"hot": TierUsage(total_bytes=self.budget, used_bytes=self.node.usage()), "warm": None}
         p = plan(snapshot, specs, usage, now, reaper=self.settings.reaper.to_policy(), max_delete=10**6)
-        result = Executor(self.index, specs, partial_after=self.settings.reaper.partial_after,
-                          clock=lambda: self.now).apply(p)
+        result = Executor(
+            self.index, specs, partial_after=self.settings.reaper.partial_after, clock=lambda: self.now
+        ).apply(p)
         self.failed += [f"{a.action.value} {a.path}: {err}" for a, err in result.failed]
         self.passes += 1
 
@@ -346,9 +364,9 @@ def run(cfg: Config) -> list[Row]:
             ok=ours.full_events == 0,
             baseline_label="rotation",
             note=(
-                f"at the end the newest complete checkpoint of each of the {len(runs_b)} runs holds "
-                f"{protected / budget * 100:.0f} % of the hot budget in ckptkeeper's hot tier: it is protected, "
-                "and DESIGN §3 never demotes a protected checkpoint, even above the high watermark"
+                f"the runs' newest complete checkpoints (protected: never deleted) still in hot at the end "
+                f"hold {protected / budget * 100:.0f} % of the budget; above the high watermark those of "
+                "ended runs move to warm once every unprotected checkpoint has"
             ),
         ),
     ]

@@ -24,8 +24,9 @@ How a plan is made, in order:
 5. **Watermarks**: tier by tier, fastest first, when a tier's usage (now, or projected after this
    plan) exceeds ``high_watermark``, its unprotected residents are demoted to the next tier, oldest
    first (``created_at``, then step, then run), until the projected usage is at most
-   ``low_watermark`` (``high_watermark`` if unset). Demotions cascade: the next tier treats them as
-   its own residents. The projection is exactly the bytes this plan copies in minus the bytes it
+   ``low_watermark`` (``high_watermark`` if unset). If that is not enough, the newest checkpoints
+   of runs that ended follow, oldest first (moved, never deleted: see :func:`_watermarks`).
+   Demotions cascade: the next tier treats them as its own residents. The projection is exactly the bytes this plan copies in minus the bytes it
    deletes or reaps, so executing the plan lands where the planner said.
 6. **Actions** from desired vs actual: copies to desired tiers lacking a verified copy, from the
    fastest known tier holding one; deletes from tiers holding a copy that is not desired there.
@@ -95,6 +96,8 @@ _COMPLETE = CheckpointState.COMPLETE
 _COPY = ActionKind.COPY
 _DELETE = ActionKind.DELETE
 _by_step = attrgetter("step")
+_NEWEST_ONLY = [NEWEST]
+"""The protection of a checkpoint that is only protected as the newest of its run."""
 
 Protections = dict[str, dict[int, list[str]]]
 """run -> step -> why the checkpoint is protected."""
@@ -225,7 +228,8 @@ def _plan(
         reap_actions, reaped, reap_keep = _reaps(snapshot, tiers, reaper, now, protections, unknown, notes)
 
     items = _residency(by_run, pos, unknown, tiers, rules, protections, reaped)
-    _watermarks(items, tiers, usage, unknown, reap_actions, pos, notes)
+    ended = frozenset(r.name for r in snapshot.runs if r.state is not RunState.ACTIVE)
+    _watermarks(items, tiers, usage, unknown, reap_actions, pos, ended, notes)
     copies, deletes, keeps = _emit(items, names, rules, unknown, protections, reap_keep, run)
 
     if run is not None:
@@ -435,9 +439,19 @@ def _watermarks(
     unknown: frozenset[int],
     reap_actions: Sequence[Action],
     pos: Mapping[str, int],
+    ended: frozenset[str],
     notes: list[str],
 ) -> None:
-    """Demote the oldest unprotected residents of tiers above their high watermark (in place)."""
+    """Demote the oldest residents of tiers above their high watermark (in place).
+
+    Two rounds per tier. First the unprotected residents, oldest first. If that is not enough,
+    the newest checkpoints of runs that ended (finished, failed, stale), oldest first: protection
+    means "never deleted", and a demotion is copy, verify, then delete from this tier only, so the
+    checkpoint is still kept; without this round a node that ran many jobs fills its hot tier with
+    their last checkpoints (bench/campaign.py: 98 % of the budget after a week). What stays put
+    even under pressure: pinned checkpoints (the executor refuses to delete a pinned copy anyway),
+    the newest checkpoint of an active run (it resumes from it) and the parent of an active run.
+    """
     ntiers = len(tiers)
     watched: dict[int, tuple[TierUsage, float, float]] = {}
     for i, spec in enumerate(tiers):
@@ -503,26 +517,50 @@ def _watermarks(
         target = low * u.total_bytes
         # Held checkpoints cannot leave (no delete this round) and one without a readable copy
         # cannot be copied: demoting either would free nothing.
-        candidates = [
-            it
-            for it in residents
-            if it.resident == i and it.protect is None and not it.hold and it.locs.known
-        ]
-        candidates.sort(key=lambda it: (it.ckpt.created_at, it.ckpt.step, it.ckpt.run))
-        for it in candidates:
-            if projected[i] <= target:
-                break
-            b = it.ckpt.bytes
-            projected[i] -= b  # the copy into i is cancelled, or the copy in i gets deleted
-            if i + 1 not in it.desired and i + 1 in projected:
-                projected[i + 1] += b
-            it.desired = (it.desired - {i}) | {i + 1}
-            it.resident = i + 1
-            it.demoted = (*it.demoted, demotion)
+        movable = [it for it in residents if it.resident == i and not it.hold and it.locs.known]
+        unprotected = [it for it in movable if it.protect is None]
+        _demote_oldest(unprotected, i, projected, target, demotion)
+        if projected[i] > target:
+            # A protected checkpoint no rule places has no residence but stays where it is.
+            ended_newest = [
+                it
+                for it in residents
+                if it.protect == _NEWEST_ONLY
+                and it.ckpt.run in ended
+                and (it.resident == i or (it.resident is None and i in it.desired))
+                and not it.hold
+                and it.locs.known
+            ]
+            pressure = (demotion[0], f"{demotion[1]}: newest checkpoint of ended run, moved not deleted")
+            _demote_oldest(ended_newest, i, projected, target, pressure)
         if projected[i] > target:
             notes.append(
-                f"{name} still above low watermark {low:.0%} after demoting every unprotected checkpoint"
+                f"{name} still above low watermark {low:.0%} after demoting every checkpoint it may"
+                " (pinned ones, active runs' newest and parents of active runs stay)"
             )
+
+
+def _demote_oldest(
+    candidates: list[_Item],
+    tier: int,
+    projected: dict[int, float],
+    target: float,
+    demotion: tuple[str, str],
+) -> None:
+    """Move ``candidates`` residing in ``tier`` one tier down, oldest first, until it is at most
+    ``target`` bytes; ``projected`` follows each move so the next tier sees what it receives."""
+    candidates.sort(key=lambda it: (it.ckpt.created_at, it.ckpt.step, it.ckpt.run))
+    below = tier + 1
+    for it in candidates:
+        if projected[tier] <= target:
+            return
+        b = it.ckpt.bytes
+        projected[tier] -= b  # the copy into tier is cancelled, or the copy in tier gets deleted
+        if below not in it.desired and below in projected:
+            projected[below] += b
+        it.desired = (it.desired - {tier}) | {below}
+        it.resident = below
+        it.demoted = (*it.demoted, demotion)
 
 
 def _emit(

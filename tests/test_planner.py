@@ -438,7 +438,89 @@ def test_watermark_triggered_by_projected_usage() -> None:
     assert keys(p.actions, ActionKind.COPY) == [("a", 100, "hot"), ("a", 200, "hot"), ("a", 300, "hot")]
     assert {a.to_tier for a in p.actions if a.action is ActionKind.COPY} == {"cold"}
     assert "projected 70%" in p.actions[0].reason
-    assert p.notes == ("warm still above low watermark 30% after demoting every unprotected checkpoint",)
+    assert p.notes == (
+        "warm still above low watermark 30% after demoting every checkpoint it may"
+        " (pinned ones, active runs' newest and parents of active runs stay)",
+    )
+
+
+def test_watermark_pressure_moves_newest_of_ended_runs_after_every_unprotected_one() -> None:
+    """A node that ran many jobs: their newest checkpoints alone fill hot. Unprotected ones go
+    first; then the newest of ended runs, oldest first, as moves (still kept in warm); pinned
+    checkpoints, the newest of an active run and the parent of an active run never move."""
+    tiers = [tier("hot", keep_last=2, high_watermark=0.8, low_watermark=0.5), tier("warm")]
+    cps = [
+        ckpt(100, run="done-old", created_at=T0 + 1),
+        ckpt(200, run="done-old", created_at=T0 + 2),  # newest of a finished run, oldest such
+        ckpt(100, run="failed", created_at=T0 + 3),  # newest of a failed run
+        ckpt(100, run="done-new", created_at=T0 + 4),  # newest of a finished run, younger
+        ckpt(100, run="pinned", created_at=T0 + 0, pinned=True),  # oldest of all, but pinned
+        ckpt(100, run="parent", created_at=T0 + 0.5),  # resumed from by the active run
+        ckpt(100, run="live", created_at=T0 + 0.2),  # newest of an active run
+    ]
+    runs = [
+        Run("done-old", RunState.FINISHED, T0),
+        Run("failed", RunState.FAILED, T0),
+        Run("done-new", RunState.FINISHED, T0),
+        Run("pinned", RunState.FINISHED, T0),
+        Run("parent", RunState.FINISHED, T0),
+        Run("live", RunState.ACTIVE, T0, parent=("parent", 100)),
+    ]
+    # 700 of 800 bytes used (87.5 %): must get to 400. done-old@100 is the only unprotected
+    # checkpoint (600 left), then done-old@200 (500) and failed@100 (400): done-new stays.
+    p = planner.plan(snap(*cps, runs=runs), tiers, {"hot": TierUsage(800, 700)}, T0 + 10)
+    copies = [(a.run, a.step, a.tier, a.to_tier, a.rule) for a in p.actions if a.action is ActionKind.COPY]
+    assert copies == [
+        ("done-old", 100, "hot", "warm", "watermark"),
+        ("done-old", 200, "hot", "warm", "watermark"),
+        ("failed", 100, "hot", "warm", "watermark"),
+    ]
+    deletes = [(a.run, a.step, a.tier, a.reason, a.rule) for a in p.actions if a.action is ActionKind.DELETE]
+    assert deletes == [
+        ("done-old", 100, "hot", "moved to warm", "moved"),
+        ("done-old", 200, "hot", "moved to warm", "moved"),
+        ("failed", 100, "hot", "moved to warm", "moved"),
+    ]
+    moved_protected = next(
+        a for a in p.actions if (a.run, a.step, a.action) == ("failed", 100, ActionKind.COPY)
+    )
+    assert moved_protected.reason == (
+        "demote: hot above high watermark 80% (usage 88%): newest checkpoint of ended run, moved not deleted"
+    )
+    keep = {(k.run, k.step): (k.tier, k.reasons) for k in p.keep}
+    assert keep[("failed", 100)] == (
+        "warm",
+        ("no rules: keep all", "demoted: hot above high watermark 80%", planner.NEWEST),
+    )
+    for stays in ("done-new", "pinned", "parent", "live"):
+        assert keep[(stays, 100)][0] == "hot", stays
+    assert p.notes == ()
+    assert p.refused is None  # moves are not deletions: max_delete does not count them
+
+    # Not enough even so: everything that may move has moved, and the operator is told why.
+    p = planner.plan(snap(*cps, runs=runs), tiers, {"hot": TierUsage(1000, 990)}, T0 + 10)
+    moved = {(a.run, a.step) for a in p.actions if a.action is ActionKind.COPY}
+    assert moved == {("done-old", 100), ("done-old", 200), ("failed", 100), ("done-new", 100)}
+    assert p.notes == (
+        "hot still above low watermark 50% after demoting every checkpoint it may"
+        " (pinned ones, active runs' newest and parents of active runs stay)",
+    )
+
+
+def test_watermark_pressure_moves_a_protected_checkpoint_no_rule_places() -> None:
+    """The newest of an ended run that hot's rules do not keep (it only stays as protected) still
+    leaves under pressure, as a move: a copy in warm, then the delete from hot."""
+    tiers = [tier("hot", keep_every=1000, high_watermark=0.5), tier("warm", keep_every=1000)]
+    p = planner.plan(snap(ckpt(100)), tiers, {"hot": TierUsage(100, 100)}, T0)
+    assert [(a.action, a.tier, a.to_tier, a.reason) for a in p.actions] == [
+        (
+            ActionKind.COPY,
+            "hot",
+            "warm",
+            "demote: hot above high watermark 50% (usage 100%): newest checkpoint of ended run, moved not deleted",
+        ),
+        (ActionKind.DELETE, "hot", None, "moved to warm"),
+    ]
 
 
 def test_watermark_never_demotes_into_unknown_tier() -> None:
@@ -455,7 +537,8 @@ def test_watermark_skips_held_checkpoints() -> None:
     # round, so demoting it would free nothing. The next oldest goes instead.
     tiers = [tier("hot", high_watermark=0.5, low_watermark=0.4), tier("warm"), tier("cold", keep_every=1000)]
     cps = [ckpt(100, tiers=("hot", "cold")), ckpt(200), ckpt(300)]
-    p = planner.plan(snap(*cps, unknown=["cold"]), tiers, {"hot": TierUsage(1000, 550)}, T0)
+    live = [Run("a", RunState.ACTIVE, T0)]  # its newest, 300, stays under pressure too
+    p = planner.plan(snap(*cps, runs=live, unknown=["cold"]), tiers, {"hot": TierUsage(1000, 550)}, T0)
     assert keys(p.actions, ActionKind.COPY) == [("a", 200, "hot")]
     assert keys(p.actions, ActionKind.DELETE) == [("a", 200, "hot")]
 
@@ -521,7 +604,9 @@ def test_planner_vetoes_reaps_of_protected_checkpoints(monkeypatch: pytest.Monke
     monkeypatch.setattr(planner, "plan_reaps", reckless)
     cps = (ckpt(100, pinned=True), ckpt(200), ckpt(300))
     # A failed run: the planner only shows the reaper what it may judge (not live complete ones).
-    p = planner.plan(snap(*cps, runs=[Run("a", RunState.FAILED, T0)]), [tier("hot")], {}, T0, reaper=ReaperPolicy())
+    p = planner.plan(
+        snap(*cps, runs=[Run("a", RunState.FAILED, T0)]), [tier("hot")], {}, T0, reaper=ReaperPolicy()
+    )
     assert keys(p.actions, ActionKind.REAP) == [("a", 200, "hot")]
     assert p.notes == ("not reaping a@100: pinned", "not reaping a@300: newest complete checkpoint of run")
     assert {k.step for k in p.keep} == {100, 300}
