@@ -305,6 +305,11 @@ class _Judge:
             # The hook committed it and the catalog has not verified it yet: it may become the
             # newest complete checkpoint, possibly the only one a failed run leaves.
             reasons.append("committed by hook, awaiting verification")
+        elif c.state is CheckpointState.CORRUPT and c.committed:
+            # The training loop said it was complete and a layout check disagrees. Either may be
+            # wrong (a truncated write, or a recognizer that misreads a new framework version);
+            # deleting on our word alone could destroy the run's only good state.
+            reasons.append("committed by hook but judged corrupt: left for a human (ckptkeeper ls, verify)")
         last = max(c.last_write, c.created_at)
         if not _older_than(last, self.policy.partial_after, self.now):
             # Also for failed runs: a fresh partial may be an async save still finishing or a

@@ -296,6 +296,26 @@ def test_committed_but_unverified_checkpoint_is_never_partial() -> None:
     assert d.keep_reasons[("r", 200)] == ("committed by hook, awaiting verification",)
 
 
+def test_committed_checkpoint_judged_corrupt_is_left_for_a_human() -> None:
+    """The hook said complete, a layout check says corrupt: one of them is wrong, and deleting on
+    the recognizer's word could destroy the failed run's only good checkpoint. Spared however old;
+    an uncommitted corrupt one of the same age is reaped as before."""
+    snapshot = Snapshot(
+        runs=(run("r", RunState.FAILED), run("s", RunState.FINISHED)),
+        checkpoints=(
+            ckpt("r", 100, CORRUPT, age=30 * H, committed=True),
+            ckpt("s", 100),
+            ckpt("s", 200, CORRUPT, age=30 * H, committed=True),
+            ckpt("s", 300, CORRUPT, age=30 * H),
+        ),
+    )
+    d = reap(snapshot)
+    assert [(a.run, a.step) for a in d.actions] == [("s", 300)]
+    why = "committed by hook but judged corrupt: left for a human (ckptkeeper ls, verify)"
+    assert d.keep_reasons[("r", 100)] == (why,)
+    assert d.keep_reasons[("s", 200)] == (why,)
+
+
 def test_finished_and_active_runs_keep_their_complete_checkpoints() -> None:
     snapshot = Snapshot(
         runs=(run("a", RunState.ACTIVE), run("f", RunState.FINISHED)),
@@ -679,7 +699,7 @@ def test_property_protections_hold(snapshot: Snapshot, keep_n: int) -> None:
         if c.state is not COMPLETE:
             # Invariant 3: nothing recently written, nothing the hook committed, is reaped.
             assert NOW - max(c.last_write, c.created_at) > policy.partial_after
-            assert not (c.state is WRITING and c.committed)
+            assert not c.committed
         else:
             # Complete checkpoints are reaped only in failed/stale runs, beyond the newest N.
             assert state.get(c.run) in (RunState.FAILED, RunState.STALE)
