@@ -12,6 +12,12 @@ Threads, and why each exists:
 - the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
   :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
 
+Reconcile cost: the hot tier is walked in full at start, by the ``rescan`` job, on SIGHUP and
+whenever the watcher stops vouching for its events (overflow, failed reconcile, polling); a
+retention or reap pass in between syncs only the runs the watcher queued plus those whose state
+the clock can change (:meth:`Watcher.sync`). The price: a change no event reports (an mtime-only
+touch, a lost event nobody noticed) waits for the next full walk, at most ``rescan_interval``.
+
 Single instance per index (``<index>.daemon.lock``); the executor lock inside ``run_prune``
 serialises the daemon's jobs with a manual ``ckptkeeper prune``.
 """
@@ -445,25 +451,34 @@ class Daemon:
             return "the hot tier is not being watched (see the watcher errors above)"
         params = inspect.signature(run_prune).parameters
         kwargs: dict[str, Any] = {"kinds": kinds, "lock_timeout": EXECUTOR_LOCK_WAIT}
+        hot_reconcile = "run_prune"  # a run_prune without ``rescan`` reconciles by itself
+        synced_runs: int | None = None
         if "stop" in params:
             kwargs["stop"] = self.stopping
         if "rescan" in params:
             # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune
-            # where it could interleave with a watcher reconcile of the same run.
+            # where it could interleave with a watcher reconcile of the same run. A sync, not a
+            # full walk, while the watcher vouches for the index (Watcher.sync): re-parsing 10k
+            # unchanged checkpoints every pass was most of an idle daemon's CPU.
             kwargs["rescan"] = False
-            self.watcher.reconcile_all()
+            if self._deletes_held():
+                synced = self.watcher.reconcile_all()  # a rebuilt index waits on full listings of every tier
+                hot_reconcile = "full"
+            else:
+                synced = self.watcher.sync()
+                hot_reconcile = "full" if self.watcher.last_sync_full else "runs"
+            synced_runs = synced.runs
         try:
             outcome = run_prune(self.settings, self.index, **kwargs)
         except Exception as exc:
             if type(exc).__name__ == "Locked":
+                # Our executor never started; the other process's changes raise events of their own.
                 log.info("prune skipped: another process holds the executor lock", job=job, detail=str(exc))
                 return f"skipped: {exc}"
-            raise
-        finally:
-            # The executor changed the hot tier behind the watcher's back (and run_prune may have
-            # reconciled without our lock): re-sync the hot tier once it is done. Cheap: nothing
-            # unchanged is rehashed.
+            # Failed part-way: which paths it touched is unknown, so walk everything.
             self.watcher.request_full()
+            raise
+        self._resync_after(outcome)
         if self.metrics is not None:
             self.metrics.record_outcome(outcome)
         code = getattr(outcome, "exit_code", 0)
@@ -477,6 +492,8 @@ class Daemon:
             actions=len(getattr(plan, "actions", ()) or ()),
             failed=len(failed),
             reclaimed_bytes=reclaimed,
+            hot_reconcile=hot_reconcile,
+            reconciled_runs=synced_runs,
         )
         for line in failed:
             log.error("prune action failed", job=job, detail=line)
@@ -488,6 +505,37 @@ class Daemon:
         if refused:
             return f"refused by a guard: {refused}"
         return f"prune exited with code {code}"
+
+    def _deletes_held(self) -> bool:
+        try:
+            from ckptkeeper.operations import read_hold
+        except ImportError:
+            return False
+        try:
+            return read_hold(self.settings) is not None
+        except Exception:
+            return True  # cannot tell: the full reconcile is the safe choice
+
+    def _resync_after(self, outcome: Any) -> None:
+        """Queue a reconcile of each run whose hot-tier copies the executor touched.
+
+        Only those: the executor changes nothing else, and run_prune has already reconciled every
+        tier after a pass that did something (not under our lock, so the watcher re-checks the runs
+        it touched; the events of the executor's own deletes queue them as well). Recovered journal
+        steps or an action without a run name fall back to a full hot-tier reconcile.
+        """
+        assert self.watcher is not None
+        result = getattr(outcome, "result", None)
+        if result is None:
+            return
+        hot = self.settings.hot.name
+        actions = [*result.done, *(a for a, _ in result.failed)]
+        touched = [a for a in actions if hot in (a.tier, a.to_tier)]
+        if result.recovered or any(a.run is None for a in touched):
+            self.watcher.request_full()
+            return
+        for run in sorted({a.run for a in touched if a.run is not None}):
+            self.watcher.request(run)
 
     # -- watcher callbacks (watcher worker thread) -----------------------------------------
 
@@ -550,6 +598,9 @@ class Daemon:
                 )
                 return False
             changes = config_changes(old, new)
+            if self.watcher is not None:
+                # SIGHUP doubles as "look again": the one way to force a full reconcile in place.
+                self.watcher.request_full()
             if not changes:
                 log.info("config reloaded: nothing changed")
                 return True
@@ -617,10 +668,8 @@ class Daemon:
         if self.index is None:
             return f"STATUS=starting ({root})"
         try:
-            hot = self.settings.hot.name
-            count = sum(
-                1 for c in self.index.checkpoints() if c.state.value == "complete" and hot in c.verified_tiers
-            )
+            # Counted in SQL: building 10k checkpoint rows every STATUS_INTERVAL was ~0.25 CPU-s.
+            count = self.index.count_verified(self.settings.hot.name)
             jobs = self.index.job_runs()
         except Exception as exc:
             return f"STATUS=watching {root}: index unreadable ({exc})"

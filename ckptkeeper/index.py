@@ -465,6 +465,15 @@ class Index:
             by_id.setdefault(loc[0], {})[loc[1]] = loc[2]
         return [_checkpoint_row(r, by_id.get(r["id"], {})) for r in rows]
 
+    def count_verified(self, tier: str) -> int:
+        """Complete checkpoints with their current version in ``tier`` (status lines: no rows built)."""
+        row = self._exec(
+            """SELECT count(*) FROM checkpoints c JOIN locations l ON l.checkpoint_id = c.id
+               WHERE c.state = 'complete' AND l.tier = ? AND l.version = c.version""",
+            (tier,),
+        ).fetchone()
+        return int(row[0])
+
     def checkpoint(self, run: str, name: str) -> CheckpointRow | None:
         row = self._exec("SELECT * FROM checkpoints WHERE run = ? AND name = ?", (run, name)).fetchone()
         if row is None:

@@ -21,6 +21,18 @@ is disk-bound anyway):
   Run liveness is refreshed by every other write and by the daemon's periodic rescan; missing a
   heartbeat only keeps a run "active" longer, which is the safe direction for a deletion tool.
 
+Trust, and what it saves: after a full reconcile, an inotify watcher that has lost nothing
+(no queue overflow, no failed reconcile, observer alive) can vouch for the index — every change
+under a run either raised an event that queued the run, or happened before a reconcile that was
+scheduled after it. :meth:`Watcher.sync` (the daemon's pre-pass reconcile) then reconciles only the
+runs with queued work plus the runs whose state depends on the clock (not finished/failed: pid,
+heartbeat and write ages; heartbeats raise no events), instead of re-walking and re-parsing every
+checkpoint (10k checkpoints: ~2 CPU-s per walk). Anything that breaks the chain — an overflow, a
+reconcile error, polling (mtime-granular snapshots), a dead observer, a missing root — marks the
+watcher untrusted and the next sync is a full reconcile. What events cannot show at all (e.g. a
+change of only an mtime, IN_ATTRIB is filtered) is found by the daemon's periodic ``rescan`` job,
+which always reconciles everything: that bounds how long a missed change can go unseen.
+
 Observer choice: inotify by default; a polling observer when ``daemon.polling`` is set (NFS and
 Lustre deliver no inotify events for writes made on other nodes), or as a fallback when the kernel's
 inotify limits are exhausted — loudly, because a silently unwatched directory is the one failure
@@ -111,6 +123,7 @@ class WatcherStats:
     reconciles: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     full_rescans: int = 0
+    """Walks of the whole hot tier (startup, rescan job, untrusted syncs, queued full rescans)."""
 
     def reconcile_count(self, run: str | None = None) -> int:
         return self.reconciles.get(run, 0) if run is not None else sum(self.reconciles.values())
@@ -191,6 +204,10 @@ class Watcher:
         self._worker: threading.Thread | None = None
         self._overflow_handler: _InotifyOverflow | None = None
         self._busy = False
+        self.last_sync_full = False
+        """Whether the last :meth:`sync` had to walk the whole hot tier (the daemon logs it)."""
+        self._full_needed = True
+        """Set until a full reconcile starts, and again by anything that may have lost a change."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -281,6 +298,17 @@ class Watcher:
     def request_full(self) -> None:
         self.request(FULL_RESCAN)
 
+    def mark_untrusted(self, reason: str) -> None:
+        """Something may have changed the hot tier unseen: the next :meth:`sync` reconciles all."""
+        if not self._full_needed:
+            log.info("hot tier index no longer vouched for; next sync is a full reconcile", reason=reason)
+        self._full_needed = True
+
+    @property
+    def trusted(self) -> bool:
+        """The index matches the hot tier up to the runs queued here (see the module docstring)."""
+        return not (self._full_needed or self.polling or not self.is_alive() or not os.path.isdir(self.root))
+
     def reconcile_all(self, *, slower_tiers: bool = True) -> ReconcileReport:
         """The daemon's rescan: the hot tier under the reconcile lock, slower tiers outside it.
 
@@ -289,12 +317,68 @@ class Watcher:
         """
         since = time.time()
         with self.reconcile_lock:
-            report = self.catalog.reconcile_hot()
+            report = self._reconcile_hot_full()
         if report.partial:
             self._schedule_settle_checks(None, since)
         if slower_tiers:
-            for tier in self.catalog.settings.tiers[1:]:
-                report.merge(self.catalog.reconcile_tier(tier.name))
+            report.merge(self._reconcile_slower_tiers())
+        return report
+
+    def sync(self, *, slower_tiers: bool = True) -> ReconcileReport:
+        """Bring the index up to date before a prune pass, as cheaply as the watcher can vouch for.
+
+        Trusted (see :attr:`trusted`): reconcile the runs with queued work (events not yet
+        debounced, settle checks, retries) and every hot run whose state the clock can change
+        (anything but finished/failed: a writer that died sends no event). Otherwise, or when a
+        whole-tree rescan is queued: :meth:`reconcile_all`. Runs reconciled here stay queued, so
+        the worker still reconciles them (and reports new checkpoints) when they come due.
+        """
+        from ckptkeeper.model import RunState
+
+        with self._cond:
+            queued = set(self._pending)
+        self.last_sync_full = FULL_RESCAN in queued or not self.trusted
+        if self.last_sync_full:
+            return self.reconcile_all(slower_tiers=slower_tiers)
+        from ckptkeeper.catalog import ReconcileReport
+
+        report = ReconcileReport()
+        since = time.time()
+        with self.reconcile_lock:
+            live = {
+                row.name
+                for row in self.catalog.index.runs()
+                if row.on_hot and row.state not in (RunState.FINISHED, RunState.FAILED)
+            }
+            settling = []
+            for run in sorted(queued | live):
+                run_report = self.catalog.reconcile_run(run)
+                report.merge(run_report)
+                if run_report.partial:
+                    settling.append(run)
+        for run in settling:
+            self._schedule_settle_checks(run, since)
+        if slower_tiers:
+            report.merge(self._reconcile_slower_tiers())
+        return report
+
+    def _reconcile_hot_full(self) -> ReconcileReport:
+        """Caller holds ``reconcile_lock``. Trust is restored from the START of the walk: a change
+        made during it raises an event of its own (or is seen by the walk)."""
+        self._full_needed = False
+        self.stats.full_rescans += 1
+        try:
+            return self.catalog.reconcile_hot()
+        except BaseException:
+            self._full_needed = True
+            raise
+
+    def _reconcile_slower_tiers(self) -> ReconcileReport:
+        from ckptkeeper.catalog import ReconcileReport
+
+        report = ReconcileReport()
+        for tier in self.catalog.settings.tiers[1:]:
+            report.merge(self.catalog.reconcile_tier(tier.name))
         return report
 
     # -- observer --------------------------------------------------------------------------
@@ -369,7 +453,7 @@ class Watcher:
             self._observer.start()
         self.polling = polling
         if not polling:
-            self._overflow_handler = _InotifyOverflow(self.request_full)
+            self._overflow_handler = _InotifyOverflow(self._on_overflow)
             logging.getLogger("watchdog.observers.inotify").addHandler(self._overflow_handler)
         log.info(
             "watching hot tier",
@@ -377,6 +461,10 @@ class Watcher:
             observer="polling" if polling else "inotify",
             polling_interval=settings.polling_interval if polling else None,
         )
+
+    def _on_overflow(self) -> None:
+        self.mark_untrusted("inotify queue overflow")
+        self.request_full()
 
     def _make_observer(self, *, polling: bool) -> Any:
         cls = self._observer_factory(polling)
@@ -513,14 +601,12 @@ class Watcher:
                 if self._stopping:
                     return
                 started, since = time.monotonic(), time.time()
-                if run == FULL_RESCAN:
-                    self.stats.full_rescans += 1
-                    report = self.catalog.reconcile_hot()
-                else:
-                    report = self.catalog.reconcile_run(run)
+                report = self._reconcile_hot_full() if run == FULL_RESCAN else self.catalog.reconcile_run(run)
             self.stats.reconciles[run] = self.stats.reconciles.get(run, 0) + 1
         except Exception as exc:
             self.stats.errors += 1
+            # Retries give up eventually and drop the run: until a full reconcile, it is unknown.
+            self.mark_untrusted(f"reconcile of {run} failed: {exc!r}")
             self._retry_later(run, exc)
             if self.on_error is not None:
                 self.on_error(run, exc)
@@ -530,7 +616,7 @@ class Watcher:
             if p is not None:
                 p.attempts = 0
         elapsed = time.monotonic() - started
-        if report.new or report.new_versions or report.removed or elapsed > 1.0:
+        if run == FULL_RESCAN or report.new or report.new_versions or report.removed or elapsed > 1.0:
             log.info(
                 "reconciled",
                 run=run,

@@ -417,6 +417,43 @@ def test_abstract_notify_socket_and_prompt_replication(node: Node) -> None:
         notify.close()
 
 
+def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier(node: Node) -> None:
+    """Between full reconciles (startup, rescan job, SIGHUP) the passes trust the watcher: a new
+    checkpoint is cataloged and replicated, and neither the pre-pass sync nor the post-pass
+    re-check walks the whole hot tier; SIGHUP still does."""
+    for step in (100, 200):
+        settled(make_hf(node.hot / "old", step))
+    node.write_config('retention_interval = "1h"\nreap_interval = "1h"', warm_replicate=True)
+    notify = Notifications()
+    proc = node.start(notify)
+    try:
+        assert notify.wait_for("READY=1", 30), node.log_text(proc)
+        make_hf(node.hot / "run", 1000)
+        assert wait_for(
+            lambda: node.state("run", "checkpoint-1000") == ("complete", frozenset({"hot", "warm"})), 20
+        ), (node.state("run", "checkpoint-1000"), node.log_text(proc))
+        # The prompt pass replicated what was there before the start as well.
+        assert node.state("old", "checkpoint-200") == ("complete", frozenset({"hot", "warm"}))
+        time.sleep(1.0)  # the post-pass re-check of "run" has run by now
+        events = node.log_events(proc)
+        passes = [e for e in events if e.get("event") == "prune done"]
+        assert passes and all(e["hot_reconcile"] == "runs" for e in passes), passes
+        walks = [e for e in events if e.get("event") == "reconciled" and e.get("run") == "*"]
+        assert walks == [], walks
+
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(
+            lambda: any(
+                e.get("event") == "reconciled" and e.get("run") == "*" for e in node.log_events(proc)
+            ),
+            10,
+        ), node.log_text(proc)
+        stop_cleanly(node, proc, notify)
+    finally:
+        node.kill_all()
+        notify.close()
+
+
 def test_bad_metrics_addr_is_a_config_error(node: Node) -> None:
     node.write_config()
     text = node.config.read_text().replace(f'"127.0.0.1:{node.port}"', '"localhost"')

@@ -6,6 +6,7 @@ Nothing is faked except, in the fallback tests, an inotify limit the kernel will
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -351,3 +352,168 @@ def test_hot_root_may_be_a_symlink(tmp_path: Path) -> None:
     finally:
         w.stop()
         e.index.close()
+
+
+# -- sync: trusting the events between full walks -----------------------------------------------------
+
+
+def backdated(path: Path, seconds: float = 86400) -> Path:
+    """As if written a day ago: settled, and no sign of life for the run."""
+    past = time.time() - seconds
+    for p in [*path.rglob("*"), path]:
+        os.utime(p, (past, past))
+    return path
+
+
+def finished_run(env: Env, run: str, step: int) -> Path:
+    """A run whose hook said "finished", with one settled checkpoint: no clock can change it."""
+    import ckptkeeper
+
+    with ckptkeeper.track_run(env.hot / run):
+        backdated(make_hf(env.hot / run, step))
+    return env.hot / run
+
+
+def count_full_walks(env: Env, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the catalog's whole-hot-tier reconciles from here on (the cost sync exists to avoid)."""
+    walks = [0]
+    real = env.catalog.reconcile_hot
+
+    def counting() -> Any:
+        walks[0] += 1
+        return real()
+
+    monkeypatch.setattr(env.catalog, "reconcile_hot", counting)
+    return walks
+
+
+def test_sync_catalogs_new_checkpoints_without_walking_the_hot_tier(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    finished_run(env, "done", 100)
+    w = started(env)
+    walks = count_full_walks(env, monkeypatch)
+    try:
+        assert env.state("done", "checkpoint-100") == "complete"
+        assert w.trusted
+        make_hf(env.hot / "training", 200)  # marker present, written now: settles after SETTLE
+        # A pass right after the write (queued, maybe not yet debounced) sees the checkpoint...
+        assert wait_for(
+            lambda: "training" in w.pending_runs() or env.state("training", "checkpoint-200") is not None, 2.0
+        )
+        report = w.sync()
+        assert not w.last_sync_full
+        assert env.state("training", "checkpoint-200") == "writing"
+        # ... and so does a pass once it has settled, with no event in between.
+        time.sleep(SETTLE + 0.2)
+        w.sync()
+        assert env.state("training", "checkpoint-200") == "complete"
+        row = env.index.checkpoint("training", "checkpoint-200")
+        assert row is not None and "hot" in row.verified_tiers
+        assert walks[0] == 0, "a trusted sync walked the whole hot tier"
+        assert report.runs == 1  # the new run (queued, or live: no hook, written just now); not "done"
+    finally:
+        w.stop()
+
+
+def test_sync_rederives_run_states_that_change_without_events(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quiet = env.hot / "quiet"  # no hook, nothing written for a day: stale, the reaper may take it
+    backdated(make_hf(quiet, 100))
+    (quiet / ".ckptkeeper").mkdir()
+    backdated(quiet)
+    w = started(env)
+    walks = count_full_walks(env, monkeypatch)
+    try:
+        run = env.index.run("quiet")
+        assert run is not None and run.state.value == "stale"
+        # A heartbeat raises no reconcile (the watcher ignores it on purpose)...
+        (quiet / ".ckptkeeper" / "heartbeat").write_text("")
+        assert w.wait_idle(2.0)
+        assert env.index.run("quiet").state.value == "stale"  # type: ignore[union-attr]
+        # ... but a pass must not plan on the stale verdict: sync re-derives clock-dependent states.
+        w.sync()
+        assert walks[0] == 0
+        run = env.index.run("quiet")
+        assert run is not None and run.state.value == "active", run
+    finally:
+        w.stop()
+
+
+def test_missed_change_is_found_after_an_overflow_and_by_the_full_rescan(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done = finished_run(env, "done", 100)
+    w = started(env)
+    walks = count_full_walks(env, monkeypatch)
+    try:
+
+        def blind(write: Callable[[], object]) -> None:
+            """Make a change whose events are lost (as after a queue overflow)."""
+            monkeypatch.setattr(w, "_on_event", lambda event: None)
+            write()
+            time.sleep(0.5)  # let the observer deliver (and drop) the events
+            monkeypatch.undo()  # also undoes count_full_walks: re-install it
+            nonlocal walks
+            walks = count_full_walks(env, monkeypatch)
+
+        blind(lambda: backdated(make_hf(done, 200)))
+        w.sync()
+        # Precondition: the event really was lost, and the trusted sync did not walk the tier.
+        assert not w.last_sync_full and walks[0] == 0
+        assert env.state("done", "checkpoint-200") is None
+
+        # watchdog's overflow warning: the watcher stops vouching and rescans everything.
+        logging.getLogger("watchdog.observers.inotify").warning(
+            "Inotify queue overflowed; reconciling recursive watches below %r", str(env.hot)
+        )
+        assert wait_for(lambda: env.state("done", "checkpoint-200") == "complete", 5.0)
+        assert walks[0] >= 1
+        assert w.wait_idle(5.0) and w.trusted
+
+        # A loss nothing reports (no overflow): the periodic rescan job's full reconcile finds it.
+        blind(lambda: backdated(make_hf(done, 300)))
+        w.sync()
+        assert env.state("done", "checkpoint-300") is None
+        w.reconcile_all()
+        assert env.state("done", "checkpoint-300") == "complete"
+        assert walks[0] == 1
+    finally:
+        w.stop()
+
+
+def test_untrusted_watcher_syncs_with_a_full_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = Env(tmp_path, polling=True, polling_interval=0.2)
+    w = Watcher(e.catalog)
+    w.start(initial_reconcile=False)
+    try:
+        walks = count_full_walks(e, monkeypatch)
+        w.sync()  # never walked yet, and polling: both untrusted
+        assert w.last_sync_full and walks[0] == 1
+        w.sync()  # polling snapshots are mtime-granular: a pass never trusts them
+        assert w.last_sync_full and walks[0] == 2
+    finally:
+        w.stop()
+        e.index.close()
+
+
+def test_failed_reconcile_makes_the_next_sync_full(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    finished_run(env, "done", 100)
+    w = started(env)
+    try:
+        assert w.trusted
+        real = env.catalog.reconcile_run
+
+        def busy(run: str, run_dir: Path | None = None) -> Any:
+            raise OSError("index busy")
+
+        monkeypatch.setattr(env.catalog, "reconcile_run", busy)
+        (env.hot / "done" / "notes.txt").write_text("x")
+        assert wait_for(lambda: w.stats.errors >= 1, 3.0)
+        monkeypatch.setattr(env.catalog, "reconcile_run", real)
+        assert not w.trusted
+        w.sync()
+        assert w.last_sync_full and w.trusted
+    finally:
+        w.stop()
