@@ -175,25 +175,37 @@ class Catalog:
             [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
-        with self.index.transaction():
-            for name, cand in sorted(candidates.items()):
-                if cand.step > MAX_STEP:
-                    log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
-                    continue
-                newest_write = max(newest_write, cand.last_write)
-                commit = committed.get(name) or next(
-                    (c for p, c in committed.items() if p.startswith(name + "/")), None
+        managed: list[tuple[layouts.Candidate, hook.Commit | None]] = []
+        for name, cand in sorted(candidates.items()):
+            if cand.step > MAX_STEP:
+                log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
+                continue
+            newest_write = max(newest_write, cand.last_write)
+            if _has_surrogates(name):
+                # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
+                # never moved or reaped either.
+                log.warning(
+                    "checkpoint name is not UTF-8; ignored",
+                    run=run,
+                    name=name.encode("utf-8", "backslashreplace").decode(),
                 )
-                if _has_surrogates(name):
-                    # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
-                    # never moved or reaped either.
-                    log.warning(
-                        "checkpoint name is not UTF-8; ignored",
-                        run=run,
-                        name=name.encode("utf-8", "backslashreplace").decode(),
-                    )
-                    continue
-                self._apply_candidate(run_dir, cand, commit, existing.pop(name, None), now, report)
+                continue
+            commit = committed.get(name) or next(
+                (c for p, c in committed.items() if p.startswith(name + "/")), None
+            )
+            managed.append((cand, commit))
+        # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
+        # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
+        hashed = {
+            cand.name: self._try_hash(run_dir, cand, commit)
+            for cand, commit in managed
+            if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot)
+        }
+        with self.index.transaction():
+            for cand, commit in managed:
+                row = existing.pop(cand.name, None)
+                self._apply_candidate(cand, commit, row, now, hashed.get(cand.name), report)
             # Whatever the index knew in hot that is no longer there was removed (by us or by hand),
             # unless part of the run could not be read: then absence proves nothing.
             if scan.errors:
@@ -215,27 +227,42 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
+    def _state_of(self, cand: layouts.Candidate, commit: hook.Commit | None, now: float) -> CheckpointState:
+        if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
+            return CheckpointState.WRITING  # a marker caught mid-write looks malformed
+        if cand.corrupt:
+            return CheckpointState.CORRUPT
+        if commit is not None or (
+            cand.complete and now - cand.last_write >= self.settings.daemon.settle_seconds
+        ):
+            return CheckpointState.COMPLETE
+        return CheckpointState.WRITING
+
+    def _try_hash(
+        self, run_dir: Path, cand: layouts.Candidate, commit: hook.Commit | None
+    ) -> Manifest | OSError:
+        metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
+        try:
+            return self._hash_candidate(
+                run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
+            )
+        except OSError as exc:
+            return exc
+
     def _apply_candidate(
         self,
-        run_dir: Path,
         cand: layouts.Candidate,
         commit: hook.Commit | None,
         row: CheckpointRow | None,
         now: float,
+        hashed: Manifest | OSError | None,
         report: ReconcileReport,
     ) -> None:
-        """Record one recognised checkpoint; hash it only when it is complete and changed."""
+        """Record one recognised checkpoint; ``hashed`` is its manifest when it is complete and
+        changed (hashed before the transaction), or why reading it failed."""
         hot = self.settings.hot.name
-        settle = self.settings.daemon.settle_seconds
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
-        if cand.corrupt and now - cand.last_write < settle:
-            state = CheckpointState.WRITING  # a marker caught mid-write looks malformed
-        elif cand.corrupt:
-            state = CheckpointState.CORRUPT
-        elif commit is not None or (cand.complete and now - cand.last_write >= settle):
-            state = CheckpointState.COMPLETE
-        else:
-            state = CheckpointState.WRITING
+        state = self._state_of(cand, commit, now)
 
         def record(
             state: CheckpointState,
@@ -268,30 +295,20 @@ class Catalog:
             settling = "settling: written less than settle_seconds ago" if cand.complete else None
             self.index.remove_location(record(state, problem=cand.problem or settling), hot)
             return
-        if (
-            row is not None
-            and row.version is not None
-            and row.manifest_json is not None
-            and row.state is CheckpointState.COMPLETE
-            and row.bytes == cand.bytes
-            and row.last_write == cand.last_write
-            and row.locations.get(hot) == row.version
-        ):
+        if hashed is None:  # unchanged since it was hashed: nothing to read again
+            assert row is not None and row.version is not None
             report.unchanged += 1
             if dict(row.metrics) != metrics or row.committed != (commit is not None):
                 record(state, version=row.version)
             return
-        try:
-            manifest = self._hash_candidate(
-                run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
-            )
-        except OSError as exc:
+        if isinstance(hashed, OSError):
             log.warning(
-                "cannot read checkpoint, marked corrupt", run=cand.run, name=cand.name, error=str(exc)
+                "cannot read checkpoint, marked corrupt", run=cand.run, name=cand.name, error=str(hashed)
             )
-            self.index.remove_location(record(CheckpointState.CORRUPT, problem=f"unreadable: {exc}"), hot)
+            self.index.remove_location(record(CheckpointState.CORRUPT, problem=f"unreadable: {hashed}"), hot)
             report.corrupt += 1
             return
+        manifest = hashed
         report.hashed_bytes += manifest.total_bytes
         if row is None or row.version is None:
             report.new += 1
@@ -521,6 +538,20 @@ class Catalog:
             for tier in self.settings.tiers[1:]:
                 report.merge(self.reconcile_tier(tier.name))
         return report
+
+
+def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str) -> bool:
+    """The index holds a verified hot copy of exactly these bytes (same size and newest mtime):
+    no need to read it again, which keeps ``scan`` idempotent and cheap."""
+    return (
+        row is not None
+        and row.version is not None
+        and row.manifest_json is not None
+        and row.state is CheckpointState.COMPLETE
+        and row.bytes == cand.bytes
+        and row.last_write == cand.last_write
+        and row.locations.get(hot) == row.version
+    )
 
 
 def _leaves_run_dir(run_dir: Path, rel: str) -> bool:

@@ -13,6 +13,7 @@ and wide; the seam also drops a file when the first copy starts.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -201,3 +202,52 @@ def test_index_threads_never_leave_a_write_uncommitted(tmp_path: Path) -> None:
     assert not ix._db.in_transaction
     pending.fetchall()
     ix.close()
+
+
+def test_another_process_can_write_the_index_while_the_catalog_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fault suite: the catalog hashed new checkpoints inside its write transaction,
+    so a `pin` or `prune` from another process waited for the whole read of a big checkpoint and
+    hit the 10 s busy timeout. Hashing now happens before the transaction: every write another
+    connection attempts while a file is hashed gets the lock at once (timeout 0)."""
+    import sqlite3
+
+    from layout_fixtures import make_hf
+
+    import ckptkeeper.catalog as catalog_module
+    from ckptkeeper.catalog import Catalog
+    from ckptkeeper.config import settings_from_mapping
+    from ckptkeeper.index import Index
+
+    hot = tmp_path / "hot"
+    for step in (100, 200, 300):
+        make_hf(hot / "run", step)
+    old = time.time() - 3600
+    for p in hot.rglob("*"):
+        os.utime(p, (old, old))
+    settings = settings_from_mapping(
+        {"index": str(tmp_path / "index.db"), "tiers": [{"name": "hot", "url": str(hot)}]}
+    )
+    real_hash = catalog_module.hash_file
+    attempts: list[str] = []
+
+    def hash_file_while_another_process_writes(path: Any) -> tuple[int, str]:
+        other = sqlite3.connect(settings.index, timeout=0, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("UPDATE checkpoints SET pinned = pinned")
+            other.execute("COMMIT")
+            attempts.append("ok")
+        except sqlite3.OperationalError as exc:
+            attempts.append(str(exc))
+        finally:
+            other.close()
+        return real_hash(path)
+
+    monkeypatch.setattr(catalog_module, "hash_file", hash_file_while_another_process_writes)
+    with Index(settings.index) as ix:
+        report = Catalog(settings, ix).reconcile_hot()
+        assert report.new == 3
+        assert attempts and set(attempts) == {"ok"}, attempts
+        assert [c.state.value for c in ix.snapshot(["hot"]).checkpoints] == ["complete"] * 3
