@@ -35,11 +35,11 @@ import logging
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from ckptkeeper.hook import DEFAULT_HEARTBEAT_INTERVAL, ParentSpec, TrackedRun, parent_ref
+from ckptkeeper.integrations._common import CallbackBase, build_callback_class, describe_exception
 
 __all__ = ["KeeperCallback"]  # noqa: F822 - built on first access by __getattr__
 
@@ -73,9 +73,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _class is None:
         bases = tuple(module.Callback for module in _framework_modules())
-        _class = type("KeeperCallback", (_KeeperCallbackMixin, *bases), {"__module__": __name__})
-        _class.__qualname__ = "KeeperCallback"
-        _class.__doc__ = _KeeperCallbackMixin.__doc__
+        _class = build_callback_class(_KeeperCallbackMixin, bases, __name__)
     return _class
 
 
@@ -96,12 +94,7 @@ def _floats(metrics: Any) -> dict[str, float]:
     return out
 
 
-def _describe(exc: BaseException) -> str:
-    message = str(exc)
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-class _KeeperCallbackMixin:
+class _KeeperCallbackMixin(CallbackBase):
     """Commit Lightning checkpoints to ckptkeeper after they are on disk; mark the run finished/failed.
 
     ``run_dir`` overrides the run dir (default: each ModelCheckpoint's ``dirpath``); ``name`` and
@@ -117,17 +110,12 @@ class _KeeperCallbackMixin:
         parent: ParentSpec = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     ) -> None:
-        super().__init__()
-        self.run_dir = None if run_dir is None else os.fspath(run_dir)
-        self.name = name
-        self.parent = parent
-        self.heartbeat_interval = heartbeat_interval
+        super().__init__(run_dir, name=name, parent=parent, heartbeat_interval=heartbeat_interval)
         self._runs: dict[str, TrackedRun] = {}
         self._observed: list[tuple[Any, Callable[..., Any]]] = []
         self._polled: list[Any] = []
         self._committed: set[str] = set()
         self._pending: list[tuple[Any, str, int, dict[str, float]]] = []
-        self._warned: set[str] = set()
 
     # -- Lightning hooks ----------------------------------------------------------------------------
 
@@ -154,7 +142,7 @@ class _KeeperCallbackMixin:
         self._guard(self._end, trainer, None)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._guard(self._end, trainer, _describe(exception))
+        self._guard(self._end, trainer, describe_exception(exception))
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Paths that skip on_fit_end (a tuner's early exit) still end the run and unhook.
@@ -168,13 +156,6 @@ class _KeeperCallbackMixin:
             fn(*args)
         except Exception as exc:  # bookkeeping must never take training down
             log.warning("ckptkeeper: %s failed: %s: %s", fn.__name__, type(exc).__name__, exc, exc_info=True)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        log.warning("%s", message)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
     def _checkpoint_callbacks(self, trainer: Any) -> list[Any]:
         return [cb for cb in getattr(trainer, "checkpoint_callbacks", []) if getattr(cb, "dirpath", None)]

@@ -39,11 +39,11 @@ import glob
 import logging
 import math
 import os
-import warnings
 from types import TracebackType
 from typing import Any, Literal
 
 from ckptkeeper.hook import DEFAULT_HEARTBEAT_INTERVAL, ParentSpec, TrackedRun, parent_ref
+from ckptkeeper.integrations._common import CallbackBase, build_callback_class, describe_exception
 
 __all__ = ["KeeperCallback"]  # noqa: F822 - built on first access by __getattr__
 
@@ -65,9 +65,7 @@ def __getattr__(name: str) -> Any:
                 "ckptkeeper.integrations.transformers.KeeperCallback needs transformers: "
                 "pip install 'ckptkeeper[hf]'"
             ) from exc
-        _class = type("KeeperCallback", (_KeeperCallbackMixin, TrainerCallback), {"__module__": __name__})
-        _class.__qualname__ = "KeeperCallback"
-        _class.__doc__ = _KeeperCallbackMixin.__doc__
+        _class = build_callback_class(_KeeperCallbackMixin, (TrainerCallback,), __name__)
     return _class
 
 
@@ -87,12 +85,7 @@ def checkpoint_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str
     return metrics
 
 
-def _describe(exc: BaseException) -> str:
-    message = str(exc)
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-class _KeeperCallbackMixin:
+class _KeeperCallbackMixin(CallbackBase):
     """Commit Hugging Face ``Trainer`` checkpoints to ckptkeeper; mark the run finished or failed.
 
     ``run_dir`` overrides the run dir (default ``args.output_dir``); ``name`` and ``parent`` go to
@@ -108,13 +101,8 @@ class _KeeperCallbackMixin:
         parent: ParentSpec = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     ) -> None:
-        super().__init__()
-        self.run_dir = None if run_dir is None else os.fspath(run_dir)
-        self.name = name
-        self.parent = parent
-        self.heartbeat_interval = heartbeat_interval
+        super().__init__(run_dir, name=name, parent=parent, heartbeat_interval=heartbeat_interval)
         self.run: TrackedRun | None = None
-        self._warned: set[str] = set()
 
     # -- public -------------------------------------------------------------------------------------
 
@@ -131,7 +119,7 @@ class _KeeperCallbackMixin:
     ) -> Literal[False]:
         if exc is not None and self.run is not None:
             try:
-                self.run.fail(_describe(exc))
+                self.run.fail(describe_exception(exc))
             except Exception as err:  # never mask the training exception
                 log.warning("ckptkeeper: could not mark run failed: %s", err)
         return False
@@ -167,13 +155,6 @@ class _KeeperCallbackMixin:
             log.warning("ckptkeeper: could not mark run finished: %s: %s", type(exc).__name__, exc)
 
     # -- internals ----------------------------------------------------------------------------------
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        log.warning("%s", message)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
     def _begin(self, args: Any, state: Any) -> None:
         if self.run is not None and self.run.state == "active":
