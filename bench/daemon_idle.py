@@ -72,7 +72,8 @@ def run(cfg: Config) -> list[Row]:
             target="<= 0.2 % of a core",
             ok=share <= 0.2,
             note=f"{cpu1 - cpu0:.3f} CPU-s in {t1 - t0:.0f} s, between scheduled jobs; the first retention + "
-            f"reap passes before the window took {jobs_cpu:.1f} CPU-s (each pass reconciles the whole hot tier); "
+            f"reap passes before the window took {jobs_cpu:.1f} CPU-s (a pass syncs the runs the watcher "
+            f"queued, not the whole hot tier); "
             f"initial scan took {ready_after:.0f} s",
         ),
         Row(

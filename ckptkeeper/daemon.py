@@ -143,6 +143,19 @@ def _intervals(settings: Settings) -> dict[str, float]:
     return {"retention": d.retention_interval, "reap": d.reap_interval, "rescan": d.rescan_interval}
 
 
+def _run_of(path: str | None, run_depth: int) -> str | None:
+    """The run a hot-tier path (relative to the root) lies in; None above run depth or in a
+    hidden/staging directory that no reconcile treats as a run."""
+    from ckptkeeper.watcher import STAGING_MARK
+
+    parts = (path or "").split("/")
+    if len(parts) <= run_depth or any(p in ("", ".", "..") for p in parts):
+        return None
+    if any(p.startswith(".") or STAGING_MARK in p for p in parts[:run_depth]):
+        return None
+    return "/".join(parts[:run_depth])
+
+
 def _ago(now: float, then: float | None) -> str:
     return "never" if then is None else f"{format_duration(max(0.0, now - then))} ago"
 
@@ -517,12 +530,13 @@ class Daemon:
             return True  # cannot tell: the full reconcile is the safe choice
 
     def _resync_after(self, outcome: Any) -> None:
-        """Queue a reconcile of each run whose hot-tier copies the executor touched.
+        """Re-check what the executor touched, and only that: each run whose hot copies it changed
+        (queued on the watcher, which also hears the deletes), and each slower tier it wrote to.
 
-        Only those: the executor changes nothing else, and run_prune has already reconciled every
-        tier after a pass that did something (not under our lock, so the watcher re-checks the runs
-        it touched; the events of the executor's own deletes queue them as well). Recovered journal
-        steps or an action without a run name fall back to a full hot-tier reconcile.
+        The executor records its own moves in the index; this catches what it could not know (a
+        half-done step, a tier that changed under it). run_prune does no walk of its own for us
+        (``rescan=False``). Recovered journal steps, or a hot-tier action that maps to no run,
+        fall back to reconciling every tier.
         """
         assert self.watcher is not None
         result = getattr(outcome, "result", None)
@@ -530,12 +544,25 @@ class Daemon:
             return
         hot = self.settings.hot.name
         actions = [*result.done, *(a for a, _ in result.failed)]
-        touched = [a for a in actions if hot in (a.tier, a.to_tier)]
-        if result.recovered or any(a.run is None for a in touched):
+        runs: set[str] = set()
+        full = bool(result.recovered)
+        for a in actions:
+            if hot not in (a.tier, a.to_tier):
+                continue
+            run = a.run if a.run is not None else _run_of(a.path, self.watcher.run_depth)
+            if run is None:
+                full = True
+            else:
+                runs.add(run)
+        if full:
             self.watcher.request_full()
-            return
-        for run in sorted({a.run for a in touched if a.run is not None}):
-            self.watcher.request(run)
+        else:
+            for run in sorted(runs):
+                self.watcher.request(run)
+        slower = {t for a in actions for t in (a.tier, a.to_tier) if t is not None and t != hot}
+        for tier in self.settings.tiers[1:]:
+            if full or tier.name in slower:
+                self.watcher.catalog.reconcile_tier(tier.name)
 
     # -- watcher callbacks (watcher worker thread) -----------------------------------------
 

@@ -402,8 +402,9 @@ def run_prune(
             plan = _apply_hold(plan, hold, force)
         result = executor.apply(plan)
         result.recovered = recovered + result.recovered
-        if result.done or result.failed:
+        if rescan and (result.done or result.failed):
             # Make the index reflect what the tiers now hold (cheap: unchanged checkpoints are not rehashed).
+            # Without ``rescan`` the caller reconciles what the pass touched (the daemon: by run).
             Catalog(settings, index).reconcile()
         if hold is not None and not result.stopped:
             _after_held_pass(settings, index, hold, kinds, force)

@@ -420,7 +420,7 @@ def test_abstract_notify_socket_and_prompt_replication(node: Node) -> None:
 def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier(node: Node) -> None:
     """Between full reconciles (startup, rescan job, SIGHUP) the passes trust the watcher: a new
     checkpoint is cataloged and replicated, and neither the pre-pass sync nor the post-pass
-    re-check walks the whole hot tier; SIGHUP still does."""
+    re-check walks the whole hot tier (a walk stamps the hot tier's status); SIGHUP still does."""
     for step in (100, 200):
         settled(make_hf(node.hot / "old", step))
     node.write_config('retention_interval = "1h"\nreap_interval = "1h"', warm_replicate=True)
@@ -428,6 +428,7 @@ def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier
     proc = node.start(notify)
     try:
         assert notify.wait_for("READY=1", 30), node.log_text(proc)
+        walked_at = hot_checked_at(node)
         make_hf(node.hot / "run", 1000)
         assert wait_for(
             lambda: node.state("run", "checkpoint-1000") == ("complete", frozenset({"hot", "warm"})), 20
@@ -440,6 +441,7 @@ def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier
         assert passes and all(e["hot_reconcile"] == "runs" for e in passes), passes
         walks = [e for e in events if e.get("event") == "reconciled" and e.get("run") == "*"]
         assert walks == [], walks
+        assert hot_checked_at(node) == walked_at  # nor did run_prune walk it after copying
 
         proc.send_signal(signal.SIGHUP)
         assert wait_for(
@@ -448,10 +450,19 @@ def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier
             ),
             10,
         ), node.log_text(proc)
+        assert hot_checked_at(node) > walked_at
         stop_cleanly(node, proc, notify)
     finally:
         node.kill_all()
         notify.close()
+
+
+def hot_checked_at(node: Node) -> float:
+    ix = Index(node.index_path, readonly=True)
+    try:
+        return ix.tier_statuses()["hot"].checked_at
+    finally:
+        ix.close()
 
 
 def test_bad_metrics_addr_is_a_config_error(node: Node) -> None:
