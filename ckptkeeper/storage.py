@@ -181,6 +181,7 @@ class _Reader(Protocol):
 class _FileWriter(Protocol):
     def write(self, data: bytes | memoryview, /) -> None:
         """``data`` is only valid during the call (a view of the copy loop's reused buffer)."""
+
     def finish(self) -> None:
         """Make the file durable and check what the destination holds (size, checksum)."""
 
@@ -188,7 +189,9 @@ class _FileWriter(Protocol):
 class _Sink(Protocol):
     """One in-progress copy of a checkpoint into a tier."""
 
-    def open_file(self, entry: FileEntry) -> _FileWriter: ...
+    def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
+        """``source`` is the stream the file's bytes come from; a sink may read it again."""
+
     def commit(self, manifest: Manifest) -> None: ...
     def abort(self) -> None:
         """Best effort: remove everything written; leave only what list_staging reports."""
@@ -391,7 +394,7 @@ def _stream_checkpoint(
         where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
         reader = src._open_read(rel, entry.path)
         try:
-            writer = sink.open_file(entry)
+            writer = sink.open_file(entry, reader)
             hasher = hashing.new_hasher()
             size = 0
             readinto = getattr(reader, "readinto", None)
@@ -644,7 +647,7 @@ class _LocalSink:
             self.dir_fds[parts] = os.open(parts[-1], _O_DIR, dir_fd=parent)
         return self.dir_fds[parts]
 
-    def open_file(self, entry: FileEntry) -> _FileWriter:
+    def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
         where = f"{self.root}/{self.rel}" + (f"/{entry.path}" if entry.path else "")
         try:
@@ -1199,6 +1202,106 @@ class _PartStream(io.BytesIO):
         return self._view.tobytes()
 
 
+class _Extent:
+    """What :meth:`_FilePart.getbuffer` hands aiohttp, which only takes its ``len`` in a ``with``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __enter__(self) -> _Extent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _FilePart(io.BytesIO):
+    """One part of a local source file, read from the file while it is sent: no part buffer.
+
+    The copy loop already hashed these bytes (content hash, CRC32, and a hash of the part alone);
+    the re-read is hashed too and checked before its last byte is handed out, so a file changed in
+    between fails the part (``failure``) instead of storing other bytes under the CRC32 we send (a
+    store that does not check checksums would keep them). A ``BytesIO`` for the same reason as
+    :class:`_PartStream`; every attempt of a request reads from offset 0 again.
+    """
+
+    def __init__(self, source: io.FileIO, offset: int, size: int, digest: str, where: str) -> None:
+        super().__init__()
+        self._source = source
+        self._offset = offset
+        self._size = size
+        self._digest = digest
+        self._where = where
+        self._pos = 0
+        self._hasher = hashing.new_hasher()
+        self._hashed = 0
+        self.failure: VerificationError | None = None
+        """Set when the bytes read were not the bytes hashed (the HTTP stack wraps what we raise)."""
+
+    def _fail(self, what: str) -> VerificationError:
+        self.failure = VerificationError(
+            f"{self._where}: part at bytes {self._offset}-{self._offset + self._size}: {what}"
+        )
+        return self.failure
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        if self.failure is not None:  # sticky: a retry cannot make the bytes right
+            raise self.failure
+        start = self._pos
+        left = self._size - start
+        n = left if size is None or size < 0 else min(size, left)
+        if n <= 0:
+            return b""
+        if start != self._hashed:
+            if start:  # neither aiohttp nor botocore skips into a body
+                raise self._fail("read out of order")
+            self._hasher, self._hashed = hashing.new_hasher(), 0
+        data = os.pread(self._source.fileno(), n, self._offset + start)
+        if len(data) != n:
+            raise self._fail(f"file ends at byte {self._offset + start + len(data)} after it was hashed")
+        self._hasher.update(data)
+        self._pos = self._hashed = start + n
+        if self._pos == self._size and self._hasher.hexdigest() != self._digest:
+            raise self._fail("changed after it was hashed")
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getbuffer(self) -> memoryview:
+        return _Extent(self._size)  # type: ignore[return-value]  # aiohttp takes only its len()
+
+    def getvalue(self) -> bytes:
+        self.seek(0)
+        return self.read()
+
+
+def _rereadable(source: _Reader | None) -> io.FileIO | None:
+    """A private handle on ``source``'s file if it is a regular local file, else None.
+
+    With it, parts are read from the file while they are sent instead of being held in buffers;
+    a handle of our own, so that it stays valid until every part in flight is over.
+    """
+    fileno = getattr(source, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        fd = fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return io.FileIO(os.dup(fd), "rb", closefd=True)
+    except (OSError, ValueError):
+        return None
+
+
 class _PartPool:
     """Part buffers reused across the parts and files of one copy: at most ``max_inflight + 1``
     of a size exist, and no part pays page faults on fresh memory."""
@@ -1217,52 +1320,82 @@ class _PartPool:
 class _S3FileWriter:
     """Streams one object: a single PUT if it fits in one part, else a multipart upload.
 
-    Memory: the part being filled plus at most ``max_inflight`` parts uploading concurrently on
-    fsspec's IO loop, all in buffers of the copy's :class:`_PartPool`. Each byte is copied once
-    into a part buffer and once more, 256 KiB at a time, on its way to the socket.
+    At most ``max_inflight`` parts upload concurrently on fsspec's IO loop. From a local file
+    (``source``) a part is read from the file again while it is sent (:class:`_FilePart`): no
+    part is held in memory, and each byte is copied once more, 256 KiB at a time, on its way to
+    the socket. From any other source the part being filled and the parts in flight are held in
+    buffers of the copy's :class:`_PartPool` (``(max_inflight + 1) * part_size``).
     Every request carries the CRC32 of its body, computed here from the bytes that were hashed.
     """
 
-    def __init__(self, tier: S3TierStorage, key: str, entry: FileEntry, where: str, pool: _PartPool) -> None:
+    def __init__(
+        self,
+        tier: S3TierStorage,
+        key: str,
+        entry: FileEntry,
+        where: str,
+        pool: _PartPool,
+        source: io.FileIO | None = None,
+    ) -> None:
         self.tier = tier
         self.key = key
         self.entry = entry
         self.where = where
         self.pool = pool
+        self.source = source
+        """Our own handle on the local source file (closed by finish/abort), or None: buffered."""
         self.part_size = tier._part_size_for(entry.size)
         self.single = entry.size <= self.part_size
         """The whole object fits in one part: one PUT, no multipart upload."""
+        self.capacity = max(1, min(self.part_size, entry.size))
         self.buf: bytearray | None = None
         self.filled = 0
+        self.offset = 0
+        """Where the part being filled starts in the file."""
         self.crc = 0
+        self.part_hash: hashing.Hasher | None = None
         self.upload_id: str | None = None
         self.next_part = 1
         self.parts: list[dict[str, Any]] = []
         self.part_crcs: list[int] = []
-        self.pending: deque[tuple[int, int, Future[Any], bytearray]] = deque()
+        self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
         while view:
-            if self.buf is None:
-                self.buf = self.pool.get(max(1, min(self.part_size, self.entry.size)))
-            n = min(len(view), len(self.buf) - self.filled)
-            if n == 0:  # only a single-PUT object can fill its one buffer before finish()
+            n = min(len(view), self.capacity - self.filled)
+            if n == 0:  # only a single-PUT object can fill its one part before finish()
                 raise VerificationError(f"{self.where}: more than the {self.entry.size} bytes expected")
             take = view[:n]
-            self.buf[self.filled : self.filled + n] = take
+            if self.source is None:
+                if self.buf is None:
+                    self.buf = self.pool.get(self.capacity)
+                self.buf[self.filled : self.filled + n] = take
+            else:
+                if self.part_hash is None:
+                    self.part_hash = hashing.new_hasher()
+                self.part_hash.update(take)
             self.crc = zlib.crc32(take, self.crc)
             self.filled += n
             view = view[n:]
-            if self.filled == len(self.buf) and not self.single:
+            if self.filled == self.capacity and not self.single:
                 self._send_part()
 
-    def _take_buffer(self) -> tuple[bytearray, int, int]:
-        buf = self.buf if self.buf is not None else bytearray(0)
-        taken = (buf, self.filled, self.crc)
-        self.buf, self.filled, self.crc = None, 0, 0
+    def _take_part(self) -> tuple[_PartStream | _FilePart, int, bytearray | None]:
+        """The body of the part filled so far, its CRC32 and its buffer (None: read from the file)."""
+        body: _PartStream | _FilePart
+        buf: bytearray | None = None
+        if self.source is None:
+            buf = self.buf if self.buf is not None else bytearray(0)
+            body = _PartStream(buf, self.filled)
+        else:
+            digest = (self.part_hash or hashing.new_hasher()).hexdigest()
+            body = _FilePart(self.source, self.offset, self.filled, digest, self.where)
+        taken = (body, self.crc, buf)
+        self.offset += self.filled
+        self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
         return taken
 
     def _send_part(self) -> None:
@@ -1275,15 +1408,16 @@ class _S3FileWriter:
             )
             self.upload_id = resp["UploadId"]
         self._drain(tier.max_inflight - 1)
-        buf, size, crc = self._take_buffer()
+        body, crc, buf = self._take_part()
         number = self.next_part
         self.next_part += 1
-        coro = self._upload_part(self.upload_id, number, _PartStream(buf, size), _crc32_b64(crc))
+        coro = self._upload_part(self.upload_id, number, body, _crc32_b64(crc))
         self.pending.append((number, crc, asyncio.run_coroutine_threadsafe(coro, tier.fs.loop), buf))
 
-    async def _upload_part(self, upload_id: str, number: int, body: _PartStream, crc: str) -> Any:
+    async def _upload_part(self, upload_id: str, number: int, body: io.BytesIO, crc: str) -> Any:
         """UploadPart with s3fs's retry policy, rewinding the stream before every attempt (s3fs's
-        own retry loop would resend a half-consumed one; botocore's retries rewind it too)."""
+        own retry loop would resend a half-consumed one; botocore's retries rewind it too).
+        A part whose file changed under it is not retried: it fails with its own error."""
         import asyncio
 
         from s3fs.core import S3_RETRYABLE_ERRORS
@@ -1304,9 +1438,10 @@ class _S3FileWriter:
                     ChecksumAlgorithm="CRC32",
                     ChecksumCRC32=crc,
                 )
-            except S3_RETRYABLE_ERRORS:
+            except Exception as exc:
+                _raise_body_failure(body, exc)
                 attempt += 1
-                if attempt >= fs.retries:
+                if not isinstance(exc, S3_RETRYABLE_ERRORS) or attempt >= fs.retries:
                     raise
                 await asyncio.sleep(min(0.1 * 1.7**attempt, 15.0))
 
@@ -1314,7 +1449,8 @@ class _S3FileWriter:
         while len(self.pending) > keep:
             number, crc, fut, buf = self.pending.popleft()
             resp = fut.result()
-            self.pool.put(buf)  # the request is over: nothing reads the buffer any more
+            if buf is not None:
+                self.pool.put(buf)  # the request is over: nothing reads the buffer any more
             self._check_echo(resp, _crc32_b64(crc), f"part {number}")
             self.parts.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _crc32_b64(crc)})
             self.part_crcs.append(crc)
@@ -1329,17 +1465,22 @@ class _S3FileWriter:
     def finish(self) -> None:
         tier = self.tier
         if self.upload_id is None:
-            buf, size, crc = self._take_buffer()
+            body, crc, buf = self._take_part()
             expected = _crc32_b64(crc)
-            resp = tier._call(
-                "put_object",
-                Bucket=tier.bucket,
-                Key=self.key,
-                Body=_PartStream(buf, size),
-                ChecksumAlgorithm="CRC32",
-                ChecksumCRC32=expected,
-            )
-            self.pool.put(buf)
+            try:
+                resp = tier._call(
+                    "put_object",
+                    Bucket=tier.bucket,
+                    Key=self.key,
+                    Body=body,
+                    ChecksumAlgorithm="CRC32",
+                    ChecksumCRC32=expected,
+                )
+            except Exception as exc:
+                _raise_body_failure(body, exc)
+                raise
+            if buf is not None:
+                self.pool.put(buf)
             self._check_echo(resp, expected, "put")
         else:
             if self.filled:
@@ -1373,6 +1514,11 @@ class _S3FileWriter:
             self.trusted = False
         elif not _same_checksum(stored, expected):
             raise VerificationError(f"{self.where}: stored CRC32 {stored} != {expected} of the bytes sent")
+        self._close_source()
+
+    def _close_source(self) -> None:
+        if self.source is not None:
+            self.source.close()  # a straggling read then fails (closed file), never reads another
 
     def abort(self) -> None:
         import concurrent.futures
@@ -1382,6 +1528,7 @@ class _S3FileWriter:
         concurrent.futures.wait([f for _, _, f, _ in self.pending], timeout=60)
         self.pending.clear()  # their buffers are dropped, not reused: a cancelled send may hold them
         self.buf, self.filled = None, 0
+        self._close_source()
         if self.upload_id is not None:
             try:
                 self.tier._call(
@@ -1394,6 +1541,13 @@ class _S3FileWriter:
                     self.tier._redact(_describe(exc)),
                 )
             self.upload_id = None
+
+
+def _raise_body_failure(body: io.BytesIO, exc: BaseException) -> None:
+    """Surface a file part's own verdict; the HTTP stack reports it as a connection error."""
+    failure = getattr(body, "failure", None)
+    if failure is not None:
+        raise failure from exc
 
 
 def _same_checksum(stored: str, expected: str) -> bool:
@@ -1424,11 +1578,11 @@ class _S3Sink:
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
             tier._abort_uploads_under(self.key)
 
-    def open_file(self, entry: FileEntry) -> _FileWriter:
+    def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
         self.written.append(key)
         self.writer = _S3FileWriter(
-            self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool
+            self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
         )
         return _GuardedWriter(self, self.writer)
 
@@ -1515,12 +1669,16 @@ class S3TierStorage(TierStorage):
     part_size: int = 8 * 2**20
     """Multipart part size (grown for objects that would need more than ~9000 parts)."""
     max_inflight: int = 3
-    """Parts uploaded concurrently per file: part buffers ≈ (max_inflight + 1) * part_size.
+    """Parts uploaded concurrently per file.
 
-    Measured against a local moto server, 4 x 256 MiB (bench/s3_transfer.py): 16 MiB x 4 took
-    1.39 client CPU-s/GiB and 150 MiB peak RSS, 8 MiB x 3 1.57 CPU-s/GiB and ~100 MiB, 5 MiB x 4
-    1.71 CPU-s/GiB (more requests, each ~ms of botocore); all at or above boto3's wall speed. A
-    training node's memory is scarcer than the difference in CPU."""
+    From a local file the parts are read from it while they are sent (:class:`_FilePart`): memory
+    does not depend on part size or this (bench/s3_transfer.py, 4 x 256 MiB: the transfer adds
+    ~1 MiB to the worker's peak RSS; it added 33 MiB when parts were held in buffers). From other
+    sources part buffers take ≈ (max_inflight + 1) * part_size.
+
+    Measured against a local moto server, 4 x 256 MiB, with buffered parts: 16 MiB x 4 took 1.39
+    client CPU-s/GiB, 8 MiB x 3 1.57 CPU-s/GiB, 5 MiB x 4 1.71 CPU-s/GiB (more requests, each ~ms
+    of botocore); all at or above boto3's wall speed."""
     default_config: ClassVar[dict[str, Any]] = {
         "retries": {"max_attempts": 3, "mode": "standard"},
         "read_timeout": 120,

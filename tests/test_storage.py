@@ -9,6 +9,7 @@ Backend-specific safety properties (symlinks, same-filesystem rename, orphan man
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import time
@@ -736,3 +737,95 @@ def test_s3_copy_is_verified_without_downloading(
     assert ("get_object", data_key) not in calls
     assert ("create_multipart_upload", data_key) in calls  # 11 MiB in 5 MiB parts
     assert ("head_object", data_key) in calls  # size + stored COMPOSITE CRC32
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Change one byte in place (same size, same inode): a writer still busy with the file."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0x01]))
+
+
+def test_s3_part_changed_after_hashing_is_not_stored(
+    cold: storage.S3TierStorage, hot: Hot, big: Manifest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Parts of a local file are read from it again while they are sent. The copy loop has already
+    # hashed part 1 (the manifest hash holds) when it changes: the bytes now read must not reach the
+    # store under the CRC32 of the old ones — a store that does not check CRC32s would keep them.
+    path = hot.path(big)
+    original = storage._S3FileWriter._upload_part
+
+    async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
+        if number == 1:
+            flip_byte(path, 5 * MiB - 1)  # the part's last byte: all but the last read went out
+        return await original(self, upload_id, number, body, crc)
+
+    monkeypatch.setattr(storage._S3FileWriter, "_upload_part", upload_part)
+    with pytest.raises(
+        VerificationError, match=r"big\.pt/?: part at bytes 0-5242880: changed after it was hashed"
+    ):
+        cold.copy_from(hot.tier, big)
+    assert cold.list_manifests() == [] and cold.list_staging() == []
+    assert cold.list_multipart_uploads() == []
+
+
+def test_s3_single_put_changed_after_hashing_is_not_stored(
+    cold: storage.S3TierStorage, hot: Hot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = hot.path(hot.ckpt_file)
+    real_call = cold._call
+
+    def call(method: str, **kwargs: Any) -> Any:
+        if method == "put_object" and kwargs["Key"].endswith(".ckpt"):
+            flip_byte(path, 0)
+        return real_call(method, **kwargs)
+
+    monkeypatch.setattr(cold, "_call", call)
+    with pytest.raises(VerificationError, match="changed after it was hashed"):
+        cold.copy_from(hot.tier, hot.ckpt_file)
+    assert cold.list_manifests() == [] and cold.list_staging() == []
+
+
+_TRACED_UPLOAD = """
+import json, sys, tracemalloc
+from ckptkeeper.model import Manifest, TierPolicy, TierSpec
+from ckptkeeper.storage import TierStorage
+job = json.loads(sys.argv[1])
+cold = TierStorage(TierSpec("cold", job["url"], TierPolicy(), storage_options=job["options"]))
+cold.part_size, cold.max_inflight = job["part_size"], job["max_inflight"]
+cold.list_manifests()  # client and first connection outside the trace
+hot = TierStorage(TierSpec("hot", job["hot"], TierPolicy()), hot=True)
+tracemalloc.start()
+cold.copy_from(hot, Manifest.from_json(job["manifest"]))
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def test_s3_upload_from_a_local_file_holds_no_part_buffers(cold: storage.S3TierStorage, hot: Hot) -> None:
+    # A training node's memory is the scarce resource: parts are read from the file while they
+    # are sent, so an upload's memory does not grow with part size x parts in flight (held in
+    # buffers, that would be 3 x 16 MiB here). Traced in a process of its own: the moto server
+    # of the tests allocates in this one.
+    import subprocess
+    import sys
+
+    path = hot.root / "run1" / "huge.pt"
+    path.write_bytes(os.urandom(40 * MiB + 5))
+    m = manifest_of(hot.root, "run1", "huge.pt", 400)
+    job = {
+        "url": cold.spec.url,
+        "options": dict(cold.spec.storage_options),
+        "part_size": 16 * MiB,
+        "max_inflight": 3,
+        "hot": str(hot.root),
+        "manifest": m.to_json(),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRACED_UPLOAD, json.dumps(job)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak = int(proc.stdout.split()[-1])
+    assert peak < 8 * MiB, f"{peak / MiB:.1f} MiB traced at peak"
+    assert cold.verify(m) == []
