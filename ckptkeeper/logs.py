@@ -9,7 +9,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-import structlog
+# structlog (and the rich/pygments it may pull in) is imported where it is used: the S3 tier
+# registers its credentials here, and an upload or restore logs through the stdlib only.
 
 _configured = False
 _secrets: tuple[str, ...] = ()
@@ -21,6 +22,8 @@ _factory_installed = False
 def configure(level: str = "info", *, json: bool | None = None) -> None:
     """Idempotent. ``json=None`` picks JSON unless stderr is a terminal (systemd captures stderr)."""
     global _configured
+    import structlog
+
     if json is None:
         json = not sys.stderr.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
@@ -43,6 +46,8 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
 
 
 def get_logger(name: str | None = None) -> Any:
+    import structlog
+
     if not _configured:
         configure()
     return structlog.get_logger(name) if name else structlog.get_logger()
