@@ -60,8 +60,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import pairwise, repeat
-from operator import attrgetter
+from itertools import compress, groupby, islice, pairwise, repeat
+from operator import attrgetter, lt
 
 from ckptkeeper.model import (
     Action,
@@ -77,7 +77,7 @@ from ckptkeeper.model import (
     TierUsage,
 )
 from ckptkeeper.reaper import plan_reaps
-from ckptkeeper.retention import Rule, describe, keeps_nothing, rules_for, select_union
+from ckptkeeper.retention import Rule, RuleSet, RunHistory, describe, keeps_nothing, rules_for
 
 __all__ = [
     "EXPIRED",
@@ -96,6 +96,9 @@ _COMPLETE = CheckpointState.COMPLETE
 _COPY = ActionKind.COPY
 _DELETE = ActionKind.DELETE
 _by_step = attrgetter("step")
+_run_of = attrgetter("run")
+_state_of = attrgetter("state")
+_pinned = attrgetter("pinned")
 _NEWEST_ONLY = [NEWEST]
 """The protection of a checkpoint that is only protected as the newest of its run."""
 
@@ -134,7 +137,7 @@ class _Item:
         self,
         ckpt: Checkpoint,
         locs: _Locs,
-        sels: list[tuple[str, ...] | None],
+        sels: Sequence[tuple[str, ...] | None],
         protect: list[str] | None,
         rule_tier: int | None,
         base: int | None,
@@ -190,6 +193,14 @@ def _gc_paused() -> Iterator[None]:
     A plan allocates a few objects per checkpoint (millions for a big catalog), none of them in
     reference cycles; every allocation burst would otherwise trigger full collections that rescan
     the whole catalog again and again (about a third of the time at 1M checkpoints).
+
+    What survives is the plan: over a million long-lived records (1M checkpoints), no garbage
+    cycles. Left in the young generation, the first allocation after ``gc.enable()`` would scan
+    them all just to promote them (0.3 s at 1M), and a later middle-generation collection again.
+    ``freeze()`` then ``unfreeze()`` moves every tracked object straight to the oldest generation
+    (two list splices, no scan), where a full collection still visits them as it visits the
+    catalog. Young objects of the caller age with them: a garbage cycle among those waits for the
+    next full collection instead of the next young one.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -197,6 +208,8 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
@@ -225,12 +238,18 @@ def _plan(
     reaped: set[tuple[str, int]] = set()
     reap_keep: Mapping[tuple[str, int], tuple[str, ...]] = {}
     if reaper is not None:
-        reap_actions, reaped, reap_keep = _reaps(snapshot, tiers, reaper, now, protections, unknown, notes)
+        reap_actions, reaped, reap_keep = _reaps(
+            snapshot, by_run, tiers, reaper, now, protections, unknown, notes
+        )
 
-    items = _residency(by_run, pos, unknown, tiers, rules, protections, reaped)
+    watched = _watched(tiers, usage, unknown)
+    placer = _Placer(tiers, pos, unknown, rules, protections, reap_keep, watched, run)
+    reaped_steps = _reaped_by_run(reaped)
+    for run_name, cps in by_run.items():
+        placer.place_run(run_name, _without(cps, reaped_steps.get(run_name)))
     ended = frozenset(r.name for r in snapshot.runs if r.state is not RunState.ACTIVE)
-    _watermarks(items, tiers, usage, unknown, reap_actions, pos, ended, notes)
-    copies, deletes, keeps = _emit(items, names, rules, unknown, protections, reap_keep, run)
+    _watermarks(placer.items, tiers, watched, unknown, reap_actions, pos, ended, notes)
+    copies, deletes, keeps = _emit(placer.ready, placer.deferred, names, rules, unknown, reap_keep)
 
     if run is not None:
         reap_actions = [a for a in reap_actions if a.run == run]
@@ -261,20 +280,32 @@ def _plan(
 
 
 def _group_by_run(checkpoints: Sequence[Checkpoint]) -> dict[str, list[Checkpoint]]:
-    """Checkpoints per run, runs by name and each run by step, so input order never matters."""
-    grouped: defaultdict[str, list[Checkpoint]] = defaultdict(list)
-    for c in checkpoints:
-        grouped[c.run].append(c)
-    out: dict[str, list[Checkpoint]] = {}
-    for name in sorted(grouped):
-        cps = grouped[name]
-        cps.sort(key=_by_step)
-        if len({c.step for c in cps}) != len(cps):
-            steps = [c.step for c in cps]
-            dup = next(s for s, t in pairwise(steps) if s == t)
-            raise ValueError(f"duplicate checkpoint {name}@{dup} in snapshot")
-        out[name] = cps
-    return out
+    """Checkpoints per run, runs by name and each run by step, so input order never matters.
+
+    Taken a block of consecutive checkpoints of one run at a time, so input already in (run, step)
+    order, as ``Index.snapshot()`` gives it, costs one C-level pass per block and no sort.
+    """
+    grouped: dict[str, list[Checkpoint]] = {}
+    for name, block in groupby(checkpoints, key=_run_of):
+        cps = grouped.get(name)
+        if cps is None:
+            grouped[name] = list(block)
+        else:
+            cps.extend(block)
+    return {name: _by_step_unique(name, grouped[name]) for name in sorted(grouped)}
+
+
+def _by_step_unique(run: str, cps: list[Checkpoint]) -> list[Checkpoint]:
+    """``cps`` sorted by step (in place); raises ValueError if a step appears twice."""
+    steps = list(map(_by_step, cps))
+    if all(map(lt, steps, islice(steps, 1, None))):  # already sorted, no duplicate
+        return cps
+    cps.sort(key=_by_step)
+    steps.sort()
+    dup = next((s for s, t in pairwise(steps) if s == t), None)
+    if dup is not None:
+        raise ValueError(f"duplicate checkpoint {run}@{dup} in snapshot")
+    return cps
 
 
 def _protections(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> Protections:
@@ -288,9 +319,8 @@ def _protections(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> 
         newest = next((c for c in reversed(cps) if c.state is _COMPLETE), None)
         if newest is not None:
             protect[name].setdefault(newest.step, []).insert(0, NEWEST)
-        for c in cps:
-            if c.pinned:
-                protect[name].setdefault(c.step, []).insert(0, PINNED)
+        for c in compress(cps, map(_pinned, cps)):
+            protect[name].setdefault(c.step, []).insert(0, PINNED)
     return dict(protect)
 
 
@@ -302,6 +332,7 @@ def _protection(protections: Protections, run: str | None, step: int | None) -> 
 
 def _reaps(
     snapshot: Snapshot,
+    by_run: Mapping[str, list[Checkpoint]],
     tiers: Sequence[TierSpec],
     policy: ReaperPolicy,
     now: float,
@@ -310,7 +341,7 @@ def _reaps(
     notes: list[str],
 ) -> tuple[list[Action], set[tuple[str, int]], Mapping[tuple[str, int], tuple[str, ...]]]:
     """Ask the reaper, then drop what the planner's own guarantees forbid (defence in depth)."""
-    decision = plan_reaps(_reaper_view(snapshot), tiers, policy, now)
+    decision = plan_reaps(_reaper_view(snapshot, by_run), tiers, policy, now)
     unknown_names = {tiers[i].name for i in unknown}
     blocked: dict[tuple[str, int], list[str]] = {}
     actions: list[Action] = []
@@ -327,98 +358,211 @@ def _reaps(
     return actions, set(decision.reaped) - blocked.keys(), decision.keep_reasons
 
 
-def _reaper_view(snapshot: Snapshot) -> Snapshot:
+def _reaper_view(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> Snapshot:
     """The part of the snapshot the reaper's verdicts depend on, the same decision at a fraction
     of the cost (1M checkpoints: 4 s -> 0.2 s, bench/planning.py).
 
     ``plan_reaps`` says nothing about a complete checkpoint of a live run (retention's business,
     see :class:`ckptkeeper.reaper.ReapDecision`); such a checkpoint only matters to it as a spared
     path an artifact may sit in. So it gets every checkpoint of failed and stale runs, every
-    incomplete one, and the complete ones of live runs that hold an artifact.
+    incomplete one, and the complete ones of live runs that hold an artifact, run by run
+    (``plan_reaps`` sorts them by (run, step) anyway).
     """
     dead = {r.name for r in snapshot.runs if r.state is RunState.FAILED or r.state is RunState.STALE}
     holders: set[str] = set()
     for a in snapshot.artifacts:
         parts = a.path.rstrip("/").split("/")
         holders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-    kept = [
-        c
-        for c in snapshot.checkpoints
-        if c.state is not _COMPLETE or c.run in dead or (holders and c.rel_path.rstrip("/") in holders)
-    ]
+    kept: list[Checkpoint] = []
+    for name, cps in by_run.items():
+        if name in dead:
+            kept.extend(cps)
+        elif holders:
+            kept.extend(c for c in cps if c.state is not _COMPLETE or c.rel_path.rstrip("/") in holders)
+        elif list(map(_state_of, cps)).count(_COMPLETE) != len(cps):
+            kept.extend(c for c in cps if c.state is not _COMPLETE)
     if len(kept) == len(snapshot.checkpoints):
         return snapshot
     return replace(snapshot, checkpoints=tuple(kept))
 
 
-def _residency(
-    by_run: Mapping[str, list[Checkpoint]],
-    pos: Mapping[str, int],
-    unknown: frozenset[int],
-    tiers: Sequence[TierSpec],
-    rules: Sequence[Sequence[Rule]],
-    protections: Protections,
-    reaped: set[tuple[str, int]],
-) -> list[_Item | Checkpoint]:
-    """Keep-sets, residency and desired tiers before watermarks, in (run, step) order.
+def _reaped_by_run(reaped: set[tuple[str, int]]) -> dict[str, set[int]]:
+    steps: defaultdict[str, set[int]] = defaultdict(set)
+    for run, step in reaped:
+        steps[run].add(step)
+    return steps
 
-    Complete checkpoints become :class:`_Item`; incomplete ones are passed through as they are
-    (nothing is decided about them) so the output stays in order without a final sort.
+
+def _without(cps: list[Checkpoint], steps: set[int] | None) -> list[Checkpoint]:
+    return cps if not steps else [c for c in cps if c.step not in steps]
+
+
+_NOWHERE: frozenset[int] = frozenset()
+_NO_PROTECTION: dict[int, list[str]] = {}
+_NOT_PLAIN: tuple[tuple[str, tuple[str, ...]], ...] = ()
+_tiers_of = attrgetter("tiers")
+_new_keep = tuple.__new__
+"""``Keep(...)`` without the Python-level ``__new__`` of a named tuple (1.4M keeps at 1M: -0.3 s)."""
+
+
+class _Placer:
+    """Keep-sets, residency and desired tiers before watermarks (steps 2-4), run by run.
+
+    Most checkpoints of a large catalog are *plain*: already exactly where the rules want them,
+    with nothing else to say. Their keeps are final at once (:meth:`_plain_keeps`) and go straight
+    to ``ready``; every other checkpoint becomes an :class:`_Item` that watermarks and
+    :func:`_emit` finish, its keeps spliced into ``ready`` at the position noted in ``deferred``.
+    Incomplete checkpoints are kept where they are (:func:`_incomplete_keeps`), nothing else.
     """
-    ntiers = len(tiers)
-    replicas = [t for t in range(ntiers) if tiers[t].policy.replicate]
-    loc_cache: dict[frozenset[str], _Locs] = {}
-    # Desired sets are shared: there are only as many distinct ones as tier combinations.
-    singles = [frozenset({t}) for t in range(ntiers)]
-    with_replica: dict[tuple[frozenset[int], int], frozenset[int]] = {}
-    nowhere: frozenset[int] = frozenset()
-    no_protection: dict[int, list[str]] = {}
-    out: list[_Item | Checkpoint] = []
-    append = out.append
-    for run_name, cps in by_run.items():
-        if reaped:
-            cps = [c for c in cps if (run_name, c.step) not in reaped]
-        complete = [c for c in cps if c.state is _COMPLETE]
-        run_start = len(out)
-        if len(complete) != len(cps):
-            out.extend(c for c in cps if c.state is not _COMPLETE)
-        if not complete:
-            continue
-        selections = [select_union(r, complete) for r in rules]
-        protected = protections.get(run_name, no_protection)
-        for c in complete:
-            locs = loc_cache.get(c.tiers)
-            if locs is None:
-                locs = loc_cache[c.tiers] = _resolve(c.tiers, pos, unknown)
-            step = c.step
-            sels = list(map(dict.get, selections, repeat(step, ntiers)))
-            protect = protected.get(step)
-            rule_tier = base = None
-            for t, sel in enumerate(sels):
-                if sel is not None:
-                    rule_tier = t
-                    break
-            if rule_tier is None:
-                # Expired, or protected with no rule placing it: then it stays where it is.
-                desired = locs.known_set if protect is not None else nowhere
-            else:
-                base = rule_tier
-                if locs.known and locs.known[0] > base:
-                    base = locs.known[0]  # never promote
-                desired = singles[base]
-                for t in replicas:
-                    if t > base and sels[t] is not None:
-                        key = (desired, t)
-                        desired = with_replica.get(key) or with_replica.setdefault(key, desired | {t})
-            hold = bool(unknown) and (bool(locs.in_unknown) or not unknown.isdisjoint(desired))
-            append(_Item(c, locs, sels, protect, rule_tier, base, desired, hold))
-        if len(complete) != len(cps):  # interleave the incomplete ones back in step order
-            out[run_start:] = sorted(out[run_start:], key=_step_of)
-    return out
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        pos: Mapping[str, int],
+        unknown: frozenset[int],
+        rules: Sequence[Sequence[Rule]],
+        protections: Protections,
+        reap_keep: Mapping[tuple[str, int], tuple[str, ...]],
+        watched: Mapping[int, object],
+        only_run: str | None,
+    ) -> None:
+        self.names = [t.name for t in tiers]
+        self.pos = pos
+        self.unknown = unknown
+        self._interned: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self.rule_sets = [RuleSet(r, self._interned) for r in rules]
+        self.protections = protections
+        self.reap_keep = reap_keep
+        self.reap_kept: defaultdict[str, set[int]] = defaultdict(set)
+        for run, step in reap_keep:
+            self.reap_kept[run].add(step)
+        self.watched = frozenset(watched)
+        self.only_run = only_run
+        self.replicas = [t for t in range(len(tiers)) if tiers[t].policy.replicate]
+
+        self.items: list[_Item] = []
+        """Checkpoints that need planner state, in (run, step) order."""
+        self.ready: list[Keep] = []
+        """Keeps decided at placement, in output order (only the runs the plan reports)."""
+        self.deferred: list[tuple[int, _Item]] = []
+        """(position in ``ready``, item): where each reported item's keeps belong."""
+
+        # Caches, all small: as many entries as distinct tier sets, reason tuples or placements.
+        self._loc_cache: dict[frozenset[str], _Locs] = {}
+        self._singles = [frozenset({t}) for t in range(len(tiers))]
+        self._with_replica: dict[tuple[frozenset[int], int], frozenset[int]] = {}
+        self._plain: dict[_Placement, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+
+    def place_run(self, run: str, cps: list[Checkpoint]) -> None:
+        history = RunHistory([c for c in cps if c.state is _COMPLETE])
+        selections = [rules.select(history) for rules in self.rule_sets]
+        steps = list(map(_by_step, cps))
+        per_tier = [list(map(sel.get, steps)) for sel in selections]
+        reasons_by_tier = zip(*per_tier, strict=True) if per_tier else repeat(())
+        protected = self.protections.get(run, _NO_PROTECTION)
+        special = protected.keys() | self.reap_kept.get(run, set())
+        report = self.only_run is None or run == self.only_run
+        plain = self._plain
+        keep = self.ready.append
+        for c, held_in, sels in zip(cps, map(_tiers_of, cps), reasons_by_tier, strict=False):
+            if c.step not in special:
+                placement = (held_in, sels)
+                keeps = plain.get(placement)
+                if keeps is None:
+                    keeps = plain[placement] = self._plain_keeps(held_in, sels)
+                if keeps:
+                    if report:
+                        for tier, reasons in keeps:
+                            keep(_new_keep(Keep, (run, c.step, tier, reasons)))
+                    continue
+            if c.state is not _COMPLETE:
+                if report:
+                    self.ready.extend(self._incomplete(c))
+                continue
+            item = self._item(c, sels, protected.get(c.step))
+            self.items.append(item)
+            if report:
+                self.deferred.append((len(self.ready), item))
+
+    def _incomplete(self, c: Checkpoint) -> list[Keep]:
+        why = (*(_protection(self.protections, c.run, c.step) or ()), *self.reap_keep.get(c.key, ()))
+        return _incomplete_keeps(c, self.names, why)
+
+    def _plain_keeps(
+        self, held_in: frozenset[str], sels: tuple[tuple[str, ...] | None, ...]
+    ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(tier, reasons) of each keep of a checkpoint placed like this, if it is plain; else ().
+
+        Plain (for a complete checkpoint nobody protects and the reaper says nothing about): no
+        tier is unknown this round, a rule places it in a tier without watermarks, and it already
+        is in exactly its desired tiers. Then it resides in its rule tier (a copy in a faster tier
+        would not be desired, so it is never-promoted only if it is not plain), :func:`_watermarks`
+        never moves it (it moves residents of watched tiers, and counts only checkpoints whose
+        desired tiers differ from where they are), and :func:`_emit` has no copy or delete for it
+        and would give exactly these keeps.
+        """
+        if self.unknown:
+            return _NOT_PLAIN
+        rule_tier = _fastest(sels)
+        if rule_tier is None or rule_tier in self.watched:
+            return _NOT_PLAIN
+        desired = self._desired(rule_tier, sels)
+        if desired != self._locs(held_in).known_set:
+            return _NOT_PLAIN
+        return tuple(
+            (self.names[t], (sels[t] or ()) if t == rule_tier else self._replicated(sels[t] or ()))
+            for t in sorted(desired)
+        )
+
+    def _replicated(self, reasons: tuple[str, ...]) -> tuple[str, ...]:
+        """Keep reasons of a replica: the replica tier's own, then ``replicate``."""
+        with_replicate = (*reasons, "replicate")
+        return self._interned.setdefault(with_replicate, with_replicate)
+
+    def _item(
+        self, c: Checkpoint, sels: tuple[tuple[str, ...] | None, ...], protect: list[str] | None
+    ) -> _Item:
+        locs = self._locs(c.tiers)
+        rule_tier = _fastest(sels)
+        base = None
+        if rule_tier is None:
+            # Expired, or protected with no rule placing it: then it stays where it is.
+            desired = locs.known_set if protect is not None else _NOWHERE
+        else:
+            base = rule_tier
+            if locs.known and locs.known[0] > base:
+                base = locs.known[0]  # never promote
+            desired = self._desired(base, sels)
+        unknown = self.unknown
+        hold = bool(unknown) and (bool(locs.in_unknown) or not unknown.isdisjoint(desired))
+        return _Item(c, locs, sels, protect, rule_tier, base, desired, hold)
+
+    def _desired(self, base: int, sels: tuple[tuple[str, ...] | None, ...]) -> frozenset[int]:
+        """``base`` plus every slower replicate tier whose keep-set holds it (shared sets)."""
+        desired = self._singles[base]
+        for t in self.replicas:
+            if t > base and sels[t] is not None:
+                key = (desired, t)
+                desired = self._with_replica.get(key) or self._with_replica.setdefault(key, desired | {t})
+        return desired
+
+    def _locs(self, tier_names: frozenset[str]) -> _Locs:
+        locs = self._loc_cache.get(tier_names)
+        if locs is None:
+            locs = self._loc_cache[tier_names] = _resolve(tier_names, self.pos, self.unknown)
+        return locs
 
 
-def _step_of(x: _Item | Checkpoint) -> int:
-    return x.ckpt.step if isinstance(x, _Item) else x.step
+_Placement = tuple[frozenset[str], tuple[tuple[str, ...] | None, ...]]
+"""Where a checkpoint is (tier names) and why each tier's keep-set holds it."""
+
+
+def _fastest(sels: Sequence[tuple[str, ...] | None]) -> int | None:
+    """The rule tier: the fastest tier whose keep-set holds the checkpoint."""
+    for t, sel in enumerate(sels):
+        if sel is not None:
+            return t
+    return None
 
 
 def _resolve(tier_names: frozenset[str], pos: Mapping[str, int], unknown: frozenset[int]) -> _Locs:
@@ -432,10 +576,25 @@ def _unique(reasons: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(reasons))
 
 
+def _watched(
+    tiers: Sequence[TierSpec], usage: Mapping[str, TierUsage | None], unknown: frozenset[int]
+) -> dict[int, tuple[TierUsage, float, float]]:
+    """Tiers whose watermarks apply: position -> (usage, high, low)."""
+    watched: dict[int, tuple[TierUsage, float, float]] = {}
+    for i, spec in enumerate(tiers):
+        u = usage.get(spec.name)
+        high = spec.policy.high_watermark
+        if u is None or high is None or u.total_bytes <= 0 or i in unknown:
+            continue
+        low = spec.policy.low_watermark
+        watched[i] = (u, high, min(low, high) if low is not None else high)
+    return watched
+
+
 def _watermarks(
-    items: Sequence[_Item | Checkpoint],
+    items: Sequence[_Item],
     tiers: Sequence[TierSpec],
-    usage: Mapping[str, TierUsage | None],
+    watched: Mapping[int, tuple[TierUsage, float, float]],
     unknown: frozenset[int],
     reap_actions: Sequence[Action],
     pos: Mapping[str, int],
@@ -453,14 +612,6 @@ def _watermarks(
     the newest checkpoint of an active run (it resumes from it) and the parent of an active run.
     """
     ntiers = len(tiers)
-    watched: dict[int, tuple[TierUsage, float, float]] = {}
-    for i, spec in enumerate(tiers):
-        u = usage.get(spec.name)
-        high = spec.policy.high_watermark
-        if u is None or high is None or u.total_bytes <= 0 or i in unknown:
-            continue
-        low = spec.policy.low_watermark
-        watched[i] = (u, high, min(low, high) if low is not None else high)
     if not watched:
         return
 
@@ -471,11 +622,7 @@ def _watermarks(
         reaped_in = pos.get(a.tier or "")
         if reaped_in is not None and reaped_in in projected:
             projected[reaped_in] -= a.bytes
-    residents: list[_Item] = []
     for item in items:
-        if not isinstance(item, _Item):
-            continue
-        residents.append(item)
         known = item.locs.known_set
         desired = item.desired
         if desired == known:
@@ -517,14 +664,14 @@ def _watermarks(
         target = low * u.total_bytes
         # Held checkpoints cannot leave (no delete this round) and one without a readable copy
         # cannot be copied: demoting either would free nothing.
-        movable = [it for it in residents if it.resident == i and not it.hold and it.locs.known]
+        movable = [it for it in items if it.resident == i and not it.hold and it.locs.known]
         unprotected = [it for it in movable if it.protect is None]
         _demote_oldest(unprotected, i, projected, target, demotion)
         if projected[i] > target:
             # A protected checkpoint no rule places has no residence but stays where it is.
             ended_newest = [
                 it
-                for it in residents
+                for it in items
                 if it.protect == _NEWEST_ONLY
                 and it.ckpt.run in ended
                 and (it.resident == i or (it.resident is None and i in it.desired))
@@ -564,34 +711,32 @@ def _demote_oldest(
 
 
 def _emit(
-    items: Sequence[_Item | Checkpoint],
+    ready: list[Keep],
+    deferred: Sequence[tuple[int, _Item]],
     names: Sequence[str],
     rules: Sequence[Sequence[Rule]],
     unknown: frozenset[int],
-    protections: Protections,
     reap_keep: Mapping[tuple[str, int], tuple[str, ...]],
-    only_run: str | None,
 ) -> tuple[list[Action], list[Action], list[Keep]]:
     """Copies, deletes and keeps from desired vs actual (DESIGN §3), each already in output order.
 
     Copies go where desired and absent, from the fastest known tier holding a verified copy; deletes
     where present and not desired, unless the checkpoint is held. Keeps: one per desired tier with
-    every reason, plus the tiers a held checkpoint stays in.
+    every reason, plus the tiers a held checkpoint stays in; each item's between the ``ready``
+    keeps placed before and after it.
     """
+    if not deferred:
+        return [], [], ready
     described = [describe(r) for r in rules]
     replica_reasons: dict[tuple[str, ...], tuple[str, ...]] = {}
     copies: list[Action] = []
     deletes: list[Action] = []
     keeps: list[Keep] = []
-    for it in items:
-        if not isinstance(it, _Item):
-            if only_run is None or it.run == only_run:
-                why = (*(_protection(protections, it.run, it.step) or ()), *reap_keep.get(it.key, ()))
-                keeps.extend(_incomplete_keeps(it, names, why))
-            continue
+    done = 0
+    for at, it in deferred:
+        keeps.extend(ready[done:at])
+        done = at
         c = it.ckpt
-        if only_run is not None and c.run != only_run:
-            continue
         locs = it.locs
         desired = it.desired
         resident = it.resident
@@ -617,8 +762,9 @@ def _emit(
                         Action(_DELETE, reason, c.run, c.step, names[t], None, c.rel_path, c.bytes, rule)
                     )
         if (
-            # The common case by far: placed by rules alone, nothing else to say. Rule reasons are
-            # distinct, so they need no de-duplication, and replica reasons are shared tuples.
+            # Placed by rules alone, nothing else to say (like a plain checkpoint, but moving).
+            # Rule reasons are distinct, so they need no de-duplication, and replica reasons are
+            # shared tuples.
             resident is not None
             and resident == it.rule_tier
             and not it.protect
@@ -636,6 +782,7 @@ def _emit(
                 keeps.append(Keep(c.run, c.step, names[t], reasons))
             continue
         keeps.extend(_keeps_of(it, names, unknown, reap_keep.get(c.key, ())))
+    keeps.extend(ready[done:])
     return copies, deletes, keeps
 
 

@@ -11,16 +11,24 @@ Shared conventions, so every rule behaves the same way:
 * "Newest" means the highest step: steps order numerically, never by name or mtime (DESIGN §2).
   Time only enters through ``created_at`` for ``keep_within`` and the calendar buckets.
 * Selections are keyed by step (the input is one run) and map to the rule's reason.
+
+For the planner, which applies every tier's rules to every run of the catalog, rules also answer
+from a :class:`RunHistory` (one run's complete checkpoints and the columns rules read: steps,
+creation times, a metric, each read once per run and shared by every tier's rules) with just the
+steps they keep, and a :class:`RuleSet` merges a tier's answers with set operations. A million
+checkpoints then cost a few C-level passes per column rather than Python loops per rule.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from itertools import compress, repeat
+from operator import add, attrgetter, ge, methodcaller, mod, not_, truediv
+from typing import Protocol, TypeGuard
 
 from ckptkeeper.model import Checkpoint, CheckpointState, TierPolicy
 
@@ -35,6 +43,8 @@ __all__ = [
     "KeepWeekly",
     "KeepWithin",
     "Rule",
+    "RuleSet",
+    "RunHistory",
     "describe",
     "format_duration",
     "keeps_nothing",
@@ -43,6 +53,46 @@ __all__ = [
 ]
 
 _COMPLETE = CheckpointState.COMPLETE
+_step_of = attrgetter("step")
+_created_at_of = attrgetter("created_at")
+_metrics_of = attrgetter("metrics")
+
+
+class RunHistory:
+    """The complete checkpoints of one run, sorted by step, and the columns rules read.
+
+    Built once per run and shared by every tier's rules: each column is read from the checkpoints
+    once (and only if some rule needs it), with C-level ``map``s instead of a Python loop per rule.
+    """
+
+    __slots__ = ("_created_at", "_metrics", "checkpoints", "steps")
+
+    def __init__(self, complete: Sequence[Checkpoint], steps: list[int] | None = None) -> None:
+        """``complete``: one run's complete checkpoints sorted by step; ``steps``: their steps, if known."""
+        self.checkpoints = complete
+        self.steps: list[int] = list(map(_step_of, complete)) if steps is None else steps
+        self._created_at: list[float] | None = None
+        self._metrics: dict[str, list[object]] = {}
+
+    @classmethod
+    def of(cls, checkpoints: Iterable[Checkpoint]) -> RunHistory:
+        """From one run's checkpoints sorted by step, whatever their state."""
+        return cls([c for c in checkpoints if c.state is _COMPLETE])
+
+    @property
+    def created_at(self) -> list[float]:
+        if self._created_at is None:
+            self._created_at = list(map(_created_at_of, self.checkpoints))
+        return self._created_at
+
+    def metric(self, name: str) -> list[object]:
+        """The value of metric ``name`` per checkpoint (None where it is missing), as recorded."""
+        values = self._metrics.get(name)
+        if values is None:
+            values = self._metrics[name] = list(
+                map(methodcaller("get", name), map(_metrics_of, self.checkpoints))
+            )
+        return values
 
 
 class Rule(Protocol):
@@ -56,6 +106,26 @@ class Rule(Protocol):
     def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
         """Map step -> reason for the checkpoints kept; input is one run sorted by step."""
         ...
+
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        """The steps of the checkpoints kept (each once, in any order), from a :class:`RunHistory`."""
+        ...
+
+
+class _SelectsFromHistory:
+    """``Rule.select`` for the rules below, which all implement ``kept_steps``."""
+
+    __slots__ = ()
+
+    @property
+    def reason(self) -> str:
+        raise NotImplementedError
+
+    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
+        return dict.fromkeys(self.kept_steps(RunHistory.of(checkpoints)), self.reason)
+
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        raise NotImplementedError
 
 
 def format_duration(seconds: float) -> str:
@@ -75,20 +145,19 @@ def format_duration(seconds: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class KeepAll:
+class KeepAll(_SelectsFromHistory):
     """What a tier without rules does: keep everything (DESIGN §3 "No rule = keep all")."""
 
     @property
     def reason(self) -> str:
         return "no rules: keep all"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
-        reason = self.reason
-        return {c.step: reason for c in checkpoints if c.state is _COMPLETE}
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        return run.steps
 
 
 @dataclass(frozen=True, slots=True)
-class KeepLast:
+class KeepLast(_SelectsFromHistory):
     """The ``n`` newest complete checkpoints (by step)."""
 
     n: int
@@ -101,22 +170,12 @@ class KeepLast:
     def reason(self) -> str:
         return f"last {self.n}"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
-        # Walk from the newest end and stop early: O(n) only in the number kept (plus partials).
-        out: dict[int, str] = {}
-        if self.n == 0:
-            return out
-        reason = self.reason
-        for c in reversed(checkpoints):
-            if c.state is _COMPLETE:
-                out[c.step] = reason
-                if len(out) >= self.n:
-                    break
-        return out
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        return run.steps[-self.n :] if self.n else ()
 
 
 @dataclass(frozen=True, slots=True)
-class KeepBest:
+class KeepBest(_SelectsFromHistory):
     """The ``n`` best complete checkpoints by ``metric`` (``mode`` min or max).
 
     A checkpoint without the metric (or with NaN) is never "best" and does not take a slot: it is
@@ -138,31 +197,39 @@ class KeepBest:
     def reason(self) -> str:
         return f"best {self.n} by {self.metric} ({self.mode})"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
         if self.n == 0:
-            return {}
+            return ()
+        values = run.metric(self.metric)
+        if _plain_floats(values):
+            # Fast path, same choice: the values are already the floats the general path would
+            # compare, and walking newest first with a stable selection prefers the newer step on
+            # ties exactly as its (value, -step) key does.
+            newest_first = range(len(values) - 1, -1, -1)
+            pick = heapq.nsmallest if self.mode == "min" else heapq.nlargest
+            return list(map(run.steps.__getitem__, pick(self.n, newest_first, key=values.__getitem__)))
         sign = 1.0 if self.mode == "min" else -1.0
-        metric = self.metric
         scored: list[tuple[float, int]] = []
-        for c in checkpoints:
-            if c.state is not _COMPLETE:
-                continue
-            value = c.metrics.get(metric)
+        for step, value in zip(run.steps, values, strict=True):
             if value is None:
                 continue
             try:
-                v = float(value)
+                v = float(value)  # type: ignore[arg-type]
             except (TypeError, ValueError):
                 continue
             if math.isnan(v):
                 continue
-            scored.append((sign * v, -c.step))
-        reason = self.reason
-        return {-neg_step: reason for _, neg_step in heapq.nsmallest(self.n, scored)}
+            scored.append((sign * v, -step))
+        return [-neg_step for _, neg_step in heapq.nsmallest(self.n, scored)]
+
+
+def _plain_floats(values: list[object]) -> TypeGuard[list[float]]:
+    """True when every value is a float (not a subclass, not None) and none is NaN."""
+    return set(map(type, values)) <= {float} and not any(map(math.isnan, values))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
-class KeepEvery:
+class KeepEvery(_SelectsFromHistory):
     """Complete checkpoints whose step is a multiple of ``n`` (milestones such as every 10k steps)."""
 
     n: int
@@ -175,14 +242,13 @@ class KeepEvery:
     def reason(self) -> str:
         return f"every {self.n} steps"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
-        n = self.n
-        reason = self.reason
-        return {c.step: reason for c in checkpoints if c.step % n == 0 and c.state is _COMPLETE}
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        steps = run.steps
+        return list(compress(steps, map(not_, map(mod, steps, repeat(self.n)))))  # step % n == 0
 
 
 @dataclass(frozen=True, slots=True)
-class KeepWithin:
+class KeepWithin(_SelectsFromHistory):
     """Complete checkpoints created at most ``seconds`` before ``now``.
 
     Unlike restic (which measures from the newest snapshot) the window is anchored at ``now``,
@@ -200,24 +266,27 @@ class KeepWithin:
     def reason(self) -> str:
         return f"within {format_duration(self.seconds)}"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
-        cutoff = self.now - self.seconds
-        reason = self.reason
-        return {c.step: reason for c in checkpoints if c.created_at >= cutoff and c.state is _COMPLETE}
-
-
-def _hour(ts: float) -> int:
-    return math.floor(ts / 3600)
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
+        recent = map(ge, run.created_at, repeat(self.now - self.seconds))  # created_at >= cutoff
+        return list(compress(run.steps, recent))
 
 
 def _day(ts: float) -> int:
     return math.floor(ts / 86400)
 
 
-def _iso_week(ts: float) -> int:
+def _hours(times: Iterable[float]) -> Iterator[int]:
+    return map(math.floor, map(truediv, times, repeat(3600)))
+
+
+def _days(times: Iterable[float]) -> Iterator[int]:
+    return map(math.floor, map(truediv, times, repeat(86400)))
+
+
+def _iso_weeks(times: Iterable[float]) -> Iterator[int]:
     # Monday-based weeks in UTC, like ISO 8601 / restic's ISOWeek: 1970-01-01 was a Thursday,
     # so shifting by 3 days puts every Monday on a multiple of 7.
-    return math.floor((_day(ts) + 3) / 7)
+    return map(math.floor, map(truediv, map(add, _days(times), repeat(3)), repeat(7)))
 
 
 def _month(ts: float) -> int:
@@ -228,8 +297,12 @@ def _month(ts: float) -> int:
     return d.year * 12 + d.month - 1
 
 
+def _months(times: Iterable[float]) -> Iterator[int]:
+    return map(_month, times)
+
+
 @dataclass(frozen=True, slots=True)
-class _KeepCalendar:
+class _KeepCalendar(_SelectsFromHistory):
     """The newest complete checkpoint (highest step) of each of the ``n`` most recent UTC buckets.
 
     Buckets are computed from ``created_at``; the representative of a bucket is its highest step, so
@@ -240,7 +313,8 @@ class _KeepCalendar:
 
     n: int
     kind: str
-    bucket: Callable[[float], int]
+    buckets: Callable[[Iterable[float]], Iterator[int]]
+    """Bucket of each creation time, in order."""
 
     def __post_init__(self) -> None:
         if self.n < 0:
@@ -250,34 +324,29 @@ class _KeepCalendar:
     def reason(self) -> str:
         return f"{self.kind} snapshot"
 
-    def select(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
+    def kept_steps(self, run: RunHistory) -> Collection[int]:
         if self.n == 0:
-            return {}
-        bucket = self.bucket
-        newest: dict[int, int] = {}
-        for c in reversed(checkpoints):  # highest step first: the first one seen wins its bucket
-            if c.state is _COMPLETE:
-                newest.setdefault(bucket(c.created_at), c.step)
-        reason = self.reason
-        recent = heapq.nlargest(self.n, newest)
-        return {newest[b]: reason for b in recent}
+            return ()
+        # Steps ascend, so a later (higher) step overwrites an earlier one of the same bucket.
+        newest = dict(zip(self.buckets(run.created_at), run.steps, strict=True))
+        return list(map(newest.__getitem__, heapq.nlargest(self.n, newest)))
 
 
 # Calendar rules share one implementation; these factories read like the other rule classes.
 def KeepHourly(n: int) -> _KeepCalendar:
-    return _KeepCalendar(n, "hourly", _hour)
+    return _KeepCalendar(n, "hourly", _hours)
 
 
 def KeepDaily(n: int) -> _KeepCalendar:
-    return _KeepCalendar(n, "daily", _day)
+    return _KeepCalendar(n, "daily", _days)
 
 
 def KeepWeekly(n: int) -> _KeepCalendar:
-    return _KeepCalendar(n, "weekly", _iso_week)
+    return _KeepCalendar(n, "weekly", _iso_weeks)
 
 
 def KeepMonthly(n: int) -> _KeepCalendar:
-    return _KeepCalendar(n, "monthly", _month)
+    return _KeepCalendar(n, "monthly", _months)
 
 
 def rules_for(policy: TierPolicy, now: float) -> list[Rule]:
@@ -311,19 +380,44 @@ def rules_for(policy: TierPolicy, now: float) -> list[Rule]:
 
 
 def select_union(rules: Iterable[Rule], checkpoints: Sequence[Checkpoint]) -> dict[int, tuple[str, ...]]:
-    """Union of the rules' selections: step -> every reason that kept it, in rule order.
+    """Union of the rules' selections: step -> every reason that kept it, in rule order."""
+    return RuleSet(rules).select(RunHistory.of(checkpoints))
 
-    Equal reason tuples are shared (there are only as many distinct ones as rule combinations), so
-    a million kept checkpoints do not cost a million small tuples.
+
+class RuleSet:
+    """One tier's rules, applied run after run (what :func:`select_union` does, for many runs).
+
+    Reasons are computed once, and equal reason tuples are shared through ``interned`` (pass one
+    dict for a whole plan): there are only as many distinct ones as rule combinations, so a million
+    kept checkpoints do not cost a million small tuples, and equal tuples are the same object.
     """
-    out: dict[int, tuple[str, ...]] = {}
-    interned: dict[tuple[str, ...], tuple[str, ...]] = {}
-    for rule in rules:
-        for step, reason in rule.select(checkpoints).items():
-            prev = out.get(step)
-            reasons = (reason,) if prev is None else (*prev, reason)
-            out[step] = interned.setdefault(reasons, reasons)
-    return out
+
+    def __init__(
+        self, rules: Iterable[Rule], interned: dict[tuple[str, ...], tuple[str, ...]] | None = None
+    ) -> None:
+        self.rules = list(rules)
+        self._interned = {} if interned is None else interned
+        self._alone = [self._intern((rule.reason,)) for rule in self.rules]
+
+    def select(self, run: RunHistory) -> dict[int, tuple[str, ...]]:
+        """Step -> every reason that kept it, in rule order.
+
+        Merged with set operations: a step only one rule keeps gets that rule's shared 1-tuple,
+        and only steps several rules keep (a few per run) get a tuple built one by one.
+        """
+        out: dict[int, tuple[str, ...]] = {}
+        for rule, alone in zip(self.rules, self._alone, strict=True):
+            kept = rule.kept_steps(run)
+            if not out:
+                out = dict.fromkeys(kept, alone)
+                continue
+            both = {step: self._intern((*out[step], *alone)) for step in out.keys() & kept}
+            out.update(dict.fromkeys(kept, alone))
+            out.update(both)
+        return out
+
+    def _intern(self, reasons: tuple[str, ...]) -> tuple[str, ...]:
+        return self._interned.setdefault(reasons, reasons)
 
 
 def describe(rules: Iterable[Rule]) -> str:

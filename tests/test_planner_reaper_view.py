@@ -33,11 +33,24 @@ def _snapshot() -> Snapshot:
         for i in range(6):
             cstate = [CheckpointState.COMPLETE] * 4 + [CheckpointState.WRITING, CheckpointState.CORRUPT]
             cps.append(
-                Checkpoint(name, (i + 1) * 100, f"ckpt-{(i + 1) * 100}", "hf", cstate[(i + r) % 6],
-                           NOW - age - (6 - i) * 3600, bytes=10, pinned=(i == 1 and r % 3 == 0),
-                           tiers=frozenset({"hot"} if i % 2 else {"hot", "warm"}), last_write=NOW - age - (6 - i) * 3600)
+                Checkpoint(
+                    name,
+                    (i + 1) * 100,
+                    f"ckpt-{(i + 1) * 100}",
+                    "hf",
+                    cstate[(i + r) % 6],
+                    NOW - age - (6 - i) * 3600,
+                    bytes=10,
+                    pinned=(i == 1 and r % 3 == 0),
+                    tiers=frozenset({"hot"} if i % 2 else {"hot", "warm"}),
+                    last_write=NOW - age - (6 - i) * 3600,
+                )
             )
-    cps.append(Checkpoint("ghost", 100, "ckpt-100", "hf", CheckpointState.COMPLETE, NOW - 9e4, tiers=frozenset({"hot"})))
+    cps.append(
+        Checkpoint(
+            "ghost", 100, "ckpt-100", "hf", CheckpointState.COMPLETE, NOW - 9e4, tiers=frozenset({"hot"})
+        )
+    )
     artifacts = (
         Artifact("hot", "run0/ckpt-300/tmp.part", "tmp-file", 5, NOW - 9e4, run="run0"),  # inside a live one
         Artifact("hot", "run1/ckpt-200/x.tmp", "tmp-file", 5, NOW - 9e4, run="run1"),
@@ -49,6 +62,6 @@ def _snapshot() -> Snapshot:
 
 def test_reaper_view_gives_the_same_decision() -> None:
     snap = _snapshot()
-    view = planner._reaper_view(snap)
+    view = planner._reaper_view(snap, planner._group_by_run(snap.checkpoints))
     assert len(view.checkpoints) < len(snap.checkpoints)
     assert plan_reaps(view, TIERS, ReaperPolicy(), NOW) == plan_reaps(snap, TIERS, ReaperPolicy(), NOW)
