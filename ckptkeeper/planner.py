@@ -62,6 +62,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import compress, groupby, islice, pairwise, repeat
 from operator import attrgetter, lt
+from typing import NamedTuple
 
 from ckptkeeper.model import (
     Action,
@@ -106,9 +107,13 @@ Protections = dict[str, dict[int, list[str]]]
 """run -> step -> why the checkpoint is protected."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Locs:
-    """Where the index says a checkpoint is, resolved against the configured tiers (cached per set)."""
+    """Where the index says a checkpoint is, resolved against the configured tiers.
+
+    One instance per tier set (the placer's cache), so identity is equality: compared and hashed
+    by identity, cheap as a part of cache keys.
+    """
 
     known: tuple[int, ...]
     """Positions of configured, known tiers holding a verified copy, fastest first."""
@@ -245,8 +250,8 @@ def _plan(
     watched = _watched(tiers, usage, unknown)
     placer = _Placer(tiers, pos, unknown, rules, protections, reap_keep, watched, run)
     reaped_steps = _reaped_by_run(reaped)
-    for run_name, cps in by_run.items():
-        placer.place_run(run_name, _without(cps, reaped_steps.get(run_name)))
+    for run_name, checkpoints in by_run.items():
+        placer.place_run(run_name, checkpoints.without(reaped_steps.get(run_name)))
     ended = frozenset(r.name for r in snapshot.runs if r.state is not RunState.ACTIVE)
     _watermarks(placer.items, tiers, watched, unknown, reap_actions, pos, ended, notes)
     copies, deletes, keeps = _emit(placer.ready, placer.deferred, names, rules, unknown, reap_keep)
@@ -279,11 +284,59 @@ def _plan(
     )
 
 
-def _group_by_run(checkpoints: Sequence[Checkpoint]) -> dict[str, list[Checkpoint]]:
+class _RunCheckpoints(NamedTuple):
+    """One run's checkpoints sorted by step, with what several passes need to know about all of
+    them, read in one go while they are in the CPU cache (at 1M checkpoints each pass over the
+    catalog costs a cache miss per checkpoint)."""
+
+    checkpoints: list[Checkpoint]
+    steps: list[int]
+    incomplete: list[Checkpoint]
+    """The ones not complete (writing, corrupt), in step order."""
+    pinned: list[Checkpoint]
+
+    @classmethod
+    def of(cls, run: str, cps: list[Checkpoint]) -> _RunCheckpoints:
+        """From one run's checkpoints in any order; raises ValueError if a step appears twice."""
+        steps = list(map(_by_step, cps))
+        if not all(map(lt, steps, islice(steps, 1, None))):  # not sorted, or a duplicate
+            cps.sort(key=_by_step)
+            steps.sort()
+            dup = next((s for s, t in pairwise(steps) if s == t), None)
+            if dup is not None:
+                raise ValueError(f"duplicate checkpoint {run}@{dup} in snapshot")
+        complete = list(map(_state_of, cps)).count(_COMPLETE)
+        incomplete = [c for c in cps if c.state is not _COMPLETE] if complete != len(cps) else []
+        return cls(cps, steps, incomplete, list(compress(cps, map(_pinned, cps))))
+
+    def without(self, steps: set[int] | None) -> _RunCheckpoints:
+        """The same run minus ``steps`` (reaped)."""
+        if not steps:
+            return self
+        keep = [step not in steps for step in self.steps]
+        return _RunCheckpoints(
+            list(compress(self.checkpoints, keep)),
+            list(compress(self.steps, keep)),
+            [c for c in self.incomplete if c.step not in steps],
+            [c for c in self.pinned if c.step not in steps],
+        )
+
+    def newest_complete(self) -> Checkpoint | None:
+        if not self.incomplete:
+            return self.checkpoints[-1] if self.checkpoints else None
+        return next((c for c in reversed(self.checkpoints) if c.state is _COMPLETE), None)
+
+    def complete(self) -> RunHistory:
+        if not self.incomplete:
+            return RunHistory(self.checkpoints, self.steps)
+        return RunHistory([c for c in self.checkpoints if c.state is _COMPLETE])
+
+
+def _group_by_run(checkpoints: Sequence[Checkpoint]) -> dict[str, _RunCheckpoints]:
     """Checkpoints per run, runs by name and each run by step, so input order never matters.
 
     Taken a block of consecutive checkpoints of one run at a time, so input already in (run, step)
-    order, as ``Index.snapshot()`` gives it, costs one C-level pass per block and no sort.
+    order, as ``Index.snapshot()`` gives it, costs a few C-level passes per block and no sort.
     """
     grouped: dict[str, list[Checkpoint]] = {}
     for name, block in groupby(checkpoints, key=_run_of):
@@ -292,34 +345,21 @@ def _group_by_run(checkpoints: Sequence[Checkpoint]) -> dict[str, list[Checkpoin
             grouped[name] = list(block)
         else:
             cps.extend(block)
-    return {name: _by_step_unique(name, grouped[name]) for name in sorted(grouped)}
+    return {name: _RunCheckpoints.of(name, grouped[name]) for name in sorted(grouped)}
 
 
-def _by_step_unique(run: str, cps: list[Checkpoint]) -> list[Checkpoint]:
-    """``cps`` sorted by step (in place); raises ValueError if a step appears twice."""
-    steps = list(map(_by_step, cps))
-    if all(map(lt, steps, islice(steps, 1, None))):  # already sorted, no duplicate
-        return cps
-    cps.sort(key=_by_step)
-    steps.sort()
-    dup = next((s for s, t in pairwise(steps) if s == t), None)
-    if dup is not None:
-        raise ValueError(f"duplicate checkpoint {run}@{dup} in snapshot")
-    return cps
-
-
-def _protections(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> Protections:
+def _protections(snapshot: Snapshot, by_run: Mapping[str, _RunCheckpoints]) -> Protections:
     """Why checkpoints are protected: pinned, newest complete of the run, parent of an active run."""
     protect: Protections = defaultdict(dict)
     for r in sorted(snapshot.runs, key=attrgetter("name")):
         if r.state is RunState.ACTIVE and r.parent is not None:
             parent_run, parent_step = r.parent
             protect[parent_run].setdefault(parent_step, []).append(f"parent of active run {r.name}")
-    for name, cps in by_run.items():
-        newest = next((c for c in reversed(cps) if c.state is _COMPLETE), None)
+    for name, checkpoints in by_run.items():
+        newest = checkpoints.newest_complete()
         if newest is not None:
             protect[name].setdefault(newest.step, []).insert(0, NEWEST)
-        for c in compress(cps, map(_pinned, cps)):
+        for c in checkpoints.pinned:
             protect[name].setdefault(c.step, []).insert(0, PINNED)
     return dict(protect)
 
@@ -332,7 +372,7 @@ def _protection(protections: Protections, run: str | None, step: int | None) -> 
 
 def _reaps(
     snapshot: Snapshot,
-    by_run: Mapping[str, list[Checkpoint]],
+    by_run: Mapping[str, _RunCheckpoints],
     tiers: Sequence[TierSpec],
     policy: ReaperPolicy,
     now: float,
@@ -358,7 +398,7 @@ def _reaps(
     return actions, set(decision.reaped) - blocked.keys(), decision.keep_reasons
 
 
-def _reaper_view(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> Snapshot:
+def _reaper_view(snapshot: Snapshot, by_run: Mapping[str, _RunCheckpoints]) -> Snapshot:
     """The part of the snapshot the reaper's verdicts depend on, the same decision at a fraction
     of the cost (1M checkpoints: 4 s -> 0.2 s, bench/planning.py).
 
@@ -374,13 +414,17 @@ def _reaper_view(snapshot: Snapshot, by_run: Mapping[str, list[Checkpoint]]) -> 
         parts = a.path.rstrip("/").split("/")
         holders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
     kept: list[Checkpoint] = []
-    for name, cps in by_run.items():
+    for name, checkpoints in by_run.items():
         if name in dead:
-            kept.extend(cps)
+            kept.extend(checkpoints.checkpoints)
         elif holders:
-            kept.extend(c for c in cps if c.state is not _COMPLETE or c.rel_path.rstrip("/") in holders)
-        elif list(map(_state_of, cps)).count(_COMPLETE) != len(cps):
-            kept.extend(c for c in cps if c.state is not _COMPLETE)
+            kept.extend(
+                c
+                for c in checkpoints.checkpoints
+                if c.state is not _COMPLETE or c.rel_path.rstrip("/") in holders
+            )
+        else:
+            kept.extend(checkpoints.incomplete)
     if len(kept) == len(snapshot.checkpoints):
         return snapshot
     return replace(snapshot, checkpoints=tuple(kept))
@@ -391,10 +435,6 @@ def _reaped_by_run(reaped: set[tuple[str, int]]) -> dict[str, set[int]]:
     for run, step in reaped:
         steps[run].add(step)
     return steps
-
-
-def _without(cps: list[Checkpoint], steps: set[int] | None) -> list[Checkpoint]:
-    return cps if not steps else [c for c in cps if c.step not in steps]
 
 
 _NOWHERE: frozenset[int] = frozenset()
@@ -453,19 +493,25 @@ class _Placer:
         self._with_replica: dict[tuple[frozenset[int], int], frozenset[int]] = {}
         self._plain: dict[_Placement, tuple[tuple[str, tuple[str, ...]], ...]] = {}
 
-    def place_run(self, run: str, cps: list[Checkpoint]) -> None:
-        history = RunHistory([c for c in cps if c.state is _COMPLETE])
+    def place_run(self, run: str, checkpoints: _RunCheckpoints) -> None:
+        """Place one run's checkpoints (reaped ones gone), in step order.
+
+        A checkpoint's placement is the tiers it is in plus the reasons each tier's keep-set
+        holds it for (None: not in it). Plain keeps are cached per placement; protected and
+        reaper-kept steps never take that path, since their keeps say more.
+        """
+        cps, steps = checkpoints.checkpoints, checkpoints.steps
+        history = checkpoints.complete()
         selections = [rules.select(history) for rules in self.rule_sets]
-        steps = list(map(_by_step, cps))
-        per_tier = [list(map(sel.get, steps)) for sel in selections]
+        per_tier = [map(sel.get, steps) for sel in selections]
         reasons_by_tier = zip(*per_tier, strict=True) if per_tier else repeat(())
         protected = self.protections.get(run, _NO_PROTECTION)
         special = protected.keys() | self.reap_kept.get(run, set())
         report = self.only_run is None or run == self.only_run
         plain = self._plain
         keep = self.ready.append
-        for c, held_in, sels in zip(cps, map(_tiers_of, cps), reasons_by_tier, strict=False):
-            if c.step not in special:
+        for c, step, held_in, sels in zip(cps, steps, map(_tiers_of, cps), reasons_by_tier, strict=False):
+            if step not in special:
                 placement = (held_in, sels)
                 keeps = plain.get(placement)
                 if keeps is None:
@@ -473,13 +519,13 @@ class _Placer:
                 if keeps:
                     if report:
                         for tier, reasons in keeps:
-                            keep(_new_keep(Keep, (run, c.step, tier, reasons)))
+                            keep(_new_keep(Keep, (run, step, tier, reasons)))
                     continue
             if c.state is not _COMPLETE:
                 if report:
                     self.ready.extend(self._incomplete(c))
                 continue
-            item = self._item(c, sels, protected.get(c.step))
+            item = self._item(c, sels, protected.get(step))
             self.items.append(item)
             if report:
                 self.deferred.append((len(self.ready), item))
@@ -729,6 +775,8 @@ def _emit(
         return [], [], ready
     described = [describe(r) for r in rules]
     replica_reasons: dict[tuple[str, ...], tuple[str, ...]] = {}
+    templates: dict[tuple[object, ...], tuple[tuple[str, tuple[str, ...]], ...]] = {}
+    demote_reasons: dict[tuple[object, ...], tuple[str, str]] = {}
     copies: list[Action] = []
     deletes: list[Action] = []
     keeps: list[Keep] = []
@@ -744,7 +792,17 @@ def _emit(
         if known and desired != locs.known_set:
             for t in sorted(desired - locs.known_set - unknown):
                 if t == resident:
-                    reason, rule = _demote_reason(it, names, described)
+                    rule_tier = it.rule_tier
+                    why = (
+                        known[0],
+                        rule_tier,
+                        it.sels[rule_tier] if rule_tier is not None else None,
+                        it.demoted,
+                    )
+                    cached = demote_reasons.get(why)
+                    if cached is None:
+                        cached = demote_reasons[why] = _demote_reason(it, names, described)
+                    reason, rule = cached
                 else:
                     reason, rule = f"replicate to {names[t]} ({', '.join(it.sels[t] or ())})", "replicate"
                 copies.append(
@@ -781,14 +839,21 @@ def _emit(
                     )
                 keeps.append(Keep(c.run, c.step, names[t], reasons))
             continue
-        keeps.extend(_keeps_of(it, names, unknown, reap_keep.get(c.key, ())))
+        reaper_reasons = reap_keep.get(c.key, ()) if reap_keep else ()
+        key = _keeps_key(it, reaper_reasons)
+        template = templates.get(key)
+        if template is None:
+            template = templates[key] = _keeps_of(it, names, unknown, reaper_reasons)
+        for tier, reasons in template:
+            keeps.append(_new_keep(Keep, (c.run, c.step, tier, reasons)))
     keeps.extend(ready[done:])
     return copies, deletes, keeps
 
 
 def _demote_reason(it: _Item, names: Sequence[str], described: Sequence[str]) -> tuple[str, str]:
     """Why a checkpoint moves from its fastest copy down to where it resides, e.g.
-    ``demote: not in hot keep-set (last 2), kept by warm (last 5)``."""
+    ``demote: not in hot keep-set (last 2), kept by warm (last 5)``. Reads only the fastest copy,
+    the rule tier, its reasons and the demotions (what ``_emit`` caches it by)."""
     source = it.locs.known[0]
     parts: list[str] = []
     rule_tier = it.rule_tier
@@ -802,9 +867,9 @@ def _demote_reason(it: _Item, names: Sequence[str], described: Sequence[str]) ->
 
 def _keeps_of(
     it: _Item, names: Sequence[str], unknown: frozenset[int], reaper_reasons: tuple[str, ...]
-) -> list[Keep]:
-    """One Keep per desired tier, plus the tiers a held checkpoint stays in, in tier order."""
-    c = it.ckpt
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(tier, reasons) of one Keep per desired tier, plus the tiers a held checkpoint stays in, in
+    tier order. Reads only the fields :func:`_keeps_key` lists, so equal keys share a result."""
     extra = (*(it.protect or ()), *reaper_reasons)
     held_in: list[int] = []
     held = ""
@@ -812,10 +877,10 @@ def _keeps_of(
         held_in = [t for t in it.locs.known if t not in it.desired]
         blocking = sorted(set(it.locs.in_unknown) | (it.desired & unknown))
         held = f"held: {', '.join(names[i] for i in blocking)} unknown (listing failed)"
-    keeps: list[Keep] = []
+    keeps: list[tuple[str, tuple[str, ...]]] = []
     for t in sorted((*it.desired, *held_in)):
         if t in held_in:
-            keeps.append(Keep(c.run, c.step, names[t], _unique((held, *extra))))
+            keeps.append((names[t], _unique((held, *extra))))
             continue
         reasons: list[str] = list(it.sels[t] or ())
         if t == it.resident:
@@ -830,8 +895,26 @@ def _keeps_of(
             reasons.append("replicate")
         if t in unknown and t not in it.locs.in_unknown:
             reasons.append(f"waiting: {names[t]} unknown (listing failed)")
-        keeps.append(Keep(c.run, c.step, names[t], _unique((*reasons, *extra))))
-    return keeps
+        keeps.append((names[t], _unique((*reasons, *extra))))
+    return tuple(keeps)
+
+
+def _keeps_key(it: _Item, reaper_reasons: tuple[str, ...]) -> tuple[object, ...]:
+    """Everything :func:`_keeps_of` reads about a checkpoint (the tier names and unknown tiers are
+    the plan's): checkpoints that moved the same way share their keep reasons."""
+    protect = tuple(it.protect) if it.protect is not None else None
+    return (
+        it.locs,
+        it.desired,
+        it.hold,
+        it.sels,
+        it.resident,
+        it.base,
+        it.rule_tier,
+        it.demoted,
+        protect,
+        reaper_reasons,
+    )
 
 
 def _incomplete_keeps(c: Checkpoint, names: Sequence[str], why: tuple[str, ...]) -> list[Keep]:

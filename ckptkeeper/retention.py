@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import compress, repeat
-from operator import add, attrgetter, ge, methodcaller, mod, not_, truediv
+from operator import add, attrgetter, ge, mod, not_, truediv
 from typing import Protocol, TypeGuard
 
 from ckptkeeper.model import Checkpoint, CheckpointState, TierPolicy
@@ -89,9 +89,7 @@ class RunHistory:
         """The value of metric ``name`` per checkpoint (None where it is missing), as recorded."""
         values = self._metrics.get(name)
         if values is None:
-            values = self._metrics[name] = list(
-                map(methodcaller("get", name), map(_metrics_of, self.checkpoints))
-            )
+            values = self._metrics[name] = [m.get(name) for m in map(_metrics_of, self.checkpoints)]
         return values
 
 
