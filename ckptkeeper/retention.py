@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import compress, repeat
-from operator import add, attrgetter, ge, mod, not_, truediv
+from operator import add, attrgetter, ge, truediv
 from typing import Protocol, TypeGuard
 
 from ckptkeeper.model import Checkpoint, CheckpointState, TierPolicy
@@ -241,8 +241,8 @@ class KeepEvery(_SelectsFromHistory):
         return f"every {self.n} steps"
 
     def kept_steps(self, run: RunHistory) -> Collection[int]:
-        steps = run.steps
-        return list(compress(steps, map(not_, map(mod, steps, repeat(self.n)))))  # step % n == 0
+        n = self.n
+        return [step for step in run.steps if step % n == 0]
 
 
 @dataclass(frozen=True, slots=True)
