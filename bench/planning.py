@@ -147,7 +147,9 @@ def _index_snapshot_time(n_checkpoints: int, reps: int, cfg: Config) -> float:
                         FileEntry(p, 2**28, f"{c.step:032x}")
                         for p in ("model.safetensors", "optimizer.pt", "trainer_state.json", "rng_state.pth")
                     )
-                    manifest = Manifest(c.run, c.step, c.name, c.layout, True, files, dict(c.metrics), c.created_at)
+                    manifest = Manifest(
+                        c.run, c.step, c.name, c.layout, True, files, dict(c.metrics), c.created_at
+                    )
                     cid = index.upsert_checkpoint(
                         run=c.run,
                         name=c.name,

@@ -521,12 +521,12 @@ class _Placer:
         report = self.only_run is None or run == self.only_run
         plain = self._plain
         keep = self.ready.append
-        for c, step, held_in, sels in zip(cps, steps, map(_tiers_of, cps), reasons_by_tier, strict=False):
+        placements: Iterator[_Placement] = zip(map(_tiers_of, cps), reasons_by_tier, strict=False)
+        for c, step, placement in zip(cps, steps, placements, strict=True):
             if step not in special:
-                placement = (held_in, sels)
                 keeps = plain.get(placement)
                 if keeps is None:
-                    keeps = plain[placement] = self._plain_keeps(held_in, sels)
+                    keeps = plain[placement] = self._plain_keeps(*placement)
                 if keeps:
                     if report:
                         for tier, reasons in keeps:
@@ -536,7 +536,7 @@ class _Placer:
                 if report:
                     self.ready.extend(self._incomplete(c))
                 continue
-            item = self._item(c, sels, protected.get(step))
+            item = self._item(c, placement[1], protected.get(step))
             self.items.append(item)
             if report:
                 self.deferred.append((len(self.ready), item))
