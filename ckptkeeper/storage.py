@@ -1415,9 +1415,14 @@ class _S3FileWriter:
         self.pending.append((number, crc, asyncio.run_coroutine_threadsafe(coro, tier.fs.loop), buf))
 
     async def _upload_part(self, upload_id: str, number: int, body: io.BytesIO, crc: str) -> Any:
-        """UploadPart with s3fs's retry policy, rewinding the stream before every attempt (s3fs's
-        own retry loop would resend a half-consumed one; botocore's retries rewind it too).
-        A part whose file changed under it is not retried: it fails with its own error."""
+        return await self._send("upload_part", body, crc, UploadId=upload_id, PartNumber=number)
+
+    async def _send(self, method: str, body: io.BytesIO, crc: str, **kwargs: Any) -> Any:
+        """One body-carrying request (UploadPart, or the PutObject of a one-part object) with
+        s3fs's retry policy, rewinding the stream before every attempt: s3fs's own retry loop
+        would resend a half-consumed one (botocore's retries rewind it too). A body whose file
+        changed under it is not retried: it fails with its own error. The request gets the same
+        extra arguments s3fs adds to its own calls (``s3_additional_kwargs``, requester pays)."""
         import asyncio
 
         from s3fs.core import S3_RETRYABLE_ERRORS
@@ -1425,19 +1430,21 @@ class _S3FileWriter:
         fs = self.tier.fs
         await fs.set_session()
         client = await fs.get_s3(self.tier.bucket)
+        call = getattr(client, method)
+        request = fs._get_s3_method_kwargs(
+            call,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            Body=body,
+            ChecksumAlgorithm="CRC32",
+            ChecksumCRC32=crc,
+            **kwargs,
+        )
         attempt = 0
         while True:
             body.seek(0)
             try:
-                return await client.upload_part(
-                    Bucket=self.tier.bucket,
-                    Key=self.key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=body,
-                    ChecksumAlgorithm="CRC32",
-                    ChecksumCRC32=crc,
-                )
+                return await call(**request)
             except Exception as exc:
                 _raise_body_failure(body, exc)
                 attempt += 1
@@ -1465,20 +1472,13 @@ class _S3FileWriter:
     def finish(self) -> None:
         tier = self.tier
         if self.upload_id is None:
+            import asyncio
+
             body, crc, buf = self._take_part()
             expected = _crc32_b64(crc)
-            try:
-                resp = tier._call(
-                    "put_object",
-                    Bucket=tier.bucket,
-                    Key=self.key,
-                    Body=body,
-                    ChecksumAlgorithm="CRC32",
-                    ChecksumCRC32=expected,
-                )
-            except Exception as exc:
-                _raise_body_failure(body, exc)
-                raise
+            resp = asyncio.run_coroutine_threadsafe(
+                self._send("put_object", body, expected), tier.fs.loop
+            ).result()
             if buf is not None:
                 self.pool.put(buf)
             self._check_echo(resp, expected, "put")

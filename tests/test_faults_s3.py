@@ -237,3 +237,41 @@ def test_a_warm_tier_that_cannot_be_listed_is_unknown_not_empty(
         if "warm" in tiers:
             assert after.get(key) == tiers, (key, tiers, after.get(key))
     assert node.lost(s3_client, [k for k, t in before.items() if "warm" in t or "hot" in t]) == []
+
+
+def test_single_put_outlasting_botocore_retries_is_resent_whole(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, proxy_factory: Any
+) -> None:
+    """A one-request object (up to a part size) whose PUT is cut off after the server took it, more
+    times than botocore retries (3): the attempts after that are ours (the rewinding loop parts
+    use too), and the object must still arrive whole and verify."""
+    from test_storage import manifest_of
+
+    from ckptkeeper.model import TierPolicy, TierSpec
+    from ckptkeeper.storage import TierStorage
+
+    data_key = f"/{s3_bucket}/cold/run1/model.pt"
+    resets = {"left": 4}
+
+    def reset_the_first_puts(request: Request) -> str | None:
+        if request.method == "PUT" and request.path == data_key and resets["left"] > 0:
+            resets["left"] -= 1
+            return "reset_after"
+        return None
+
+    proxy = proxy_factory(rate=0.0, rules=[reset_the_first_puts])
+    hot_root = tmp_path / "hot"
+    (hot_root / "run1").mkdir(parents=True)
+    payload = os.urandom(3 * 2**20 + 17)
+    (hot_root / "run1" / "model.pt").write_bytes(payload)
+    hot = TierStorage(TierSpec("hot", str(hot_root), TierPolicy()), hot=True)
+    options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+    cold = TierStorage(TierSpec("cold", f"s3://{s3_bucket}/cold", TierPolicy(), options))
+    manifest = manifest_of(hot_root, "run1", "model.pt", 100)
+
+    cold.copy_from(hot, manifest)
+
+    assert resets["left"] == 0, "the rule never fired: the test did not exercise the retry"
+    stored = s3_client.get_object(Bucket=s3_bucket, Key="cold/run1/model.pt")["Body"].read()
+    assert stored == payload
+    assert cold.verify(manifest) == []

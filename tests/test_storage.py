@@ -775,14 +775,14 @@ def test_s3_single_put_changed_after_hashing_is_not_stored(
     cold: storage.S3TierStorage, hot: Hot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = hot.path(hot.ckpt_file)
-    real_call = cold._call
+    original = storage._S3FileWriter._send
 
-    def call(method: str, **kwargs: Any) -> Any:
-        if method == "put_object" and kwargs["Key"].endswith(".ckpt"):
+    async def send(self: Any, method: str, body: Any, crc: str, **kwargs: Any) -> Any:
+        if method == "put_object" and self.key.endswith(".ckpt"):
             flip_byte(path, 0)
-        return real_call(method, **kwargs)
+        return await original(self, method, body, crc, **kwargs)
 
-    monkeypatch.setattr(cold, "_call", call)
+    monkeypatch.setattr(storage._S3FileWriter, "_send", send)
     with pytest.raises(VerificationError, match="changed after it was hashed"):
         cold.copy_from(hot.tier, hot.ckpt_file)
     assert cold.list_manifests() == [] and cold.list_staging() == []
