@@ -67,13 +67,14 @@ back in order.
 from __future__ import annotations
 
 import gc
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import compress, groupby, islice, pairwise, repeat
-from operator import attrgetter, lt
-from typing import NamedTuple
+from operator import attrgetter, eq, lt, not_
+from typing import NamedTuple, cast
 
 from ckptkeeper.model import (
     Action,
@@ -451,6 +452,8 @@ def _reaped_by_run(reaped: set[tuple[str, int]]) -> dict[str, set[int]]:
 _NOWHERE: frozenset[int] = frozenset()
 _NO_PROTECTION: dict[int, list[str]] = {}
 _NOT_PLAIN: tuple[tuple[str, tuple[str, ...]], ...] = ()
+_UNSEEN = -1
+"""Template id of a placement not cached yet."""
 _tiers_of = attrgetter("tiers")
 _new_keep = tuple.__new__
 """``Keep(...)`` without the Python-level ``__new__`` of a named tuple (1.4M keeps at 1M: -0.3 s)."""
@@ -502,44 +505,76 @@ class _Placer:
         self._loc_cache: dict[frozenset[str], _Locs] = {}
         self._singles = [frozenset({t}) for t in range(len(tiers))]
         self._with_replica: dict[tuple[frozenset[int], int], frozenset[int]] = {}
-        self._plain: dict[_Placement, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+        self._plain: dict[_Placement, int] = {}
+        """Placement -> template id of its plain keeps (0: not plain); templates by id below."""
+        self._keeps: list[tuple[tuple[str, tuple[str, ...]], ...]] = [_NOT_PLAIN]
 
     def place_run(self, run: str, checkpoints: _RunCheckpoints) -> None:
         """Place one run's checkpoints (reaped ones gone), in step order.
 
         A checkpoint's placement is the tiers it is in plus the reasons each tier's keep-set
-        holds it for (None: not in it). Plain keeps are cached per placement; protected and
-        reaper-kept steps never take that path, since their keeps say more.
+        holds it for (None: not in it). Plain keeps are cached per placement as a template id
+        (0: not plain), looked up for the whole run with C-level passes: the placement tuples are
+        built by ``zip``, hashed by ``dict.get`` and dropped at once. Only the few *slow*
+        checkpoints (not plain, or protected or reaper-kept: their keeps say more) take the
+        per-checkpoint Python path; the plain ones between them become keeps in one
+        :meth:`_ready_plain` per stretch, so ``ready`` comes out in the same step order.
         """
         cps, steps = checkpoints.checkpoints, checkpoints.steps
         history = checkpoints.complete()
         selections = [rules.select(history) for rules in self.rule_sets]
-        per_tier = [map(sel.get, steps) for sel in selections]
-        reasons_by_tier = zip(*per_tier, strict=True) if per_tier else repeat(())
-        protected = self.protections.get(run, _NO_PROTECTION)
-        special = protected.keys() | self.reap_kept.get(run, set())
-        report = self.only_run is None or run == self.only_run
         plain = self._plain
-        keep = self.ready.append
-        placements: Iterator[_Placement] = zip(map(_tiers_of, cps), reasons_by_tier, strict=False)
-        for c, step, placement in zip(cps, steps, placements, strict=True):
-            if step not in special:
-                keeps = plain.get(placement)
-                if keeps is None:
-                    keeps = plain[placement] = self._plain_keeps(*placement)
-                if keeps:
-                    if report:
-                        for tier, reasons in keeps:
-                            keep(_new_keep(Keep, (run, step, tier, reasons)))
-                    continue
+        placements = zip(map(_tiers_of, cps), *[map(sel.get, steps) for sel in selections], strict=False)
+        ids = list(map(plain.get, placements, repeat(_UNSEEN)))
+        if _UNSEEN in ids:  # placements not seen yet: a few per plan
+            for i in compress(range(len(ids)), map(eq, ids, repeat(_UNSEEN))):
+                ids[i] = self._template(_placement(cps[i], selections))
+        slow = set(compress(range(len(ids)), map(not_, ids)))
+        protected = self.protections.get(run, _NO_PROTECTION)
+        for step in protected.keys() | self.reap_kept.get(run, set()):
+            i = bisect_left(steps, step)
+            if i < len(steps) and steps[i] == step:
+                slow.add(i)
+        report = self.only_run is None or run == self.only_run
+        start = 0
+        for i in sorted(slow):
+            if report and start < i:
+                self._ready_plain(run, steps[start:i], ids[start:i])
+            start = i + 1
+            c = cps[i]
             if c.state is not _COMPLETE:
                 if report:
                     self.ready.extend(self._incomplete(c))
                 continue
-            item = self._item(c, placement[1], protected.get(step))
+            sels = tuple([sel.get(c.step) for sel in selections])
+            item = self._item(c, sels, protected.get(c.step))
             self.items.append(item)
             if report:
                 self.deferred.append((len(self.ready), item))
+        if report and start < len(ids):
+            self._ready_plain(run, steps[start:], ids[start:])
+
+    def _ready_plain(self, run: str, steps: list[int], ids: list[int]) -> None:
+        """Append the keeps of plain checkpoints ``steps`` with template ``ids``, in order: one
+        ``Keep(run, step, tier, reasons)`` per (tier, reasons) of the template."""
+        keep = self.ready.append
+        for step, template in zip(steps, ids, strict=True):
+            for tier, reasons in self._keeps[template]:
+                keep(_new_keep(Keep, (run, step, tier, reasons)))
+
+    def _template(self, placement: _Placement) -> int:
+        """The template id of ``placement`` (cached): 0 if not plain, else the index in
+        ``_keeps`` of the (tier, reasons) of its keeps (:meth:`_plain_keeps`)."""
+        template = self._plain.get(placement, _UNSEEN)
+        if template == _UNSEEN:
+            where = cast(frozenset[str], placement[0])
+            keeps = self._plain_keeps(where, cast(tuple[tuple[str, ...] | None, ...], placement[1:]))
+            template = 0
+            if keeps:
+                template = len(self._keeps)
+                self._keeps.append(keeps)
+            self._plain[placement] = template
+        return template
 
     def _incomplete(self, c: Checkpoint) -> list[Keep]:
         why = (*(_protection(self.protections, c.run, c.step) or ()), *self.reap_keep.get(c.key, ()))
@@ -610,8 +645,14 @@ class _Placer:
         return locs
 
 
-_Placement = tuple[frozenset[str], tuple[tuple[str, ...] | None, ...]]
-"""Where a checkpoint is (tier names) and why each tier's keep-set holds it."""
+_Placement = tuple[object, ...]
+"""Where a checkpoint is (its tier names) followed by, per tier, why that tier's keep-set holds it
+(None: not in it); flat, so one tuple per checkpoint is built and hashed."""
+
+
+def _placement(c: Checkpoint, selections: Sequence[Mapping[int, tuple[str, ...]]]) -> _Placement:
+    """The placement of one checkpoint, as :meth:`_Placer.place_run` builds it in bulk."""
+    return (c.tiers, *[sel.get(c.step) for sel in selections])
 
 
 def _fastest(sels: Sequence[tuple[str, ...] | None]) -> int | None:
