@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import compress, repeat
-from operator import add, attrgetter, ge, truediv
+from itertools import compress, islice, repeat
+from operator import add, attrgetter, ge, le, truediv
 from typing import Protocol, TypeGuard
 
 from ckptkeeper.model import Checkpoint, CheckpointState, TierPolicy
@@ -65,13 +66,14 @@ class RunHistory:
     once (and only if some rule needs it), with C-level ``map``s instead of a Python loop per rule.
     """
 
-    __slots__ = ("_created_at", "_metrics", "checkpoints", "steps")
+    __slots__ = ("_created_at", "_metrics", "_times_ordered", "checkpoints", "steps")
 
     def __init__(self, complete: Sequence[Checkpoint], steps: list[int] | None = None) -> None:
         """``complete``: one run's complete checkpoints sorted by step; ``steps``: their steps, if known."""
         self.checkpoints = complete
         self.steps: list[int] = list(map(_step_of, complete)) if steps is None else steps
         self._created_at: list[float] | None = None
+        self._times_ordered: bool | None = None
         self._metrics: dict[str, list[object]] = {}
 
     @classmethod
@@ -84,6 +86,22 @@ class RunHistory:
         if self._created_at is None:
             self._created_at = list(map(_created_at_of, self.checkpoints))
         return self._created_at
+
+    @property
+    def times_ordered(self) -> bool:
+        """True when ``created_at`` is finite and never decreases with the step (the usual run).
+
+        Then every rule that asks a monotone question of the creation time (``>= cutoff``, which
+        UTC hour, day or week) finds where the answer changes by bisection instead of asking each
+        checkpoint, and gets the same answer: no NaN or infinity can hide among values between two
+        finite bounds.
+        """
+        if self._times_ordered is None:
+            t = self.created_at
+            self._times_ordered = not t or (
+                math.isfinite(t[0]) and math.isfinite(t[-1]) and all(map(le, t, islice(t, 1, None)))
+            )
+        return self._times_ordered
 
     def metric(self, name: str) -> list[object]:
         """The value of metric ``name`` per checkpoint (None where it is missing), as recorded."""
@@ -265,12 +283,23 @@ class KeepWithin(_SelectsFromHistory):
         return f"within {format_duration(self.seconds)}"
 
     def kept_steps(self, run: RunHistory) -> Collection[int]:
-        recent = map(ge, run.created_at, repeat(self.now - self.seconds))  # created_at >= cutoff
+        cutoff = self.now - self.seconds
+        if run.times_ordered and cutoff == cutoff:  # not NaN: then ">= cutoff" is monotone
+            return run.steps[bisect_left(run.created_at, cutoff) :]
+        recent = map(ge, run.created_at, repeat(cutoff))  # created_at >= cutoff
         return list(compress(run.steps, recent))
 
 
 def _day(ts: float) -> int:
     return math.floor(ts / 86400)
+
+
+def _hour(ts: float) -> int:
+    return math.floor(ts / 3600)
+
+
+def _iso_week(ts: float) -> int:
+    return math.floor((math.floor(ts / 86400) + 3) / 7)
 
 
 def _hours(times: Iterable[float]) -> Iterator[int]:
@@ -325,9 +354,38 @@ class _KeepCalendar(_SelectsFromHistory):
     def kept_steps(self, run: RunHistory) -> Collection[int]:
         if self.n == 0:
             return ()
+        bucket = _MONOTONE_BUCKET.get(self.buckets)
+        if bucket is not None and run.times_ordered:
+            return _newest_per_bucket(run, self.n, bucket)
         # Steps ascend, so a later (higher) step overwrites an earlier one of the same bucket.
         newest = dict(zip(self.buckets(run.created_at), run.steps, strict=True))
         return list(map(newest.__getitem__, heapq.nlargest(self.n, newest)))
+
+
+_MONOTONE_BUCKET: dict[Callable[[Iterable[float]], Iterator[int]], Callable[[float], int]] = {
+    _hours: _hour,
+    _days: _day,
+    _iso_weeks: _iso_week,
+}
+"""Bucketings that never decrease with time, and the bucket of one time, computed the same way.
+Not months: absurd timestamps fall back to another bucketing (:func:`_month`)."""
+
+
+def _newest_per_bucket(run: RunHistory, n: int, bucket: Callable[[float], int]) -> list[int]:
+    """What ``_KeepCalendar.kept_steps`` returns, for ``run.times_ordered`` and a monotone ``bucket``.
+
+    Buckets then never decrease with the step: the newest step of the newest bucket is the last,
+    the newest of the bucket before is the one just before the first of that bucket (found by
+    bisection), and so on, newest bucket first like ``heapq.nlargest``. Only a few buckets per run
+    get computed instead of one per checkpoint.
+    """
+    times, steps = run.created_at, run.steps
+    kept: list[int] = []
+    end = len(times)
+    while end and len(kept) < n:
+        kept.append(steps[end - 1])
+        end = bisect_left(times, bucket(times[end - 1]), 0, end - 1, key=bucket)
+    return kept
 
 
 # Calendar rules share one implementation; these factories read like the other rule classes.

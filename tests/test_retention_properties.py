@@ -165,3 +165,57 @@ def test_union_lists_every_reason_in_rule_order(cps: list[Checkpoint], picks: li
         for step in rule.select(cps):
             expected[step] = (*expected.get(step, ()), rule.reason)
     assert select_union(rules, cps) == expected
+
+
+@st.composite
+def ordered_runs(draw: st.DrawFn) -> list[Checkpoint]:
+    """One run whose clock never goes backwards (the bisection fast path of time rules), with
+    times often exactly on hour, day and week boundaries, before and after the epoch."""
+    count = draw(st.integers(0, 25))
+    base = draw(st.sampled_from([T0, 0.0, -86400.0 * 10, 345600.0]))  # 345600: a Monday 00:00
+    gaps = draw(
+        st.lists(
+            st.one_of(
+                st.sampled_from([0.0, 1.0, 3599.0, 3600.0, 86400.0, 86399.5, 604800.0]),
+                st.floats(0, 3e5),
+            ),
+            min_size=count,
+            max_size=count,
+        )
+    )
+    out = []
+    created = base
+    for i, gap in enumerate(gaps):
+        created += gap
+        out.append(
+            Checkpoint(
+                run="r",
+                step=(i + 1) * 100,
+                name=f"checkpoint-{(i + 1) * 100}",
+                layout="hf",
+                state=draw(st.sampled_from([CheckpointState.COMPLETE] * 5 + list(CheckpointState))),
+                created_at=created,
+            )
+        )
+    return out
+
+
+@SETTINGS
+@given(ordered_runs(), st.integers(0, 5), st.sampled_from(sorted(BUCKETS)))
+def test_calendar_rules_on_ordered_clocks_match_their_definition(
+    cps: list[Checkpoint], n: int, kind: str
+) -> None:
+    assert set(CALENDAR[kind](n).select(cps)) == oracle_calendar(n, BUCKETS[kind], cps)
+
+
+@SETTINGS
+@given(
+    ordered_runs(),
+    st.one_of(st.floats(0, 1e6), st.sampled_from([0.0, 3600.0, 86400.0, math.inf])),
+    st.sampled_from([T0, T0 + 86400.0, 0.0, 345600.0 + 3e5]),
+)
+def test_keep_within_on_ordered_clocks_matches_its_definition(
+    cps: list[Checkpoint], within: float, now: float
+) -> None:
+    expected = {c.step for c in _complete(cps) if c.created_at >= now - within}
+    assert set(KeepWithin(within, now).select(cps)) == expected
