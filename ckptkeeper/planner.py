@@ -217,7 +217,8 @@ def _gc_paused() -> Iterator[None]:
     ``freeze()`` then ``unfreeze()`` moves every tracked object straight to the oldest generation
     (two list splices, no scan), where a full collection still visits them as it visits the
     catalog. Young objects of the caller age with them: a garbage cycle among those waits for the
-    next full collection instead of the next young one.
+    next full collection instead of the next young one. Skipped when the process keeps objects
+    frozen itself (e.g. before forking workers): ``unfreeze()`` would release those too.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -225,8 +226,9 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
-            gc.freeze()
-            gc.unfreeze()
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -643,3 +643,27 @@ def test_plan_to_dict_matches_design_json_shape() -> None:
     assert set(doc["actions"][0]) >= {"action", "run", "step", "tier", "to_tier", "path", "bytes", "reason"}
     assert doc["actions"][0]["path"] == "a/checkpoint-400"
     assert set(doc["keep"][0]) == {"run", "step", "tier", "reasons"}
+
+
+def test_planning_leaves_the_callers_gc_state_alone() -> None:
+    """The planner pauses the cyclic GC while it runs; objects the process froze itself (e.g.
+    before forking data-loader workers) stay frozen, and a disabled GC stays disabled."""
+    import gc
+
+    tiers = [tier("hot", keep_last=1), tier("warm")]
+    cps = snap(ckpt(100), ckpt(200))
+    keepsake = [object() for _ in range(10)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        planner.plan(cps, tiers, {}, T0)
+        assert gc.get_freeze_count() == frozen
+        assert gc.isenabled()
+        gc.disable()
+        planner.plan(cps, tiers, {}, T0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    assert keepsake
