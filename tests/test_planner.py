@@ -658,7 +658,9 @@ def test_planning_leaves_the_callers_gc_state_alone() -> None:
         frozen = gc.get_freeze_count()
         assert frozen > 0
         planner.plan(cps, tiers, {}, T0)
-        assert gc.get_freeze_count() == frozen
+        # Not exact: a frozen object whose last reference goes away meanwhile leaves the count.
+        # Thawing them all would leave 0.
+        assert gc.get_freeze_count() > frozen // 2
         assert gc.isenabled()
         gc.disable()
         planner.plan(cps, tiers, {}, T0)
