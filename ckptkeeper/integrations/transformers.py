@@ -42,7 +42,7 @@ import os
 from types import TracebackType
 from typing import Any, Literal
 
-from ckptkeeper.hook import DEFAULT_HEARTBEAT_INTERVAL, ParentSpec, TrackedRun, parent_ref
+from ckptkeeper.hook import TrackedRun, parent_ref
 from ckptkeeper.integrations._common import CallbackBase, build_callback_class, describe_exception
 
 __all__ = ["KeeperCallback"]  # noqa: F822 - built on first access by __getattr__
@@ -93,16 +93,8 @@ class _KeeperCallbackMixin(CallbackBase):
     failed on an exception.
     """
 
-    def __init__(
-        self,
-        run_dir: str | os.PathLike[str] | None = None,
-        *,
-        name: str | None = None,
-        parent: ParentSpec = None,
-        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-    ) -> None:
-        super().__init__(run_dir, name=name, parent=parent, heartbeat_interval=heartbeat_interval)
-        self.run: TrackedRun | None = None
+    run: TrackedRun | None = None
+    """The run of the current ``train()``; set per instance at ``on_train_begin``."""
 
     # -- public -------------------------------------------------------------------------------------
 
