@@ -69,7 +69,7 @@ def _boto3(job: dict[str, Any]) -> tuple[float, float, int]:
 
 
 def _ckptkeeper(job: dict[str, Any]) -> tuple[float, float, int]:
-    from ckptkeeper.model import Manifest, TierPolicy, TierSpec
+    from ckptkeeper.core.model import Manifest, TierPolicy, TierSpec
     from ckptkeeper.storage import TierStorage
 
     manifest = Manifest.from_json(job["manifest"])

@@ -249,9 +249,9 @@ class Keeper:
     """The daemon's retention + reap pass, driven with a simulated clock."""
 
     def __init__(self, node: Node, budget: int) -> None:
-        from ckptkeeper.catalog import Catalog
         from ckptkeeper.config import settings_from_mapping
         from ckptkeeper.index import Index
+        from ckptkeeper.ingest.catalog import Catalog
 
         self.node = node
         warm = node.root / "warm"
@@ -284,9 +284,9 @@ class Keeper:
         self.failed: list[str] = []
 
     def prune(self, now: float) -> None:
+        from ckptkeeper.core.model import TierUsage
+        from ckptkeeper.core.planner import plan
         from ckptkeeper.executor import Executor
-        from ckptkeeper.model import TierUsage
-        from ckptkeeper.planner import plan
 
         self.now = now
         self.catalog.reconcile()

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench._harness import Config, Row, median
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     Checkpoint,
     CheckpointState,
     ReaperPolicy,
@@ -55,7 +55,7 @@ def synthetic_snapshot(n_checkpoints: int, seed: int = 8) -> Snapshot:
     in a hundred just failed with its whole history (reaps), failed and stale runs reaped earlier
     hold their last checkpoint only. Sorted by (run, step), as ``Index.snapshot()`` returns them.
     """
-    from ckptkeeper.retention import rules_for, select_union
+    from ckptkeeper.core.retention import rules_for, select_union
 
     rng = random.Random(seed)
     n_runs = max(1, n_checkpoints // PER_RUN)
@@ -119,7 +119,7 @@ def synthetic_snapshot(n_checkpoints: int, seed: int = 8) -> Snapshot:
 
 
 def _plan_once(snapshot: Snapshot) -> float:
-    from ckptkeeper.planner import plan
+    from ckptkeeper.core.planner import plan
 
     usage = {"hot": TierUsage(total_bytes=10**15, used_bytes=9 * 10**14), "warm": None, "cold": None}
     gc.collect()
@@ -132,8 +132,8 @@ def _plan_once(snapshot: Snapshot) -> float:
 
 def _index_snapshot_time(n_checkpoints: int, reps: int, cfg: Config) -> float:
     """Fill a real index (manifests included, as the catalog writes them) and time ``snapshot()``."""
+    from ckptkeeper.core.model import FileEntry, Manifest
     from ckptkeeper.index import Index
-    from ckptkeeper.model import FileEntry, Manifest
 
     snap = synthetic_snapshot(n_checkpoints)
     with tempfile.TemporaryDirectory(prefix="ckptkeeper-bench-index-", dir=cfg.disk_dir) as tmp:

@@ -88,8 +88,8 @@ def _reset(url: str) -> None:
 
 def _make_checkpoint(root: Path, n_files: int, file_bytes: int) -> tuple[list[str], str]:
     """``root/run-a/checkpoint-1000/shard-K.pt`` files of random bytes; returns (files, manifest JSON)."""
-    from ckptkeeper import hashing
-    from ckptkeeper.model import FileEntry, Manifest
+    from ckptkeeper.core.model import FileEntry, Manifest
+    from ckptkeeper.util import hashing
 
     ckpt = root / RUN / CKPT
     ckpt.mkdir(parents=True)

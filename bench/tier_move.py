@@ -115,10 +115,10 @@ class _Mover:
         os.sync()
 
     def ckptkeeper_move(self) -> float:
-        from ckptkeeper.catalog import Catalog
+        from ckptkeeper.core.model import Action, ActionKind, Plan
         from ckptkeeper.executor import Executor
         from ckptkeeper.index import Index
-        from ckptkeeper.model import Action, ActionKind, Plan
+        from ckptkeeper.ingest.catalog import Catalog
 
         self.reset()
         settings = _settings(self.hot, self.warm, self.state / "index.db")

@@ -17,8 +17,8 @@ __all__ = ["TrackedRun", "__version__", "latest", "restore", "track_run"]
 _LAZY: dict[str, str] = {
     "track_run": "ckptkeeper.hook",
     "TrackedRun": "ckptkeeper.hook",
-    "restore": "ckptkeeper.api",
-    "latest": "ckptkeeper.api",
+    "restore": "ckptkeeper.actions.restore",
+    "latest": "ckptkeeper.actions.restore",
 }
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ckptkeeper.model import ReaperPolicy, TierPolicy, TierSpec
+from ckptkeeper.core.model import ReaperPolicy, TierPolicy, TierSpec
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
 CONFIG_ENV = "CKPTKEEPER_CONFIG"
@@ -86,6 +86,26 @@ JobInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0)]
 PollInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=0.1)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+def parse_addr(addr: str) -> tuple[str, int] | None:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` -> (host, port); ``""`` -> None (endpoint disabled).
+
+    Raises ValueError naming the config key, because this is a config error the daemon reports
+    before it starts anything.
+    """
+    text = addr.strip()
+    if not text:
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(
+            f"daemon.metrics_addr: expected host:port (e.g. 127.0.0.1:9464 or [::1]:9464; "
+            f"empty disables the endpoint), got {addr!r}"
+        )
+    return host, int(port_text)
 
 
 def _no_nul_byte(value: str) -> str:
@@ -184,8 +204,6 @@ class DaemonConfig(_Strict):
     @field_validator("metrics_addr")
     @classmethod
     def _check_addr(cls, value: str) -> str:
-        from ckptkeeper.metrics import parse_addr
-
         try:
             parse_addr(value)
         except ValueError as exc:

@@ -24,10 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptkeeper.core.model import Action, ActionKind, CheckpointState, Plan, TierSpec
+from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
-from ckptkeeper.logs import get_logger
-from ckptkeeper.model import Action, ActionKind, CheckpointState, Plan, TierSpec
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
+from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.executor")
 
@@ -160,7 +161,7 @@ class Executor:
     def _discard_staging(self, storage: TierStorage, rel: str) -> int:
         freed = 0
         for art in storage.list_staging():
-            base = art.path.split(".ckptkeeper-tmp-", 1)[0]
+            base = art.path.split(STAGING_MARK, 1)[0]
             if base == rel or base.removesuffix(".ckptkeeper-manifest.json") == rel:
                 freed += storage.discard_staging(art)
         return freed
@@ -330,7 +331,7 @@ class Executor:
         storage = self.storage(action.tier)
         if action.upload_id:
             entry = self.index.journal_begin(action.to_dict(), "aborting")
-            from ckptkeeper.model import Artifact
+            from ckptkeeper.core.model import Artifact
 
             storage.abort_multipart(
                 Artifact(
@@ -365,7 +366,7 @@ class Executor:
                 return "written to since the plan was made"
         if action.rule == "ckptkeeper-staging":
             entry = self.index.journal_begin(action.to_dict(), "reaping", {"started": True})
-            from ckptkeeper.model import Artifact
+            from ckptkeeper.core.model import Artifact
 
             freed = storage.discard_staging(
                 Artifact(
@@ -412,7 +413,7 @@ class Executor:
         """Re-recognise the hot copy the way the catalog did; any change in size or mtimes counts."""
         from pathlib import Path
 
-        from ckptkeeper import layouts
+        from ckptkeeper.ingest import layouts
 
         run_dir = Path(self._hot_path(row.run))
         cand = layouts.recognize(run_dir / row.name, run_dir, row.run)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     Artifact,
     Checkpoint,
     CheckpointState,

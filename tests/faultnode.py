@@ -122,8 +122,8 @@ class Template:
 
 
 def manifest_of(run_dir: Path, run: str, step: int) -> Any:
-    from ckptkeeper.hashing import hash_file
-    from ckptkeeper.model import FileEntry, Manifest
+    from ckptkeeper.core.model import FileEntry, Manifest
+    from ckptkeeper.util.hashing import hash_file
 
     ckpt = run_dir / f"checkpoint-{step}"
     files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
@@ -226,7 +226,7 @@ keep_last_of_failed = 1
         tmp.replace(self.config)
 
     def populate(self) -> None:
-        from ckptkeeper.model import TierPolicy, TierSpec
+        from ckptkeeper.core.model import TierPolicy, TierSpec
         from ckptkeeper.storage import TierStorage
 
         src = self.template.root

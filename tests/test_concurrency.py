@@ -148,8 +148,8 @@ def test_index_threads_never_leave_a_write_uncommitted(tmp_path: Path) -> None:
     import sqlite3
     import threading
 
+    from ckptkeeper.core.model import RunState
     from ckptkeeper.index import Index
-    from ckptkeeper.model import RunState
 
     path = tmp_path / "index.db"
     ix = Index(path)
@@ -215,10 +215,10 @@ def test_another_process_can_write_the_index_while_the_catalog_hashes(
 
     from layout_fixtures import make_hf
 
-    import ckptkeeper.catalog as catalog_module
-    from ckptkeeper.catalog import Catalog
+    import ckptkeeper.ingest.catalog as catalog_module
     from ckptkeeper.config import settings_from_mapping
     from ckptkeeper.index import Index
+    from ckptkeeper.ingest.catalog import Catalog
 
     hot = tmp_path / "hot"
     for step in (100, 200, 300):

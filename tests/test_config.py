@@ -199,7 +199,7 @@ def test_watermark_low_defaults_below_high(tmp_path: Path) -> None:
 
 def test_help_is_fast_and_light() -> None:
     code = (
-        "import sys, ckptkeeper.cli as c;"
+        "import sys, ckptkeeper.cli.app as c;"
         "heavy={'s3fs','watchdog','apscheduler','botocore','aiobotocore','fsspec','prometheus_client'};"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
     )

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptkeeper import hashing, storage
-from ckptkeeper.model import FileEntry, Manifest, TierPolicy, TierSpec
+from ckptkeeper import storage
+from ckptkeeper.core.model import FileEntry, Manifest, TierPolicy, TierSpec
 from ckptkeeper.storage import TierStorage, VerificationError
+from ckptkeeper.util import hashing
 
 
 def _manifest(root: Path, run: str, name: str) -> Manifest:

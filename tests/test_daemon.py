@@ -481,7 +481,7 @@ def test_bad_metrics_addr_is_a_config_error(node: Node) -> None:
 
 
 def test_lock_second_holder_waits_then_fails_naming_the_pid(tmp_path: Path) -> None:
-    from ckptkeeper.lock import DaemonLock, ExecutorLock, LockHeld
+    from ckptkeeper.util.lock import DaemonLock, ExecutorLock, LockHeld
 
     index = tmp_path / "state" / "index.db"
     first = ExecutorLock(index)
@@ -505,7 +505,7 @@ def test_lock_second_holder_waits_then_fails_naming_the_pid(tmp_path: Path) -> N
 
 
 def test_sd_notify_is_a_no_op_without_a_socket_and_speaks_abstract_sockets() -> None:
-    from ckptkeeper.sdnotify import notify, watchdog_interval
+    from ckptkeeper.daemon.sdnotify import notify, watchdog_interval
 
     assert notify("READY=1", env={}) is False
     assert notify("READY=1", env={"NOTIFY_SOCKET": "/nonexistent/sock"}) is False
@@ -521,7 +521,7 @@ def test_sd_notify_is_a_no_op_without_a_socket_and_speaks_abstract_sockets() -> 
 
 
 def test_watchdog_pinger_pings_only_while_healthy() -> None:
-    from ckptkeeper.sdnotify import WatchdogPinger
+    from ckptkeeper.daemon.sdnotify import WatchdogPinger
 
     n = Notifications()
     healthy = True
@@ -543,7 +543,7 @@ def test_watchdog_pinger_pings_only_while_healthy() -> None:
 
 
 def test_parse_metrics_addr() -> None:
-    from ckptkeeper.metrics import parse_addr
+    from ckptkeeper.config import parse_addr
 
     assert parse_addr("") is None
     assert parse_addr("127.0.0.1:9464") == ("127.0.0.1", 9464)
@@ -556,10 +556,10 @@ def test_parse_metrics_addr() -> None:
 def test_prune_textfile_is_written_atomically_with_index_metrics(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from ckptkeeper.catalog import Catalog
     from ckptkeeper.config import settings_from_mapping
-    from ckptkeeper.metrics import write_prune_textfile
-    from ckptkeeper.model import Action, ActionKind
+    from ckptkeeper.core.model import Action, ActionKind
+    from ckptkeeper.daemon.metrics import write_prune_textfile
+    from ckptkeeper.ingest.catalog import Catalog
 
     hot = tmp_path / "hot"
     settled(make_hf(hot / "run", 100))

@@ -247,7 +247,7 @@ def test_single_put_outlasting_botocore_retries_is_resent_whole(
     use too), and the object must still arrive whole and verify."""
     from test_storage import manifest_of
 
-    from ckptkeeper.model import TierPolicy, TierSpec
+    from ckptkeeper.core.model import TierPolicy, TierSpec
     from ckptkeeper.storage import TierStorage
 
     data_key = f"/{s3_bucket}/cold/run1/model.pt"

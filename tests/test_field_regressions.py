@@ -316,8 +316,8 @@ def test_two_checkpoints_sharing_a_step_are_planned_one_at_a_time(tmp_path: Path
 
 
 def test_shared_step_selection_is_pure_and_prefers_complete_then_newest() -> None:
-    from ckptkeeper.model import Checkpoint, CheckpointState, Snapshot
-    from ckptkeeper.operations import one_per_step
+    from ckptkeeper.actions.prune import one_per_step
+    from ckptkeeper.core.model import Checkpoint, CheckpointState, Snapshot
 
     def c(name: str, state: CheckpointState, last_write: float) -> Checkpoint:
         return Checkpoint(

@@ -546,12 +546,18 @@ def test_import_stays_light() -> None:
     heavy, third_party, ours = out.strip().split("|")
     assert heavy == "[]"
     assert third_party == "[]"
-    assert ours == "['ckptkeeper', 'ckptkeeper.hook']"
+    assert ours == "['ckptkeeper', 'ckptkeeper.hook', 'ckptkeeper.hook.protocol', 'ckptkeeper.hook.writer']"
 
 
-def test_hook_module_has_no_package_imports() -> None:
-    """hook.py imports nothing else from ckptkeeper, so no sibling module can make it heavy."""
-    tree = ast.parse(Path(hook.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert all(name.split(".")[0] in sys.stdlib_module_names for name in imported), imported
+def test_hook_package_imports_only_the_standard_library() -> None:
+    """The hook package imports the stdlib and itself only, so no other layer can make it heavy."""
+    for source in Path(hook.__file__).parent.glob("*.py"):
+        tree = ast.parse(source.read_text())
+        imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        foreign = {
+            name
+            for name in imported
+            if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("ckptkeeper.hook")
+        }
+        assert not foreign, (source.name, foreign)

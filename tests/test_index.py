@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptkeeper.core.model import CheckpointState, RunState
 from ckptkeeper.index import SCHEMA_VERSION, Index, IndexCorrupt
-from ckptkeeper.model import CheckpointState, RunState
 
 
 def add(ix: Index, name: str = "checkpoint-100", step: int = 100, version: str | None = "v1") -> int:

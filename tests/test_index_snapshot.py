@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptkeeper.core.model import CheckpointState, RunState
 from ckptkeeper.index import Index
-from ckptkeeper.model import CheckpointState, RunState
 
 
 def test_snapshot_checkpoints_match_the_row_models(tmp_path: Path) -> None:

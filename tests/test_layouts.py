@@ -14,8 +14,8 @@ from typing import Any
 import layout_fixtures as fx  # tests/ is on sys.path (rootdir-less test dir, pytest prepend mode)
 import pytest
 
-from ckptkeeper import layouts
-from ckptkeeper.layouts import Candidate, RunScan, parse_step, recognize, scan_run
+from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest.layouts import Candidate, RunScan, parse_step, recognize, scan_run
 
 
 def scan(run_dir: Path, run: str = "run") -> RunScan:

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from ckptkeeper import planner
-from ckptkeeper.model import (
+from ckptkeeper.core import planner
+from ckptkeeper.core.model import (
     Action,
     ActionKind,
     Artifact,
@@ -38,7 +38,7 @@ from ckptkeeper.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.retention import (
+from ckptkeeper.core.retention import (
     KeepAll,
     KeepBest,
     KeepDaily,
@@ -590,7 +590,7 @@ def test_empty_policy_can_be_forced() -> None:
 
 def test_planner_vetoes_reaps_of_protected_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     # The reaper already spares pinned checkpoints; the planner checks again (defence in depth).
-    from ckptkeeper.reaper import ReapDecision
+    from ckptkeeper.core.reaper import ReapDecision
 
     def reckless(snapshot: Snapshot, tiers: Any, policy: Any, now: float) -> ReapDecision:
         reaps = tuple(

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkeeper import planner
-from ckptkeeper.model import (
+from ckptkeeper.core import planner
+from ckptkeeper.core.model import (
     Action,
     ActionKind,
     Checkpoint,
@@ -30,7 +30,7 @@ from ckptkeeper.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.retention import rules_for, select_union
+from ckptkeeper.core.retention import rules_for, select_union
 
 T0 = 1_709_510_400.0
 DAY = 86400.0

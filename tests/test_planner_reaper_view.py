@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-from ckptkeeper import planner
-from ckptkeeper.model import (
+from ckptkeeper.core import planner
+from ckptkeeper.core.model import (
     Artifact,
     Checkpoint,
     CheckpointState,
@@ -17,7 +17,7 @@ from ckptkeeper.model import (
     TierPolicy,
     TierSpec,
 )
-from ckptkeeper.reaper import plan_reaps
+from ckptkeeper.core.reaper import plan_reaps
 
 NOW = 1_800_000_000.0
 TIERS = [TierSpec("hot", "/hot", TierPolicy(keep_last=2)), TierSpec("warm", "/warm", TierPolicy())]

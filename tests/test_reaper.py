@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     Action,
     ActionKind,
     Artifact,
@@ -26,7 +26,7 @@ from ckptkeeper.model import (
     TierPolicy,
     TierSpec,
 )
-from ckptkeeper.reaper import (
+from ckptkeeper.core.reaper import (
     ARTIFACT_KINDS,
     NO_RUN,
     ReapDecision,

@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkeeper.model import Checkpoint, CheckpointState
-from ckptkeeper.retention import (
+from ckptkeeper.core.model import Checkpoint, CheckpointState
+from ckptkeeper.core.retention import (
     KeepAll,
     KeepBest,
     KeepDaily,

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import pytest
 
-from ckptkeeper import hashing, storage
-from ckptkeeper.model import MANIFEST_SUFFIX, FileEntry, Manifest, TierPolicy, TierSpec
+from ckptkeeper import storage
+from ckptkeeper.core.model import MANIFEST_SUFFIX, FileEntry, Manifest, TierPolicy, TierSpec
 from ckptkeeper.storage import (
     LocalTierStorage,
     StorageError,
@@ -29,6 +29,7 @@ from ckptkeeper.storage import (
     TierUnavailable,
     VerificationError,
 )
+from ckptkeeper.util import hashing
 
 MiB = 2**20
 
@@ -790,7 +791,7 @@ def test_s3_single_put_changed_after_hashing_is_not_stored(
 
 _TRACED_UPLOAD = """
 import json, sys, tracemalloc
-from ckptkeeper.model import Manifest, TierPolicy, TierSpec
+from ckptkeeper.core.model import Manifest, TierPolicy, TierSpec
 from ckptkeeper.storage import TierStorage
 job = json.loads(sys.argv[1])
 cold = TierStorage(TierSpec("cold", job["url"], TierPolicy(), storage_options=job["options"]))

@@ -279,8 +279,8 @@ def test_verify_reports_a_corrupted_copy(node: Node) -> None:
 
 
 def test_second_executor_exits_11(node: Node) -> None:
+    from ckptkeeper.actions.prune import executor_lock
     from ckptkeeper.config import load_settings
-    from ckptkeeper.operations import executor_lock
 
     with executor_lock(load_settings(node.config), timeout=1):
         result = node.subprocess_cli("prune", "--lock-timeout", "0.5")

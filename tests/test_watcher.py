@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from layout_fixtures import make_hf  # tests/ is on sys.path (pytest prepend mode), as in test_layouts
 
-from ckptkeeper.catalog import Catalog
 from ckptkeeper.config import Settings, settings_from_mapping
 from ckptkeeper.index import Index
-from ckptkeeper.watcher import EventKind, Watcher, _count_inotify_watches, classify_path
+from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.ingest.watcher import EventKind, Watcher, _count_inotify_watches, classify_path
 
 SETTLE = 1.0
 
@@ -309,7 +309,7 @@ def test_falls_back_when_subdirectories_went_unwatched(env: Env, monkeypatch: py
     # watchdog swallows ENOSPC for subdirectories; the watcher compares watches with directories.
     for i in range(20):
         (env.hot / f"run{i}").mkdir()
-    monkeypatch.setattr("ckptkeeper.watcher._count_inotify_watches", lambda: 1)
+    monkeypatch.setattr("ckptkeeper.ingest.watcher._count_inotify_watches", lambda: 1)
     w = started(env)
     try:
         assert w.polling

@@ -17,17 +17,18 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptkeeper import hook, layouts
 from ckptkeeper.config import Settings
-from ckptkeeper.hashing import hash_file
+from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.core.reaper import RunFacts, derive_run_state
+from ckptkeeper.hook import protocol
+from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index
-from ckptkeeper.logs import get_logger
-from ckptkeeper.model import CheckpointState, FileEntry, Manifest, RunState
-from ckptkeeper.reaper import RunFacts, derive_run_state
+from ckptkeeper.ingest import layouts
+from ckptkeeper.util.hashing import hash_file
+from ckptkeeper.util.logs import get_logger
 
-log = get_logger("ckptkeeper.catalog")
+log = get_logger("ckptkeeper.ingest.catalog")
 
-HOOK_DIR = ".ckptkeeper"
 MAX_STEP = 2**63 - 1
 """SQLite integers are 64-bit; a larger "step" is not a step anyone trains to."""
 
@@ -57,18 +58,6 @@ class ReconcileReport:
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True
 
 
 class Catalog:
@@ -106,7 +95,7 @@ class Catalog:
             for entry in entries:
                 if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
                     continue
-                if HOOK_DIR in entry.name or ".ckptkeeper-tmp" in entry.name or _has_surrogates(entry.name):
+                if STATE_DIR in entry.name or STAGING_MARK in entry.name or _has_surrogates(entry.name):
                     continue
                 sub = (*rel, entry.name)
                 if len(sub) == depth:
@@ -157,7 +146,7 @@ class Catalog:
             # An unlistable run is unknown, not empty: keep what the index knew.
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
-        commits, commit_errors = hook.read_commits(run_dir)
+        commits, commit_errors = protocol.read_commits(run_dir)
         for err in commit_errors:
             log.warning("malformed hook commit line", run=run, error=err)
         committed = {c.path: c for c in commits}
@@ -175,7 +164,7 @@ class Catalog:
             [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
-        managed: list[tuple[layouts.Candidate, hook.Commit | None]] = []
+        managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
         for name, cand in sorted(candidates.items()):
             if cand.step > MAX_STEP:
                 log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
@@ -227,7 +216,7 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
-    def _state_of(self, cand: layouts.Candidate, commit: hook.Commit | None, now: float) -> CheckpointState:
+    def _state_of(self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float) -> CheckpointState:
         if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
@@ -239,7 +228,7 @@ class Catalog:
         return CheckpointState.WRITING
 
     def _try_hash(
-        self, run_dir: Path, cand: layouts.Candidate, commit: hook.Commit | None
+        self, run_dir: Path, cand: layouts.Candidate, commit: protocol.Commit | None
     ) -> Manifest | OSError:
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         try:
@@ -252,7 +241,7 @@ class Catalog:
     def _apply_candidate(
         self,
         cand: layouts.Candidate,
-        commit: hook.Commit | None,
+        commit: protocol.Commit | None,
         row: CheckpointRow | None,
         now: float,
         hashed: Manifest | OSError | None,
@@ -323,7 +312,7 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(self, run_dir: Path, run: str, commit: hook.Commit) -> layouts.Candidate | None:
+    def _committed_candidate(self, run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
         path = run_dir / commit.path
         found = layouts.recognize(path, run_dir, run)
@@ -401,11 +390,11 @@ class Catalog:
         )
 
     def _update_run_state(self, run: str, run_dir: Path, newest_write: float, now: float) -> None:
-        info = hook.read_run_dir(run_dir)
-        heartbeat = hook.heartbeat_mtime(run_dir)
+        info = protocol.read_run_dir(run_dir)
+        heartbeat = protocol.heartbeat_mtime(run_dir)
         host = info.host if info and info.host else None
         pid = info.pid if info else None
-        alive = pid_alive(pid) if pid and host == self.hostname else None
+        alive = info.writer_alive(hostname=self.hostname) if info else None
         facts = RunFacts(
             hook_state=info.state if info else None,
             host=host,

@@ -53,19 +53,16 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkeeper.logs import get_logger
+from ckptkeeper.hook.protocol import COMMITS_FILE, RUN_FILE, STAGING_MARK, STATE_DIR
+from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
-    from ckptkeeper.catalog import Catalog, ReconcileReport
+    from ckptkeeper.ingest.catalog import Catalog, ReconcileReport
 
 __all__ = ["FULL_RESCAN", "EventKind", "Watcher", "WatcherStats", "classify_path"]
 
-log = get_logger("ckptkeeper.watcher")
+log = get_logger("ckptkeeper.ingest.watcher")
 
-HOOK_DIR = ".ckptkeeper"
-COMMITS_FILE = "commits.jsonl"
-RUN_FILE = "run.json"
-STAGING_MARK = ".ckptkeeper-tmp"
 
 FULL_RESCAN = "*"
 """Pseudo run key: reconcile the whole hot tier (events above run depth, lost inotify events)."""
@@ -104,7 +101,7 @@ def classify_path(root: str, path: str, run_depth: int) -> tuple[EventKind, str 
         return EventKind.TREE, None
     run = "/".join(parts[:run_depth])
     rest = parts[run_depth:]
-    if rest and rest[0] == HOOK_DIR:
+    if rest and rest[0] == STATE_DIR:
         name = rest[1] if len(rest) == 2 else None
         if name == COMMITS_FILE:
             return EventKind.COMMIT, run
@@ -333,14 +330,14 @@ class Watcher:
         whole-tree rescan is queued: :meth:`reconcile_all`. Runs reconciled here stay queued, so
         the worker still reconciles them (and reports new checkpoints) when they come due.
         """
-        from ckptkeeper.model import RunState
+        from ckptkeeper.core.model import RunState
 
         with self._cond:
             queued = set(self._pending)
         self.last_sync_full = FULL_RESCAN in queued or not self.trusted
         if self.last_sync_full:
             return self.reconcile_all(slower_tiers=slower_tiers)
-        from ckptkeeper.catalog import ReconcileReport
+        from ckptkeeper.ingest.catalog import ReconcileReport
 
         report = ReconcileReport()
         since = time.time()
@@ -374,7 +371,7 @@ class Watcher:
             raise
 
     def _reconcile_slower_tiers(self) -> ReconcileReport:
-        from ckptkeeper.catalog import ReconcileReport
+        from ckptkeeper.ingest.catalog import ReconcileReport
 
         report = ReconcileReport()
         for tier in self.catalog.settings.tiers[1:]:

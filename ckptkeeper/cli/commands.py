@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.fmt import human_bytes, table
+from ckptkeeper.util.fmt import human_bytes, table
 
 
 def _ctx() -> Any:
@@ -51,7 +51,7 @@ def _policy_summary(settings: Any) -> str:
 
 
 def _render_plan(plan: Any, settings: Any, *, dry_run: bool) -> None:
-    from ckptkeeper.reaper import summarize_reclaim
+    from ckptkeeper.core.reaper import summarize_reclaim
 
     click.echo(f"policy  {_policy_summary(settings)}")
     keep_by_run: dict[str, list[Any]] = {}
@@ -142,7 +142,7 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
     """Plan retention and reaping; without --dry-run, carry the plan out."""
     import json
 
-    from ckptkeeper.operations import EXIT_LOCKED, Locked, run_prune
+    from ckptkeeper.actions.prune import EXIT_LOCKED, Locked, run_prune
 
     app = _ctx()
     settings = app.settings
@@ -164,7 +164,7 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
             _write_textfile(settings, ix, outcome)
     plan = outcome.plan
     if as_json:
-        from ckptkeeper.reaper import summarize_reclaim
+        from ckptkeeper.core.reaper import summarize_reclaim
 
         doc = plan.to_dict()
         summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap"])
@@ -203,7 +203,7 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
 
 def _write_textfile(settings: Any, index: Any, outcome: Any) -> None:
     try:
-        from ckptkeeper.metrics import write_prune_textfile
+        from ckptkeeper.daemon.metrics import write_prune_textfile
     except ImportError:
         return
     try:
@@ -235,7 +235,7 @@ class _StepType(click.ParamType):
 )
 def restore(run: str, step: str | int, to: str) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified."""
-    from ckptkeeper import operations
+    from ckptkeeper.actions import prune as operations
 
     app = _ctx()
     with app.index() as ix:
@@ -289,7 +289,7 @@ def verify(run: str | None, as_json: bool) -> None:
 @click.option("--no-apply", is_flag=True, help="Stop after prune --dry-run.")
 def demo(keep: bool, no_apply: bool) -> None:
     """Make a throwaway node with realistic checkpoints and run scan, ls, prune on it."""
-    from ckptkeeper.demo import run_demo
+    from ckptkeeper.cli.demo import run_demo
 
     sys.exit(run_demo(keep=keep, apply=not no_apply))
 
@@ -298,6 +298,6 @@ def register(group: click.Group) -> None:
     """Attach the commands of this module to the ``ckptkeeper`` group."""
     for command in (prune, restore, verify, demo):
         group.add_command(command)
-    from ckptkeeper import cli_daemon
+    from ckptkeeper.cli import daemon as cli_daemon
 
     cli_daemon.register(group)

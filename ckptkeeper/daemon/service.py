@@ -3,7 +3,7 @@
 Threads, and why each exists:
 
 - the watchdog observer (inotify or polling) and ONE watcher worker that reconciles changed runs
-  (see :mod:`ckptkeeper.watcher`);
+  (see :mod:`ckptkeeper.ingest.watcher`);
 - APScheduler's ``BackgroundScheduler`` with a single worker thread: ``retention`` and ``reap``
   run the prune operation, ``rescan`` reconciles every tier. One worker because the jobs contend
   for the same executor lock and index anyway, and serial jobs are easier to reason about than a
@@ -38,21 +38,22 @@ from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from ckptkeeper import __version__, logs
+from ckptkeeper import __version__
 from ckptkeeper.config import ConfigError, Settings, format_duration, load_settings
-from ckptkeeper.lock import DaemonLock, LockHeld
-from ckptkeeper.logs import get_logger
-from ckptkeeper.sdnotify import WatchdogPinger, notify, watchdog_interval
+from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
+from ckptkeeper.util import logs
+from ckptkeeper.util.lock import DaemonLock, LockHeld
+from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
-    from ckptkeeper.catalog import ReconcileReport
+    from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.index import Index
-    from ckptkeeper.metrics import Metrics, MetricsServer
-    from ckptkeeper.watcher import Watcher
+    from ckptkeeper.ingest.catalog import ReconcileReport
+    from ckptkeeper.ingest.watcher import Watcher
 
 __all__ = ["JOB_IDS", "Daemon", "run_daemon"]
 
-log = get_logger("ckptkeeper.daemon")
+log = get_logger("ckptkeeper.daemon.service")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -146,7 +147,7 @@ def _intervals(settings: Settings) -> dict[str, float]:
 def _run_of(path: str | None, run_depth: int) -> str | None:
     """The run a hot-tier path (relative to the root) lies in; None above run depth or in a
     hidden/staging directory that no reconcile treats as a run."""
-    from ckptkeeper.watcher import STAGING_MARK
+    from ckptkeeper.hook.protocol import STAGING_MARK
 
     parts = (path or "").split("/")
     if len(parts) <= run_depth or any(p in ("", ".", "..") for p in parts):
@@ -233,8 +234,9 @@ class Daemon:
     # -- startup and main loop -------------------------------------------------------------
 
     def _run_locked(self) -> int:
-        from ckptkeeper.metrics import Metrics, parse_addr
-        from ckptkeeper.operations import open_index
+        from ckptkeeper.actions.prune import open_index
+        from ckptkeeper.config import parse_addr
+        from ckptkeeper.daemon.metrics import Metrics
 
         settings = self.settings
         try:
@@ -332,8 +334,8 @@ class Daemon:
         return True
 
     def _make_watcher(self, settings: Settings) -> Watcher:
-        from ckptkeeper.catalog import Catalog
-        from ckptkeeper.watcher import Watcher
+        from ckptkeeper.ingest.catalog import Catalog
+        from ckptkeeper.ingest.watcher import Watcher
 
         assert self.index is not None
         return Watcher(
@@ -456,7 +458,7 @@ class Daemon:
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
         try:
-            from ckptkeeper.operations import run_prune
+            from ckptkeeper.actions.prune import run_prune
         except ImportError as exc:
             log.error("prune operation not available yet", job=job, error=str(exc))
             return "prune operation not available yet"
@@ -521,7 +523,7 @@ class Daemon:
 
     def _deletes_held(self) -> bool:
         try:
-            from ckptkeeper.operations import read_hold
+            from ckptkeeper.actions.prune import read_hold
         except ImportError:
             return False
         try:
@@ -603,8 +605,9 @@ class Daemon:
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep running with the old one. True if applied."""
-        from ckptkeeper.catalog import Catalog
-        from ckptkeeper.metrics import _tier_paths, parse_addr
+        from ckptkeeper.config import parse_addr
+        from ckptkeeper.daemon.metrics import _tier_paths
+        from ckptkeeper.ingest.catalog import Catalog
 
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:

@@ -1,6 +1,6 @@
 """The ``daemon`` command (kept apart so ``cli.py`` stays presentation-only and imports stay lazy).
 
-It deliberately does not import :mod:`ckptkeeper.cli`: when run as ``python -m ckptkeeper.cli``
+It deliberately does not import :mod:`ckptkeeper.cli.main`: when run as ``python -m ckptkeeper.cli``
 that module is ``__main__``, and importing it by name would build a second command group.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from ckptkeeper.cli import Context
+    from ckptkeeper.cli.app import Context
 
 
 def register(group: click.Group) -> None:
@@ -27,6 +27,6 @@ def register(group: click.Group) -> None:
         config (a bad one is logged and the running config kept). One daemon per index.
         """
         settings = app.settings  # exits 2 with one line per problem on a bad config
-        from ckptkeeper.daemon import run_daemon
+        from ckptkeeper.daemon.service import run_daemon
 
         sys.exit(run_daemon(app.config_path, settings))

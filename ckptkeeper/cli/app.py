@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 
 from ckptkeeper import __version__
-from ckptkeeper.fmt import format_metrics, human_age, human_bytes, table
+from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table
 
 EXIT_OK = 0
 EXIT_ACTION_FAILED = 1
@@ -56,7 +56,7 @@ class Context:
                 for line in exc.problems:
                     click.echo(f"config error: {line}", err=True)
                 sys.exit(EXIT_USAGE)
-            from ckptkeeper import logs
+            from ckptkeeper.util import logs
 
             logs.configure(self._settings.log_level)
         return self._settings
@@ -64,7 +64,7 @@ class Context:
     @contextmanager
     def index(self, *, rebuild: bool = False) -> Iterator[Any]:
         """``rebuild`` (scan, prune): check the index and rebuild a corrupt one from the tiers."""
-        from ckptkeeper.operations import IndexUnusable, Locked, open_index
+        from ckptkeeper.actions.prune import IndexUnusable, Locked, open_index
 
         try:
             ix = open_index(self.settings, check=rebuild, rebuild=rebuild)
@@ -110,7 +110,7 @@ def _emit_json(doc: object) -> None:
 @pass_ctx
 def scan(app: Context, as_json: bool) -> None:
     """Reconcile the index with every tier now."""
-    from ckptkeeper.catalog import Catalog
+    from ckptkeeper.ingest.catalog import Catalog
 
     with app.index(rebuild=True) as ix:
         report = Catalog(app.settings, ix).reconcile()
@@ -239,7 +239,7 @@ def _local_usage(path: Path) -> dict[str, Any] | None:
 @pass_ctx
 def status(app: Context, as_json: bool) -> None:
     """Tiers with usage, counts, bytes reclaimed, last job runs, pending work."""
-    from ckptkeeper.operations import deletes_held
+    from ckptkeeper.actions.prune import deletes_held
 
     settings = app.settings
     with app.index() as ix:
@@ -363,7 +363,7 @@ def unpin(app: Context, run: str, step: int) -> None:
 
 def _register_late_commands() -> None:
     """Commands living in their own modules (they import heavier parts of the core)."""
-    from ckptkeeper import cli_commands
+    from ckptkeeper.cli import commands as cli_commands
 
     cli_commands.register(main)
 

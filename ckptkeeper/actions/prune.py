@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptkeeper.config import Settings
+from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot, TierUsage
 from ckptkeeper.executor import ExecResult, Executor, Progress
 from ckptkeeper.index import CheckpointRow, Index, IndexCorrupt
-from ckptkeeper.logs import get_logger
-from ckptkeeper.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot, TierUsage
+from ckptkeeper.util.logs import get_logger
 
-log = get_logger("ckptkeeper.operations")
+log = get_logger("ckptkeeper.actions.prune")
 
 EXIT_OK = 0
 EXIT_ACTION_FAILED = 1
@@ -133,7 +133,7 @@ def open_index(settings: Settings, *, check: bool = False, rebuild: bool = False
 
 
 def _rebuild(settings: Settings, problem: str) -> Index:
-    from ckptkeeper.catalog import Catalog
+    from ckptkeeper.ingest.catalog import Catalog
 
     path = Path(settings.index)
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -312,7 +312,7 @@ def make_plan(
     run: str | None = None,
     kinds: Sequence[str] = KINDS,
 ) -> Plan:
-    from ckptkeeper.planner import plan
+    from ckptkeeper.core.planner import plan
 
     specs = settings.tier_specs()
     snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs]))
@@ -343,7 +343,7 @@ def make_plan(
 @contextmanager
 def executor_lock(settings: Settings, timeout: float) -> Iterator[None]:
     """One executor per index (flock); waits up to ``timeout`` seconds, then raises Locked."""
-    from ckptkeeper.lock import ExecutorLock, LockHeld
+    from ckptkeeper.util.lock import ExecutorLock, LockHeld
 
     lock = ExecutorLock(settings.index)
     try:
@@ -371,7 +371,7 @@ def run_prune(
     now: Callable[[], float] = time.time,
 ) -> PruneOutcome:
     """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs."""
-    from ckptkeeper.catalog import Catalog
+    from ckptkeeper.ingest.catalog import Catalog
 
     if dry_run:
         with index.in_memory_copy() as scratch:

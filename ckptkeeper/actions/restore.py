@@ -20,7 +20,7 @@ def _open(config: str | os.PathLike[str] | Settings | None, run: str) -> tuple[S
     writable = os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
     index = Index(path, readonly=not writable)
     if writable:
-        from ckptkeeper.catalog import Catalog
+        from ckptkeeper.ingest.catalog import Catalog
 
         if (settings.hot.local_path / run).is_dir():
             Catalog(settings, index).reconcile_run(run)
@@ -39,7 +39,7 @@ def restore(
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.
     Raises LookupError when the run has no such checkpoint anywhere.
     """
-    from ckptkeeper import operations
+    from ckptkeeper.actions import prune as operations
 
     settings, index = _open(config, run)
     try:

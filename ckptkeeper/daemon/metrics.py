@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper import __version__
-from ckptkeeper.logs import get_logger
-from ckptkeeper.model import ActionKind, CheckpointState, RunState
+from ckptkeeper.config import parse_addr
+from ckptkeeper.core.model import ActionKind, CheckpointState, RunState
+from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
     from ckptkeeper.config import Settings
@@ -40,11 +41,10 @@ __all__ = [
     "IndexCollector",
     "Metrics",
     "MetricsServer",
-    "parse_addr",
     "write_prune_textfile",
 ]
 
-log = get_logger("ckptkeeper.metrics")
+log = get_logger("ckptkeeper.daemon.metrics")
 
 JOBS = ("retention", "reap", "rescan", "prune")
 """Job names with a ``job_last_success`` series (``prune`` is the one-shot CLI)."""
@@ -55,33 +55,13 @@ reconcile, a tier listing that failed."""
 
 
 def _reclaim_reasons() -> tuple[str, ...]:
-    from ckptkeeper.reaper import ARTIFACT_KINDS, RULE_FAILED_RUN, RULE_PARTIAL, RULE_STALE_RUN
+    from ckptkeeper.core.reaper import ARTIFACT_KINDS, RULE_FAILED_RUN, RULE_PARTIAL, RULE_STALE_RUN
 
     return ("expired", "moved", RULE_FAILED_RUN, RULE_STALE_RUN, RULE_PARTIAL, "reap", *ARTIFACT_KINDS)
 
 
 RECLAIM_REASONS = _reclaim_reasons()
 """Reasons the executor records bytes under; anything else is reported as ``other``."""
-
-
-def parse_addr(addr: str) -> tuple[str, int] | None:
-    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` -> (host, port); ``""`` -> None (endpoint disabled).
-
-    Raises ValueError naming the config key, because this is a config error the daemon reports
-    before it starts anything.
-    """
-    text = addr.strip()
-    if not text:
-        return None
-    host, sep, port_text = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(
-            f"daemon.metrics_addr: expected host:port (e.g. 127.0.0.1:9464 or [::1]:9464; "
-            f"empty disables the endpoint), got {addr!r}"
-        )
-    return host, int(port_text)
 
 
 def _reason_label(reason: str) -> str:

@@ -31,7 +31,7 @@ from itertools import compress, islice, repeat
 from operator import add, attrgetter, ge, le, truediv
 from typing import Protocol, TypeGuard
 
-from ckptkeeper.model import Checkpoint, CheckpointState, TierPolicy
+from ckptkeeper.core.model import Checkpoint, CheckpointState, TierPolicy
 
 __all__ = [
     "KeepAll",

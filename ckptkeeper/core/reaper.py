@@ -1,10 +1,10 @@
 """The reaper (DESIGN §4): what failed, stale and interrupted work leaves behind.
 
 Two pure functions and a reporting helper; no I/O and no clock (``now`` is an argument), so every
-decision is reproducible from a :class:`~ckptkeeper.model.Snapshot` and testable with plain values:
+decision is reproducible from a :class:`~ckptkeeper.core.model.Snapshot` and testable with plain values:
 
 - :func:`derive_run_state` turns facts the catalog gathered (hook file, pid, heartbeat, mtimes)
-  into a :class:`~ckptkeeper.model.RunState` plus a human reason.
+  into a :class:`~ckptkeeper.core.model.RunState` plus a human reason.
 - :func:`plan_reaps` decides which checkpoints and temp artifacts are waste and returns REAP
   actions, the keys it reaped (the retention planner leaves those alone) and why it spared others.
 - :func:`summarize_reclaim` totals reclaimed bytes per rule and per run — the headline users want.
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     Action,
     ActionKind,
     Artifact,

@@ -6,11 +6,11 @@ every kept checkpoint carries the human reasons ``prune --dry-run`` prints.
 
 How a plan is made, in order:
 
-1. **Reaps** (optional): :func:`ckptkeeper.reaper.plan_reaps` decides what failed/stale runs and
+1. **Reaps** (optional): :func:`ckptkeeper.core.reaper.plan_reaps` decides what failed/stale runs and
    partial writes leave behind. Reaped checkpoints leave retention entirely. Reaps of a checkpoint
    the planner protects (pinned, newest complete of its run, parent of an active run) or in an
    unknown tier are dropped: the planner, not the reaper, owns those guarantees.
-2. **Keep-sets**: per tier and per run, the union of the tier's rules (:mod:`ckptkeeper.retention`)
+2. **Keep-sets**: per tier and per run, the union of the tier's rules (:mod:`ckptkeeper.core.retention`)
    over the run's complete checkpoints.
 3. **Residency**: a checkpoint resides in the fastest tier whose keep-set holds it, plus a copy in
    every slower ``replicate`` tier whose keep-set holds it. Deliberate choice: the planner never
@@ -76,7 +76,7 @@ from itertools import compress, groupby, islice, pairwise, repeat
 from operator import attrgetter, eq, lt, not_
 from typing import NamedTuple, cast
 
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     Action,
     ActionKind,
     Checkpoint,
@@ -89,8 +89,8 @@ from ckptkeeper.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.reaper import plan_reaps
-from ckptkeeper.retention import Rule, RuleSet, RunHistory, describe, keeps_nothing, rules_for
+from ckptkeeper.core.reaper import plan_reaps
+from ckptkeeper.core.retention import Rule, RuleSet, RunHistory, describe, keeps_nothing, rules_for
 
 __all__ = [
     "EXPIRED",
@@ -417,7 +417,7 @@ def _reaper_view(snapshot: Snapshot, by_run: Mapping[str, _RunCheckpoints]) -> S
     of the cost (1M checkpoints: 4 s -> 0.2 s, bench/planning.py).
 
     ``plan_reaps`` says nothing about a complete checkpoint of a live run (retention's business,
-    see :class:`ckptkeeper.reaper.ReapDecision`); such a checkpoint only matters to it as a spared
+    see :class:`ckptkeeper.core.reaper.ReapDecision`); such a checkpoint only matters to it as a spared
     path an artifact may sit in. So it gets every checkpoint of failed and stale runs, every
     incomplete one, and the complete ones of live runs that hold an artifact, run by run
     (``plan_reaps`` sorts them by (run, step) anyway).

@@ -31,7 +31,7 @@ anything that is neither a regular file nor a directory.
 
 Temp artifacts (``RunScan.artifacts``), each reported once:
 
-* ``ckptkeeper-staging`` — any name containing ``.ckptkeeper-tmp`` (our interrupted copies);
+* ``ckptkeeper-staging`` — any name containing ``.ckptkeeper-tmp-`` (``protocol.STAGING_MARK``) (our interrupted copies);
 * ``orbax-tmp`` — ``*.orbax-checkpoint-tmp-*``; ``tmp-checkpoint`` — ``tmp-checkpoint-*``. A temp
   name is not yet a checkpoint: the real one appears under its final name by rename, so these are
   artifacts only, never candidates (``recognize`` returns None for them);
@@ -72,7 +72,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 
-from ckptkeeper import model
+from ckptkeeper.core import model
+from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 
 __all__ = [
     "LAYOUTS",
@@ -85,8 +86,6 @@ __all__ = [
     "scan_run",
 ]
 
-CONTROL_DIR: Final = ".ckptkeeper"
-STAGING_MARKER: Final = ".ckptkeeper-tmp"
 MAX_MARKER_BYTES: Final = 64 * 1024 * 1024
 """Marker files are small; anything bigger is not parsed (reported as a problem, not corrupt)."""
 MAX_SAFETENSORS_HEADER: Final = 100 * 1024 * 1024
@@ -951,7 +950,7 @@ _Outcome = Candidate | _Art | Literal["skip", "descend"]
 
 def _artifact_kind(node: _Node) -> str | None:
     name = node.name
-    if STAGING_MARKER in name:
+    if STAGING_MARK in name:
         return "ckptkeeper-staging"
     if ORBAX_TMP in name:
         return "orbax-tmp"
@@ -968,7 +967,7 @@ def _classify(node: _Node, run: str) -> _Outcome:
     if kind is not None:
         return _Art(kind)
     if stat.S_ISDIR(mode):
-        if node.name in (CONTROL_DIR, "non_persistent") or node.st.st_dev != node.parent.dev:
+        if node.name in (STATE_DIR, "non_persistent") or node.st.st_dev != node.parent.dev:
             return "skip"
         return _candidate(node, run) or "descend"
     if not stat.S_ISREG(mode):

@@ -72,8 +72,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ckptkeeper import hashing
-from ckptkeeper.model import (
+from ckptkeeper.core.model import (
     HASH_ALGORITHM,
     MANIFEST_SUFFIX,
     Artifact,
@@ -82,6 +81,8 @@ from ckptkeeper.model import (
     TierSpec,
     TierUsage,
 )
+from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -93,7 +94,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STAGING_MARK = ".ckptkeeper-tmp-"
 """Infix of every staging name we create (local staging dirs/files, S3 markers, manifest temps)."""
 STAGING_KIND = "ckptkeeper-staging"
 MULTIPART_KIND = "multipart-upload"
@@ -1757,7 +1757,7 @@ class S3TierStorage(TierStorage):
         )
 
     def _add_secrets(self, values: Iterable[str]) -> None:
-        from ckptkeeper import logs
+        from ckptkeeper.util import logs
 
         found = {v for v in values if isinstance(v, str) and len(v) >= 4}
         self._secrets = sorted(set(self._secrets) | found, key=len, reverse=True)

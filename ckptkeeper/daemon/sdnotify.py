@@ -16,11 +16,11 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
-from ckptkeeper.logs import get_logger
+from ckptkeeper.util.logs import get_logger
 
 __all__ = ["WatchdogPinger", "notify", "watchdog_interval"]
 
-log = get_logger("ckptkeeper.sdnotify")
+log = get_logger("ckptkeeper.daemon.sdnotify")
 
 
 def _address(env: Mapping[str, str]) -> str | None:

@@ -1,0 +1,1 @@
+"""The long-running service: APScheduler jobs, signals, sd_notify, Prometheus metrics."""

@@ -1,0 +1,1 @@
+"""Leaf helpers every layer may use: formatting, hashing, logging, file locks. Imports nothing of ours."""
