@@ -22,11 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from ckptkeeper.core.model import Action, ActionKind, CheckpointState, Plan, TierSpec
+from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState, Plan, TierSpec
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
+from ckptkeeper.ingest import layouts
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
 
@@ -331,8 +333,6 @@ class Executor:
         storage = self.storage(action.tier)
         if action.upload_id:
             entry = self.index.journal_begin(action.to_dict(), "aborting")
-            from ckptkeeper.core.model import Artifact
-
             storage.abort_multipart(
                 Artifact(
                     tier=action.tier,
@@ -366,8 +366,6 @@ class Executor:
                 return "written to since the plan was made"
         if action.rule == "ckptkeeper-staging":
             entry = self.index.journal_begin(action.to_dict(), "reaping", {"started": True})
-            from ckptkeeper.core.model import Artifact
-
             freed = storage.discard_staging(
                 Artifact(
                     tier=action.tier,
@@ -411,10 +409,6 @@ class Executor:
 
     def _changed_since_cataloged(self, row: CheckpointRow) -> bool:
         """Re-recognise the hot copy the way the catalog did; any change in size or mtimes counts."""
-        from pathlib import Path
-
-        from ckptkeeper.ingest import layouts
-
         run_dir = Path(self._hot_path(row.run))
         cand = layouts.recognize(run_dir / row.name, run_dir, row.run)
         if cand is None:
