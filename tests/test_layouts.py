@@ -583,7 +583,7 @@ def test_unreadable_subtree_is_an_error_not_an_absence(
             raise PermissionError(13, "Permission denied", path)
         return real_scandir(path)
 
-    monkeypatch.setattr(layouts.os, "scandir", scandir)
+    monkeypatch.setattr(os, "scandir", scandir)
     result = scan(run_dir)
     assert [c.step for c in result.candidates] == [10]
     assert len(result.errors) == 1 and result.errors[0].startswith("locked")
@@ -616,7 +616,7 @@ def test_unreadable_marker_is_an_error_not_a_partial(
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(layouts.os, "open", deny)
+    monkeypatch.setattr(os, "open", deny)
     result = scan(run_dir)
     assert result.candidates == () and len(result.errors) == 1
 
@@ -652,7 +652,7 @@ def test_other_filesystem_is_not_entered(run_dir: Path, monkeypatch: pytest.Monk
         def __iter__(self) -> Iterator[Entry]:
             return iter(self._entries)
 
-    monkeypatch.setattr(layouts.os, "scandir", Scandir)
+    monkeypatch.setattr(os, "scandir", Scandir)
     assert scan(run_dir).candidates == ()
 
 

@@ -20,7 +20,8 @@ from layout_fixtures import make_hf  # tests/ is on sys.path (pytest prepend mod
 from ckptkeeper.config import Settings, settings_from_mapping
 from ckptkeeper.index import Index
 from ckptkeeper.ingest.catalog import Catalog
-from ckptkeeper.ingest.watcher import EventKind, Watcher, _count_inotify_watches, classify_path
+from ckptkeeper.ingest.events import EventKind, classify_path
+from ckptkeeper.ingest.watcher import Watcher, _count_inotify_watches
 
 SETTLE = 1.0
 

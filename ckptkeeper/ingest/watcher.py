@@ -49,11 +49,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkeeper.hook.protocol import COMMITS_FILE, RUN_FILE, STAGING_MARK, STATE_DIR
+from ckptkeeper.ingest.events import EventKind, classify_path
 from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
@@ -73,44 +72,6 @@ SETTLE_MARGIN = 0.05
 """Re-check a settling checkpoint this long after it should have settled (mtime granularity)."""
 RETRY_DELAYS = (1.0, 5.0, 30.0)
 """Back-off for a reconcile that raised (e.g. the index was busy); then wait for the next event."""
-
-
-class EventKind(Enum):
-    IGNORE = "ignore"
-    WRITE = "write"
-    """Checkpoint data changed: debounce."""
-    COMMIT = "commit"
-    """The hook appended to commits.jsonl: reconcile now."""
-    RUN_STATE = "run_state"
-    """run.json replaced (finished/failed): debounce."""
-    TREE = "tree"
-    """Something changed above run depth (a team directory, a moved-in tree): full hot reconcile."""
-
-
-def classify_path(root: str, path: str, run_depth: int) -> tuple[EventKind, str | None]:
-    """Map an event path to (what it means, run name). Pure: the unit tests feed it strings."""
-    prefix = root if root.endswith(os.sep) else root + os.sep
-    if not path.startswith(prefix) or len(path) == len(prefix):
-        return EventKind.IGNORE, None
-    parts = path[len(prefix) :].split(os.sep)
-    # Same rules as Catalog.iter_run_dirs: hidden and staging entries are never runs.
-    for part in parts[:run_depth]:
-        if part.startswith(".") or STAGING_MARK in part:
-            return EventKind.IGNORE, None
-    if len(parts) < run_depth:
-        return EventKind.TREE, None
-    run = "/".join(parts[:run_depth])
-    rest = parts[run_depth:]
-    if rest and rest[0] == STATE_DIR:
-        name = rest[1] if len(rest) == 2 else None
-        if name == COMMITS_FILE:
-            return EventKind.COMMIT, run
-        if name == RUN_FILE:
-            return EventKind.RUN_STATE, run
-        return EventKind.IGNORE, None  # heartbeat, run.json.<pid>.tmp, anything else of the hook's
-    if any(STAGING_MARK in part for part in rest):
-        return EventKind.IGNORE, None
-    return EventKind.WRITE, run
 
 
 @dataclass

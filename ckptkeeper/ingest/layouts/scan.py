@@ -1,0 +1,296 @@
+"""The walk of a run directory: recognizers in precedence order, temp artifacts, and the public
+entry points ``scan_run`` and ``recognize`` (see the package docstring for the rules).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+from ckptkeeper.core import model
+from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
+from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
+from ckptkeeper.ingest.layouts.dcp import DCP_METADATA_TMP, _Dcp
+from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
+from ckptkeeper.ingest.layouts.hf import _Hf
+from ckptkeeper.ingest.layouts.megatron import MEGATRON_TRACKER, _Megatron
+from ckptkeeper.ingest.layouts.nemo import NEMO_UNFINISHED, _NeMo
+from ckptkeeper.ingest.layouts.orbax import ORBAX_TMP, _Orbax
+from ckptkeeper.ingest.layouts.safetensors import _Safetensors
+from ckptkeeper.ingest.layouts.torch import _File, _Torch
+
+RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
+    _Hf(),
+    _Megatron(),
+    _DeepSpeed(),
+    _NeMo(),
+    _Orbax(),
+    _Dcp(),
+    _Safetensors(),
+    _Torch(),
+    _File(),
+)
+"""Precedence order, most specific first (see the package docstring in ``__init__``)."""
+
+LAYOUTS: Final = tuple(r.layout for r in RECOGNIZERS)
+_NEMO = _NeMo()
+
+
+def is_shared_marker(path: Path | str) -> bool:
+    """True for marker files that decide the completeness of *sibling* checkpoints.
+
+    ``recognize`` maps a path to the checkpoint containing it; an event on DeepSpeed's ``latest``,
+    Megatron's tracker or a NeMo ``-unfinished`` marker changes the verdict of checkpoints beside
+    it, so the watcher should rescan the run (``scan_run``) instead.
+    """
+    name = os.path.basename(os.fsdecode(path))
+    return name in (DS_LATEST, MEGATRON_TRACKER) or name.endswith(NEMO_UNFINISHED)
+
+
+# --------------------------------------------------------------------------------------------------
+# Classification of one directory entry, shared by scan_run and recognize
+
+
+@dataclass(frozen=True, slots=True)
+class _Art:
+    kind: str
+
+
+_Outcome = Candidate | _Art | Literal["skip", "descend"]
+
+
+def _artifact_kind(node: _Node) -> str | None:
+    name = node.name
+    if STAGING_MARK in name:
+        return "ckptkeeper-staging"
+    if ORBAX_TMP in name:
+        return "orbax-tmp"
+    if name.startswith("tmp-checkpoint-"):
+        return "tmp-checkpoint"
+    return None
+
+
+def _classify(node: _Node, run: str) -> _Outcome:
+    mode = node.st.st_mode
+    if stat.S_ISLNK(mode):
+        return "skip"  # never followed: a link may lead out of the tier (DESIGN §8.4)
+    kind = _artifact_kind(node)
+    if kind is not None:
+        return _Art(kind)
+    if stat.S_ISDIR(mode):
+        if node.name in (STATE_DIR, "non_persistent") or node.st.st_dev != node.parent.dev:
+            return "skip"
+        return _candidate(node, run) or "descend"
+    if not stat.S_ISREG(mode):
+        return "skip"
+    cand = _candidate(node, run)
+    if cand is not None:
+        return cand
+    if node.name == DCP_METADATA_TMP:
+        return _Art("metadata-tmp")
+    if node.name.endswith(NEMO_UNFINISHED):
+        return _Art("nemo-unfinished") if _NEMO.orphan(node.parent, node.name) else "skip"
+    if node.name.endswith((".tmp", ".part")):
+        return _Art("tmp-file")
+    return "skip"
+
+
+def _candidate(node: _Node, run: str) -> Candidate | None:
+    claiming = [r for r in RECOGNIZERS if r.claims(node)]
+    if not claiming:
+        return None
+    step = claiming[0].step(node)
+    if step is None or step < 0:
+        return None
+    problems: list[str] = []
+    corrupt = False
+    metrics: dict[str, float] = {}
+    for recognizer in reversed(claiming):  # higher precedence last: its metrics win on a clash
+        verdict = _safe_check(recognizer, node)
+        problems[:0] = verdict.problems
+        corrupt = corrupt or verdict.corrupt
+        metrics.update(verdict.metrics)
+    if node.is_dir:
+        try:
+            files, total, newest = _tree(node.path, node.parent.dev)
+        except FileNotFoundError:
+            return None
+    else:
+        files, total, newest = ("",), node.st.st_size, node.st.st_mtime
+    return Candidate(
+        run=run,
+        step=step,
+        name=node.rel,
+        layout=claiming[0].layout,
+        is_dir=node.is_dir,
+        complete=not problems and not corrupt,
+        files=files,
+        last_write=newest,
+        bytes=total,
+        metrics=metrics,
+        problem="; ".join(problems) or None,
+        corrupt=corrupt,
+    )
+
+
+def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
+    """A marker that vanishes between listing and reading is "not there yet/anymore", not a crash."""
+    try:
+        return recognizer.check(node)
+    except FileNotFoundError as exc:
+        return _Verdict(problems=(f"{os.path.basename(exc.filename or '?')} vanished while checked",))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink where a marker should be
+            return _Verdict(problems=(f"{os.path.basename(exc.filename or '?')} is a symlink",))
+        raise _Unreadable(f"{node.rel}: {exc.strerror or exc}") from exc
+
+
+def _tree(root: str, dev: int) -> tuple[tuple[str, ...], int, float]:
+    """(regular files relative to root, their total size, newest mtime) without following links."""
+    newest = os.lstat(root).st_mtime
+    files: list[str] = []
+    total = 0
+    stack = [(root, "")]
+    while stack:
+        path, prefix = stack.pop()
+        try:
+            it = os.scandir(path)
+        except FileNotFoundError:
+            if path == root:
+                raise
+            continue
+        except OSError as exc:
+            raise _Unreadable(f"{path}: {exc.strerror or exc}") from exc
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                newest = max(newest, st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    if st.st_dev == dev:
+                        stack.append((entry.path, f"{prefix}{entry.name}/"))
+                elif stat.S_ISREG(st.st_mode):
+                    files.append(prefix + entry.name)
+                    total += st.st_size
+    return tuple(sorted(files)), total, newest
+
+
+def _dir_bytes(path: str, st: os.stat_result) -> tuple[int, float]:
+    """(bytes, newest mtime) of an artifact: a file, or a directory tree (lstat, same filesystem)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size, st.st_mtime
+    try:
+        _, total, newest = _tree(path, st.st_dev)
+    except FileNotFoundError:
+        return 0, st.st_mtime
+    return total, newest
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _root(run_dir: Path | str) -> _Dir:
+    """The run dir, listed now: a run dir that cannot be listed raises, it never reads as empty."""
+    path = os.path.abspath(os.fsdecode(run_dir))
+    st = os.lstat(path)  # missing run dir: FileNotFoundError, for the caller to decide
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(
+            errno.ENOTDIR, "run dir is not a directory (symlinks are not followed)", path
+        )
+    root = _Dir(path, None, dev=st.st_dev, is_root=True)
+    try:
+        with os.scandir(path):
+            pass
+        _ = root.entries
+    except _Unreadable as exc:
+        raise PermissionError(errno.EACCES, str(exc), path) from exc
+    return root
+
+
+def scan_run(run_dir: Path, run: str) -> RunScan:
+    """Every checkpoint candidate and temp artifact under one run directory of the hot tier.
+
+    Raises OSError when the run directory itself cannot be listed (an unknown run is not an empty
+    one); unreadable subtrees are reported in ``RunScan.errors`` and the rest is still scanned.
+    """
+    root = _root(run_dir)
+    candidates: list[Candidate] = []
+    artifacts: list[model.Artifact] = []
+    errors: list[str] = []
+    stack: list[tuple[_Dir, str]] = [(root, "")]
+    while stack:
+        directory, prefix = stack.pop()
+        try:
+            entries = sorted(directory.entries.items())
+        except _Unreadable as exc:
+            errors.append(f"{prefix.rstrip('/') or '.'}: {exc}")
+            continue
+        for name, st in entries:
+            node = _Node(directory, name, st, prefix + name)
+            try:
+                outcome = _classify(node, run)
+                if isinstance(outcome, _Art):
+                    size, newest = _dir_bytes(node.path, st)
+            except _Unreadable as exc:
+                errors.append(f"{node.rel}: {exc}")
+                continue
+            if isinstance(outcome, Candidate):
+                candidates.append(outcome)
+            elif isinstance(outcome, _Art):
+                artifacts.append(
+                    model.Artifact(
+                        tier="hot",
+                        path=f"{run}/{node.rel}",
+                        kind=outcome.kind,
+                        bytes=size,
+                        last_write=newest,
+                        run=run,
+                    )
+                )
+            elif outcome == "descend":
+                stack.append((node.children, f"{node.rel}/"))
+    candidates.sort(key=lambda c: (c.step, c.name))
+    artifacts.sort(key=lambda a: a.path)
+    return RunScan(candidates=tuple(candidates), artifacts=tuple(artifacts), errors=tuple(errors))
+
+
+def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:
+    """The checkpoint that ``path`` is or lies inside, exactly as ``scan_run`` would report it.
+
+    For a single watcher event: ``<run>/checkpoint-100/trainer_state.json`` gives the
+    ``checkpoint-100`` candidate. None when the path is not (inside) a checkpoint, is or lies under
+    something ``scan_run`` skips (symlink, ``.ckptkeeper/``, temp artifact), is outside ``run_dir``
+    or no longer exists. Raises OSError when something on the way exists but cannot be read.
+    Events on shared markers (``is_shared_marker``) concern sibling checkpoints: rescan the run.
+    """
+    try:
+        directory = _root(run_dir)
+    except FileNotFoundError:
+        return None
+    rel = os.path.relpath(os.path.abspath(os.fsdecode(path)), directory.path)
+    if rel == "." or rel == ".." or rel.startswith(".." + os.sep) or os.path.isabs(rel):
+        return None
+    parts = rel.split(os.sep)
+    try:
+        for depth, name in enumerate(parts):
+            try:
+                st = os.lstat(os.path.join(directory.path, name))
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            node = _Node(directory, name, st, "/".join(parts[: depth + 1]))
+            outcome = _classify(node, run)
+            if isinstance(outcome, Candidate):
+                return outcome
+            if outcome != "descend":
+                return None
+            directory = node.children
+    except _Unreadable as exc:
+        raise OSError(errno.EIO, str(exc)) from exc
+    return None
