@@ -144,8 +144,9 @@ def test_symlinks_and_hardlinks_to_outside_are_never_followed_nor_their_targets_
 
 SWAP_IN_DELETE = """
 import os, sys
-import ckptkeeper.storage as _st
-_remove_tree = _st._remove_tree
+import ckptkeeper.storage.local as _local
+import ckptkeeper.storage.localfs as _localfs
+_remove_tree = _localfs._remove_tree
 done = []
 def remove_tree(dir_fd, name, dev):
     if not done and ".ckptkeeper-tmp-" in name:
@@ -156,8 +157,8 @@ def remove_tree(dir_fd, name, dev):
         os.symlink(os.environ["OUTSIDE"], "nested", dir_fd=fd)
         os.close(fd)
     return _remove_tree(dir_fd, name, dev)
-_st._remove_tree = remove_tree
-_delete = _st.LocalTierStorage.delete
+_local._remove_tree = _localfs._remove_tree = remove_tree  # looked up by delete and by a sink's abort
+_delete = _local.LocalTierStorage.delete
 def delete(self, rel):
     if self.hot and rel.endswith("checkpoint-2"):
         # the whole checkpoint dir swapped for a link just before the delete
@@ -165,15 +166,15 @@ def delete(self, rel):
         os.rename(path, path + "-moved-by-someone")
         os.symlink(os.environ["OUTSIDE"], path)
     return _delete(self, rel)
-_st.LocalTierStorage.delete = delete
-_rename_from = _st.LocalTierStorage.rename_from
+_local.LocalTierStorage.delete = delete
+_rename_from = _local.LocalTierStorage.rename_from
 def rename_from(self, src, manifest, **kw):
     # a directory inside the checkpoint being moved swapped for a link just before the rename
     ckpt = os.path.join(str(src.root), manifest.run, manifest.name)
     os.rename(os.path.join(ckpt, "nested"), os.path.join(ckpt, "nested-away"))
     os.symlink(os.environ["OUTSIDE"], os.path.join(ckpt, "nested"))
     return _rename_from(self, src, manifest, **kw)
-_st.LocalTierStorage.rename_from = rename_from
+_local.LocalTierStorage.rename_from = rename_from
 from ckptkeeper.cli import main
 sys.exit(main())
 """

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptkeeper import storage
 from ckptkeeper.core.model import FileEntry, Manifest, TierPolicy, TierSpec
-from ckptkeeper.storage import TierStorage, VerificationError
+from ckptkeeper.storage import S3TierStorage, TierStorage, VerificationError, localfs
 from ckptkeeper.util import hashing
 
 
@@ -45,7 +44,7 @@ def tiers(tmp_path: Path) -> tuple[Path, TierStorage, Path, TierStorage]:
 def test_many_files_more_than_the_unsynced_limit(tiers: tuple[Path, TierStorage, Path, TierStorage]) -> None:
     hot, hot_tier, warm, warm_tier = tiers
     ckpt = hot / "run" / "ckpt"
-    for i in range(storage._MAX_UNSYNCED_FILES * 2 + 3):
+    for i in range(localfs._MAX_UNSYNCED_FILES * 2 + 3):
         (ckpt / f"d{i % 5}").mkdir(parents=True, exist_ok=True)
         (ckpt / f"d{i % 5}" / f"shard-{i}.distcp").write_bytes(os.urandom(i * 97))
     manifest = _manifest(hot, "run", "ckpt")
@@ -60,7 +59,7 @@ def test_large_file_crosses_writeback_windows_and_chunks(
     tiers: tuple[Path, TierStorage, Path, TierStorage], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hot, hot_tier, warm, warm_tier = tiers
-    monkeypatch.setattr(storage, "WRITEBACK_WINDOW", 3 * hashing.CHUNK_SIZE + 1)
+    monkeypatch.setattr(localfs, "WRITEBACK_WINDOW", 3 * hashing.CHUNK_SIZE + 1)
     ckpt = hot / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_bytes(os.urandom(10 * hashing.CHUNK_SIZE + 12345))
@@ -101,7 +100,7 @@ def test_s3_parts_reuse_buffers_across_files_and_stay_exact(
     cold = TierStorage(
         TierSpec("cold", f"s3://{s3_bucket}/cold", TierPolicy(), storage_options={"endpoint_url": s3_reset})
     )
-    assert isinstance(cold, storage.S3TierStorage)
+    assert isinstance(cold, S3TierStorage)
     cold.part_size = 5 * MiB
     cold.max_inflight = 2
     cold.copy_from(hot_tier, manifest)

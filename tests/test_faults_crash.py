@@ -314,12 +314,12 @@ def test_trial_mix_covers_every_kind() -> None:
 
 KILL_AFTER_S3_COMMIT = """
 import os, signal, sys
-import ckptkeeper.storage as _st
-_commit = _st.S3TierStorage._commit_manifest
+import ckptkeeper.storage.s3 as _s3
+_commit = _s3.S3TierStorage._commit_manifest
 def commit(self, key, body):
     _commit(self, key, body)
     os.kill(os.getpid(), signal.SIGKILL)  # the copy is committed; its staging marker is not gone yet
-_st.S3TierStorage._commit_manifest = commit
+_s3.S3TierStorage._commit_manifest = commit
 from ckptkeeper.cli import main
 sys.exit(main())
 """

@@ -32,13 +32,13 @@ from faultnode import GOLDEN, FaultNode, Template, kill
 
 ENOSPC_SEAM = """
 import errno, os, sys
-import ckptkeeper.storage as _st
-_write = _st._LocalFileWriter.write
+import ckptkeeper.storage.localfs as _localfs
+_write = _localfs._LocalFileWriter.write
 def write(self, data):
     if self.written + len(data) > 1_000_000:  # the disk is "full" after ~1 MB of any file
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     _write(self, data)
-_st._LocalFileWriter.write = write
+_localfs._LocalFileWriter.write = write
 from ckptkeeper.cli import main
 sys.exit(main())
 """

@@ -223,10 +223,10 @@ def test_orbax_394_copies_that_lack_a_marker_are_never_deleted(tmp_path: Path) -
 
 FAIL_LOCAL_COMMIT = """
 import errno, os, sys
-import ckptkeeper.storage as _st
+import ckptkeeper.storage.localfs as _localfs
 def commit(self, manifest):
     raise OSError(errno.EIO, "Input/output error (injected at commit)")
-_st._LocalSink.commit = commit
+_localfs._LocalSink.commit = commit
 from ckptkeeper.cli import main
 sys.exit(main())
 """

@@ -22,12 +22,15 @@ import pytest
 
 from ckptkeeper import storage
 from ckptkeeper.core.model import MANIFEST_SUFFIX, FileEntry, Manifest, TierPolicy, TierSpec
+from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage import (
     LocalTierStorage,
     StorageError,
     TierStorage,
     TierUnavailable,
     VerificationError,
+    localfs,
+    s3_transfer,
 )
 from ckptkeeper.util import hashing
 
@@ -214,7 +217,7 @@ class TestTierContract:
         assert "run1/checkpoints/epoch=1-step=20.ckpt" + MANIFEST_SUFFIX in keys
         assert "run1/checkpoints/epoch=1-step=20.ckpt" in keys
         assert "run1/checkpoint-100/sub/optim/shard-0.pt" in keys
-        assert not [k for k in keys if storage.STAGING_MARK in k]
+        assert not [k for k in keys if STAGING_MARK in k]
 
         assert backend.tier.list_manifests() == [
             ("run1/checkpoint-100", hot.ckpt_dir, None),
@@ -337,8 +340,8 @@ class TestTierContract:
         self, backend: Backend, hot: Hot, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         # kill -9 mid-copy: no cleanup runs
-        monkeypatch.setattr(storage._LocalSink, "abort", lambda self: None)
-        monkeypatch.setattr(storage._S3Sink, "abort", lambda self: None)
+        monkeypatch.setattr(localfs._LocalSink, "abort", lambda self: None)
+        monkeypatch.setattr(s3_transfer._S3Sink, "abort", lambda self: None)
         original = hot.tier._open_read
         monkeypatch.setattr(
             hot.tier, "_open_read", lambda rel, p: FailingReader(original(rel, p), 200 * 1024)
@@ -354,7 +357,7 @@ class TestTierContract:
         assert len(staging) == 1
         art = staging[0]
         assert art.kind == storage.STAGING_KIND and art.run == "run1"
-        assert art.path.startswith("run1/checkpoint-100" + storage.STAGING_MARK)
+        assert art.path.startswith("run1/checkpoint-100" + STAGING_MARK)
         assert abs(art.last_write - time.time()) < 60
         if backend.kind == "local":
             assert art.bytes >= 200 * 1024  # streamed to disk up to the failure
@@ -676,14 +679,14 @@ def big(hot: Hot) -> Manifest:
 
 def corrupt_parts_in_transit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of every part after its CRC32 was computed (a bad NIC, proxy or store)."""
-    original = storage._S3FileWriter._upload_part
+    original = s3_transfer._S3FileWriter._upload_part
 
     async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
         data = bytearray(body.getvalue())
         data[7] ^= 0x01
         return await original(self, upload_id, number, io.BytesIO(bytes(data)), crc)
 
-    monkeypatch.setattr(storage._S3FileWriter, "_upload_part", upload_part)
+    monkeypatch.setattr(s3_transfer._S3FileWriter, "_upload_part", upload_part)
 
 
 def test_s3_corruption_in_transit_is_caught_by_the_stored_checksum(
@@ -756,14 +759,14 @@ def test_s3_part_changed_after_hashing_is_not_stored(
     # hashed part 1 (the manifest hash holds) when it changes: the bytes now read must not reach the
     # store under the CRC32 of the old ones — a store that does not check CRC32s would keep them.
     path = hot.path(big)
-    original = storage._S3FileWriter._upload_part
+    original = s3_transfer._S3FileWriter._upload_part
 
     async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
         if number == 1:
             flip_byte(path, 5 * MiB - 1)  # the part's last byte: all but the last read went out
         return await original(self, upload_id, number, body, crc)
 
-    monkeypatch.setattr(storage._S3FileWriter, "_upload_part", upload_part)
+    monkeypatch.setattr(s3_transfer._S3FileWriter, "_upload_part", upload_part)
     with pytest.raises(
         VerificationError, match=r"big\.pt/?: part at bytes 0-5242880: changed after it was hashed"
     ):
@@ -776,14 +779,14 @@ def test_s3_single_put_changed_after_hashing_is_not_stored(
     cold: storage.S3TierStorage, hot: Hot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = hot.path(hot.ckpt_file)
-    original = storage._S3FileWriter._send
+    original = s3_transfer._S3FileWriter._send
 
     async def send(self: Any, method: str, body: Any, crc: str, **kwargs: Any) -> Any:
         if method == "put_object" and self.key.endswith(".ckpt"):
             flip_byte(path, 0)
         return await original(self, method, body, crc, **kwargs)
 
-    monkeypatch.setattr(storage._S3FileWriter, "_send", send)
+    monkeypatch.setattr(s3_transfer._S3FileWriter, "_send", send)
     with pytest.raises(VerificationError, match="changed after it was hashed"):
         cold.copy_from(hot.tier, hot.ckpt_file)
     assert cold.list_manifests() == [] and cold.list_staging() == []

@@ -1,0 +1,139 @@
+"""The bottom of the storage package: errors, shared constants, checks of tier-relative paths and
+of manifests (a tier is untrusted input, DESIGN §8.9), and the protocols of readers, writers and sinks.
+
+Every other module of the package builds on this one; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import Protocol
+
+from ckptkeeper.core.model import (
+    HASH_ALGORITHM,
+    Artifact,
+    FileEntry,
+    Manifest,
+)
+
+log = logging.getLogger("ckptkeeper.storage")
+"""The one logger of the package (its name predates the split into modules; log lines keep it)."""
+
+"""Infix of every staging name we create (local staging dirs/files, S3 markers, manifest temps)."""
+STAGING_KIND = "ckptkeeper-staging"
+MULTIPART_KIND = "multipart-upload"
+
+Progress = Callable[[int], None]
+"""Called with the number of bytes just copied (an increment, not a total)."""
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
+_MAX_MANIFEST_BYTES = 256 * 2**20
+
+
+class StorageError(Exception):
+    """A tier operation failed; nothing was committed by the failing call."""
+
+
+class TierUnavailable(StorageError):
+    """Listing or usage of a tier failed: callers must treat the tier as unknown, never as empty."""
+
+
+class VerificationError(StorageError):
+    """Content does not match its manifest (source changed, transfer or storage corruption)."""
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _split_rel(rel: str, what: str = "path") -> tuple[str, ...]:
+    """Validate a tier-relative path and split it; rejects anything that could leave the root."""
+    if not isinstance(rel, str) or not rel:
+        raise StorageError(f"empty {what}")
+    if "\0" in rel:
+        raise StorageError(f"{what} contains NUL: {rel!r}")
+    if rel.startswith("/") or rel.startswith("\\"):
+        raise StorageError(f"absolute {what} refused: {rel!r}")
+    parts = tuple(rel.split("/"))
+    if any(p in ("", ".", "..") for p in parts):
+        raise StorageError(f"{what} must be a plain relative path without '.', '..' or '//': {rel!r}")
+    return parts
+
+
+def _rel_of(manifest: Manifest) -> str:
+    return f"{manifest.run}/{manifest.name}"
+
+
+def _check_manifest(manifest: Manifest) -> tuple[str, ...]:
+    """Reject manifests we cannot honour safely (a shared cold tier is not trusted input)."""
+    if manifest.algorithm != HASH_ALGORITHM:
+        raise StorageError(f"unsupported hash algorithm {manifest.algorithm!r} (want {HASH_ALGORITHM})")
+    parts = _split_rel(_rel_of(manifest), "checkpoint path")
+    if manifest.is_dir:
+        seen: set[str] = set()
+        for entry in manifest.files:
+            _split_rel(entry.path, "file path in manifest")
+            if entry.path in seen:
+                raise StorageError(f"duplicate file in manifest: {entry.path!r}")
+            seen.add(entry.path)
+    elif len(manifest.files) != 1 or manifest.files[0].path != "":
+        raise StorageError("a single-file checkpoint must have exactly one file entry with path ''")
+    for entry in manifest.files:
+        if entry.size < 0:
+            raise StorageError(f"negative size in manifest for {entry.path!r}")
+    return parts
+
+
+def _token() -> str:
+    return secrets.token_hex(6)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Reader(Protocol):
+    def read(self, n: int, /) -> bytes: ...
+    def close(self) -> None: ...
+
+
+class _FileWriter(Protocol):
+    def write(self, data: bytes | memoryview, /) -> None:
+        """``data`` is only valid during the call (a view of the copy loop's reused buffer)."""
+
+    def finish(self) -> None:
+        """Make the file durable and check what the destination holds (size, checksum)."""
+
+
+class _Sink(Protocol):
+    """One in-progress copy of a checkpoint into a tier."""
+
+    def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
+        """``source`` is the stream the file's bytes come from; a sink may read it again."""
+
+    def commit(self, manifest: Manifest) -> None: ...
+    def abort(self) -> None:
+        """Best effort: remove everything written; leave only what list_staging reports."""
+
+
+def _staging_artifact(tier: str, rel: str, size: int, mtime: float) -> Artifact:
+    return Artifact(
+        tier=tier, path=rel, kind=STAGING_KIND, bytes=size, last_write=mtime, run=rel.split("/", 1)[0]
+    )
+
+
+def _parse_manifest(rel: str, text: bytes) -> Manifest:
+    if len(text) > _MAX_MANIFEST_BYTES:
+        raise StorageError(f"manifest of {rel} is larger than {_MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = Manifest.from_json(text)
+    except ValueError as exc:
+        raise StorageError(f"manifest of {rel}: {exc}") from exc
+    if _rel_of(manifest) != rel:
+        raise StorageError(f"manifest found at {rel} describes {_rel_of(manifest)}")
+    return manifest

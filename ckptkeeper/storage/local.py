@@ -1,0 +1,357 @@
+"""The local backend: a tier on a local (or NFS/Lustre-mounted) filesystem, through directory fds."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckptkeeper.core.model import (
+    MANIFEST_SUFFIX,
+    Artifact,
+    Manifest,
+    TierSpec,
+    TierUsage,
+)
+from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.storage.base import (
+    _MAX_MANIFEST_BYTES,
+    _O_CLOEXEC,
+    StorageError,
+    TierUnavailable,
+    VerificationError,
+    _check_manifest,
+    _describe,
+    _parse_manifest,
+    _Reader,
+    _rel_of,
+    _Sink,
+    _split_rel,
+    _staging_artifact,
+    _token,
+)
+from ckptkeeper.storage.localfs import (
+    _exists_at,
+    _LocalSink,
+    _open_dirs,
+    _remove_tree,
+    _scan_tree,
+    _write_file_atomic,
+)
+from ckptkeeper.storage.tier import TierStorage
+
+
+class LocalTierStorage(TierStorage):
+    """A tier on a local (or NFS/Lustre-mounted) filesystem."""
+
+    is_local = True
+    schemes = ("", "file", "local")
+
+    def __init__(self, spec: TierSpec, *, hot: bool = False) -> None:
+        super().__init__(spec, hot=hot)
+        url = spec.url
+        for prefix in ("file://", "local://"):
+            if url.lower().startswith(prefix):
+                url = url[len(prefix) :]
+        self.root = Path(url)
+
+    @contextlib.contextmanager
+    def _root_fd(self, exc_type: type[StorageError] = StorageError) -> Iterator[int]:
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        except OSError as exc:
+            raise exc_type(f"tier {self.name!r}: cannot open {self.root}: {_describe(exc)}") from exc
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _parent_fd(self, parts: tuple[str, ...], *, dev_check: bool = True) -> Iterator[int]:
+        """Directory fd of the parent of ``parts`` (no symlinks, same filesystem as the root)."""
+        with self._root_fd() as root_fd:
+            dev = os.fstat(root_fd).st_dev if dev_check else None
+            fd = _open_dirs(root_fd, parts[:-1], dev=dev)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def usage(self) -> TierUsage | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            raise TierUnavailable(f"tier {self.name!r}: statvfs {self.root}: {_describe(exc)}") from exc
+        total = st.f_blocks * st.f_frsize
+        return TierUsage(total_bytes=total, used_bytes=total - st.f_bfree * st.f_frsize)
+
+    def same_filesystem(self, other: TierStorage) -> bool:
+        if not isinstance(other, LocalTierStorage):
+            return False
+        try:
+            return os.stat(self.root).st_dev == os.stat(other.root).st_dev
+        except OSError:
+            return False
+
+    def _open_read(self, rel: str, file_path: str) -> _Reader:
+        parts = _split_rel(rel) + (_split_rel(file_path, "file path in manifest") if file_path else ())
+        try:
+            with self._parent_fd(parts, dev_check=False) as dir_fd:
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot open {'/'.join(parts)}: {_describe(exc)}"
+            ) from exc
+        with contextlib.suppress(OSError, AttributeError):  # a hint: larger readahead
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return os.fdopen(fd, "rb", buffering=0)
+
+    def _begin_write(self, rel: str, manifest: Manifest) -> _Sink:
+        with self._root_fd():
+            pass  # a missing tier root is an error, not something to create silently
+        return _LocalSink(self.root, _split_rel(rel), manifest.is_dir, with_manifest=not self.hot)
+
+    def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None:
+        parts = _split_rel(rel)
+        try:
+            with self._parent_fd(parts, dev_check=False) as dir_fd:
+                try:
+                    st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return None
+                if not is_dir:
+                    return {"": st.st_size if stat.S_ISREG(st.st_mode) else None}
+                if not stat.S_ISDIR(st.st_mode):
+                    return None
+                out: dict[str, int | None] = {}
+
+                def fail(exc: OSError) -> None:
+                    raise exc
+
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    parts[-1], dir_fd=dir_fd, follow_symlinks=False, onerror=fail
+                ):
+                    base = dirpath[len(parts[-1]) + 1 :]
+                    # fwalk lists a symlink to a directory among dirnames (without descending)
+                    for fname in filenames + dirnames:
+                        fst = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
+                        if not stat.S_ISDIR(fst.st_mode):
+                            path = f"{base}/{fname}" if base else fname
+                            out[path] = fst.st_size if stat.S_ISREG(fst.st_mode) else None
+                return out
+        except OSError as exc:
+            raise StorageError(f"tier {self.name!r}: cannot list {rel}: {_describe(exc)}") from exc
+
+    def read_manifest(self, rel_path: str) -> Manifest | None:
+        if self.hot:
+            return None
+        parts = _split_rel(rel_path)
+        try:
+            with self._parent_fd(parts, dev_check=False) as dir_fd:
+                if not _exists_at(dir_fd, parts[-1]):
+                    return None  # orphan manifest (interrupted commit/delete): not a committed copy
+                try:
+                    fd = os.open(
+                        parts[-1] + MANIFEST_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd
+                    )
+                except FileNotFoundError:
+                    return None
+                with os.fdopen(fd, "rb") as f:
+                    text = f.read(_MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot read manifest of {rel_path}: {_describe(exc)}"
+            ) from exc
+        return _parse_manifest(rel_path, text)
+
+    def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
+        if self.hot:
+            raise StorageError(f"tier {self.name!r} is the hot tier: it holds no manifests")
+        out: list[tuple[str, Manifest | None, str | None]] = []
+
+        def fail(exc: OSError) -> None:
+            raise exc
+
+        with self._root_fd(TierUnavailable) as root_fd:
+            try:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
+                ):
+                    reldir = os.path.normpath(dirpath)
+                    present = set(dirnames) | set(filenames)
+                    committed_dirs: set[str] = set()
+                    for fname in filenames:
+                        if not fname.endswith(MANIFEST_SUFFIX) or STAGING_MARK in fname:
+                            continue
+                        base = fname[: -len(MANIFEST_SUFFIX)]
+                        if base not in present:
+                            continue  # orphan: reported by list_staging
+                        rel = base if reldir == "." else f"{reldir}/{base}"
+                        committed_dirs.add(base)
+                        try:
+                            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+                            with os.fdopen(fd, "rb") as f:
+                                text = f.read(_MAX_MANIFEST_BYTES + 1)
+                            out.append((rel, _parse_manifest(rel, text), None))
+                        except FileNotFoundError:
+                            continue  # deleted while we listed
+                        except OSError as exc:
+                            if exc.errno != errno.ELOOP:
+                                raise  # unreadable is unknown, not corrupt: the whole listing fails
+                            out.append((rel, None, "manifest is a symlink"))
+                        except StorageError as exc:
+                            out.append((rel, None, str(exc)))
+                    # neither staging nor committed checkpoint contents can hold more manifests
+                    dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed_dirs]
+            except OSError as exc:
+                raise TierUnavailable(
+                    f"tier {self.name!r}: listing {self.root} failed: {_describe(exc)}"
+                ) from exc
+        return sorted(out, key=lambda t: t[0])
+
+    def delete(self, rel_path: str) -> int:
+        """Delete ``rel_path`` (and its manifest) without following symlinks or leaving the root.
+
+        The data is first renamed to a staging name (de-commit; an interrupted delete is then
+        reported by :meth:`list_staging`), the manifest removed, then the tree removed through
+        directory fds. A symlink inside is unlinked, its target untouched; a directory on another
+        filesystem makes the whole delete refuse before anything is removed.
+        """
+        parts = _split_rel(rel_path)
+        try:
+            with self._root_fd() as root_fd:
+                dev = os.fstat(root_fd).st_dev
+                with _fd(_open_dirs(root_fd, parts[:-1], dev=dev)) as dir_fd:
+                    name = parts[-1]
+                    manifest_name = name + MANIFEST_SUFFIX
+                    if not _exists_at(dir_fd, name):
+                        if not self.hot and _exists_at(dir_fd, manifest_name):
+                            os.unlink(manifest_name, dir_fd=dir_fd)
+                            os.fsync(dir_fd)
+                        return 0
+                    _scan_tree(dir_fd, name, dev)  # refuse before touching anything
+                    tomb = f"{name}{STAGING_MARK}{_token()}"
+                    os.rename(name, tomb, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    os.fsync(dir_fd)
+                    if not self.hot and _exists_at(dir_fd, manifest_name):
+                        os.unlink(manifest_name, dir_fd=dir_fd)
+                    freed = _remove_tree(dir_fd, tomb, dev)
+                    os.fsync(dir_fd)
+                    return freed
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise StorageError(f"tier {self.name!r}: delete {rel_path} failed: {_describe(exc)}") from exc
+
+    def rename_from(self, src: LocalTierStorage, manifest: Manifest, *, rehash: bool = True) -> None:
+        """Move a checkpoint from ``src`` on the same filesystem with one ``rename``.
+
+        Order: verify the source against the manifest in place (sizes always, hashes unless
+        ``rehash=False``), write the manifest beside the destination (an orphan until…), then the
+        atomic rename that is the commit point. There is never a moment where the only copy sits
+        under a staging name the reaper could remove.
+        """
+        if not self.same_filesystem(src):
+            raise StorageError(f"tiers {src.name!r} and {self.name!r} are not on one filesystem")
+        _check_manifest(manifest)
+        rel = _rel_of(manifest)
+        parts = _split_rel(rel)
+        problems = src.verify(manifest, deep=rehash)
+        if problems:
+            raise VerificationError(f"{src.name}:{rel} does not match its manifest: " + "; ".join(problems))
+        try:
+            with src._root_fd() as s_root, self._root_fd() as d_root:
+                dev = os.fstat(d_root).st_dev
+                with (
+                    _fd(_open_dirs(s_root, parts[:-1], dev=dev)) as s_dir,
+                    _fd(_open_dirs(d_root, parts[:-1], create=True, dev=dev)) as d_dir,
+                ):
+                    name = parts[-1]
+                    if _exists_at(d_dir, name):
+                        raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
+                    if not self.hot:
+                        _write_file_atomic(d_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
+                    try:
+                        os.rename(name, name, src_dir_fd=s_dir, dst_dir_fd=d_dir)
+                    except BaseException:
+                        if not self.hot:
+                            with contextlib.suppress(OSError):
+                                os.unlink(name + MANIFEST_SUFFIX, dir_fd=d_dir)
+                        raise
+                    os.fsync(d_dir)
+                    os.fsync(s_dir)
+        except OSError as exc:
+            raise StorageError(
+                f"rename of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
+            ) from exc
+
+    def list_staging(self) -> list[Artifact]:
+        out: list[Artifact] = []
+
+        def fail(exc: OSError) -> None:
+            raise exc
+
+        with self._root_fd(TierUnavailable) as root_fd:
+            dev = os.fstat(root_fd).st_dev
+            try:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
+                ):
+                    reldir = os.path.normpath(dirpath)
+                    present = set(dirnames) | set(filenames)
+                    committed: set[str] = set()
+                    for entry in sorted(present):
+                        rel = entry if reldir == "." else f"{reldir}/{entry}"
+                        if STAGING_MARK in entry:
+                            size, mtime = _scan_tree(dfd, entry, dev)
+                            out.append(_staging_artifact(self.name, rel, size, mtime))
+                        elif entry.endswith(MANIFEST_SUFFIX) and not self.hot:
+                            base = entry[: -len(MANIFEST_SUFFIX)]
+                            if base in present:
+                                committed.add(base)
+                            else:
+                                st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+                                out.append(_staging_artifact(self.name, rel, st.st_size, st.st_mtime))
+                    dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed]
+            except OSError as exc:
+                raise TierUnavailable(
+                    f"tier {self.name!r}: listing {self.root} failed: {_describe(exc)}"
+                ) from exc
+        return out
+
+    def discard_staging(self, artifact: Artifact) -> int:
+        parts = _split_rel(artifact.path)
+        name = parts[-1]
+        if STAGING_MARK in name:
+            return self.delete(artifact.path)
+        if name.endswith(MANIFEST_SUFFIX):
+            base = name[: -len(MANIFEST_SUFFIX)]
+            try:
+                with self._parent_fd(parts) as dir_fd:
+                    if _exists_at(dir_fd, base):
+                        raise StorageError(f"{artifact.path} is no longer an orphan manifest; keeping it")
+                    try:
+                        size = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+                        os.unlink(name, dir_fd=dir_fd)
+                    except FileNotFoundError:
+                        return 0
+                    os.fsync(dir_fd)
+                    return size
+            except OSError as exc:
+                raise StorageError(
+                    f"tier {self.name!r}: cannot remove {artifact.path}: {_describe(exc)}"
+                ) from exc
+        raise StorageError(f"{artifact.path} is not a ckptkeeper staging artifact")
+
+
+@contextlib.contextmanager
+def _fd(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)

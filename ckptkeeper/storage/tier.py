@@ -1,0 +1,269 @@
+"""The tier contract: :class:`TierStorage` (which also picks the backend for a URL), and the one
+read → hash → write pass every copy and restore makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ckptkeeper.core.model import (
+    Artifact,
+    Manifest,
+    TierSpec,
+    TierUsage,
+)
+from ckptkeeper.storage.base import (
+    Progress,
+    StorageError,
+    VerificationError,
+    _check_manifest,
+    _describe,
+    _Reader,
+    _rel_of,
+    _Sink,
+    _split_rel,
+    log,
+)
+from ckptkeeper.storage.localfs import _LocalSink
+from ckptkeeper.util import hashing
+
+_BACKENDS: dict[str, type[TierStorage]] = {}
+"""URL scheme → backend class, filled by :meth:`TierStorage.__init_subclass__`."""
+
+
+class TierStorage:
+    """Access to one tier. ``TierStorage(spec)`` returns the backend for the URL (as pathlib.Path does).
+
+    ``hot=True`` marks the watched local root: no manifests are stored beside checkpoints there.
+    """
+
+    name: str
+    url: str
+    is_local: bool
+    hot: bool
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    """URL schemes a backend serves (``""``: a plain path); a backend class registers itself by
+    declaring them (the package imports every backend, so all are registered before any use)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for scheme in cls.__dict__.get("schemes", ()):  # declared here, not inherited
+            _BACKENDS[scheme] = cls
+
+    def __new__(cls, spec: TierSpec, *, hot: bool = False) -> TierStorage:
+        if cls is TierStorage:
+            scheme = spec.url.split("://", 1)[0].lower() if "://" in spec.url else ""
+            backend = _BACKENDS.get(scheme)
+            if backend is not None:
+                return object.__new__(backend)
+            raise StorageError(f"tier {spec.name!r}: unsupported URL scheme {scheme!r} (local path or s3://)")
+        return object.__new__(cls)
+
+    def __init__(self, spec: TierSpec, *, hot: bool = False) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.url = spec.url
+        self.hot = hot
+
+    def __repr__(self) -> str:  # never shows storage_options (secrets)
+        return f"{type(self).__name__}(name={self.name!r}, url={self.url!r}, hot={self.hot})"
+
+    # -- backend primitives -----------------------------------------------------------------
+
+    def _open_read(self, rel: str, file_path: str) -> _Reader:
+        raise NotImplementedError
+
+    def _begin_write(self, rel: str, manifest: Manifest) -> _Sink:
+        raise NotImplementedError
+
+    def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None:
+        """Files present for a checkpoint: path → size (None: not a regular file); None if absent."""
+        raise NotImplementedError
+
+    # -- public API -------------------------------------------------------------------------
+
+    def usage(self) -> TierUsage | None:
+        raise NotImplementedError
+
+    def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
+        """``(rel_path, manifest, None)`` per committed copy, ``(rel_path, None, error)`` per bad one.
+
+        Raises :class:`TierUnavailable` if the listing is incomplete for any reason.
+        """
+        raise NotImplementedError
+
+    def read_manifest(self, rel_path: str) -> Manifest | None:
+        """The committed manifest at ``rel_path``, None if there is no committed copy."""
+        raise NotImplementedError
+
+    def delete(self, rel_path: str) -> int:
+        """Delete a checkpoint (directory or file) and its manifest; return bytes freed."""
+        raise NotImplementedError
+
+    def list_staging(self) -> list[Artifact]:
+        """Our own interrupted copies/deletes (kind ``ckptkeeper-staging``), for the reaper."""
+        raise NotImplementedError
+
+    def discard_staging(self, artifact: Artifact) -> int:
+        """Remove one artifact reported by :meth:`list_staging`; return bytes freed."""
+        raise NotImplementedError
+
+    def list_multipart_uploads(self) -> list[Artifact]:
+        return []
+
+    def abort_multipart(self, artifact: Artifact) -> None:
+        raise StorageError(f"tier {self.name!r} has no multipart uploads")
+
+    def same_filesystem(self, other: TierStorage) -> bool:
+        return False
+
+    def copy_from(self, src: TierStorage, manifest: Manifest, *, progress: Progress | None = None) -> None:
+        """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed.
+
+        One pass over the source: each chunk is read once, hashed and written. The source's size
+        and hash must equal the manifest (else :class:`VerificationError`: it changed since it
+        was cataloged), the destination's size (and, for S3, checksum) is checked, then the copy
+        is committed. If this tier already holds a committed copy of the same version the call is
+        a no-op (idempotent for journal replay); a different version raises :class:`StorageError`.
+        On failure nothing is committed, the source is untouched, and staging is removed or left
+        where :meth:`list_staging` finds it.
+        """
+        _check_manifest(manifest)
+        rel = _rel_of(manifest)
+        if not self.hot:
+            existing = self.read_manifest(rel)
+            if existing is not None:
+                if existing.digest == manifest.digest:
+                    log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
+                    return
+                raise StorageError(
+                    f"tier {self.name!r} already holds a different version of {rel} "
+                    f"({existing.digest}, not {manifest.digest}); delete it first"
+                )
+        sink = self._begin_write(rel, manifest)
+        try:
+            _stream_checkpoint(src, rel, manifest, sink, progress)
+            sink.commit(manifest)
+        except BaseException as exc:
+            sink.abort()
+            if isinstance(exc, StorageError) or not isinstance(exc, Exception):
+                raise
+            raise StorageError(
+                f"copy of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
+            ) from exc
+
+    def fetch(self, manifest: Manifest, to_dir: Path, *, progress: Progress | None = None) -> Path:
+        """Restore: verified copy of the checkpoint into ``to_dir/<name>``; returns that path.
+
+        Written under a staging name and renamed into place; refuses to overwrite.
+        """
+        _check_manifest(manifest)
+        rel = _rel_of(manifest)
+        to_dir = Path(to_dir)
+        try:
+            to_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create restore directory {to_dir}: {_describe(exc)}") from exc
+        sink = _LocalSink(
+            to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
+        )
+        try:
+            _stream_checkpoint(self, rel, manifest, sink, progress)
+            sink.commit(manifest)
+        except BaseException as exc:
+            sink.abort()
+            if isinstance(exc, StorageError) or not isinstance(exc, Exception):
+                raise
+            raise StorageError(f"restore of {rel} from {self.name!r} failed: {_describe(exc)}") from exc
+        return to_dir / manifest.name
+
+    def verify(self, manifest: Manifest, *, deep: bool = True) -> list[str]:
+        """Check this tier's copy against ``manifest``; return mismatch descriptions ([] = ok).
+
+        ``deep`` re-hashes every byte (a download for S3); otherwise only presence and sizes.
+        Files present but not in the manifest are reported too.
+        """
+        _check_manifest(manifest)
+        rel = _rel_of(manifest)
+        problems: list[str] = []
+        present = self._list_files(rel, manifest.is_dir)
+        if present is None:
+            return [f"{rel}: missing"]
+        for entry in manifest.files:
+            where = f"{rel}/{entry.path}" if entry.path else rel
+            if entry.path not in present:
+                problems.append(f"{where}: missing")
+                continue
+            size = present[entry.path]
+            if size is None:
+                problems.append(f"{where}: not a regular file")
+                continue
+            if size != entry.size:
+                problems.append(f"{where}: size {size} != {entry.size} in manifest")
+                continue
+            if deep:
+                reader = self._open_read(rel, entry.path)
+                try:
+                    got_size, digest = hashing.hash_stream(reader)  # type: ignore[arg-type]
+                finally:
+                    reader.close()
+                if got_size != entry.size:
+                    problems.append(f"{where}: read {got_size} bytes, manifest says {entry.size}")
+                elif digest != entry.hash:
+                    problems.append(f"{where}: hash {digest} != {entry.hash} in manifest")
+        expected = {e.path for e in manifest.files}
+        for path in sorted(set(present) - expected):
+            problems.append(f"{rel}/{path}: not in manifest")
+        return problems
+
+
+def _stream_checkpoint(
+    src: TierStorage, rel: str, manifest: Manifest, sink: _Sink, progress: Progress | None
+) -> None:
+    """The single read → hash → write pass over every file of a checkpoint.
+
+    A local source is read with ``readinto`` into one reused buffer (no allocation per chunk);
+    writers get a view of it that is only valid during ``write`` and must copy what they keep.
+    """
+    buf = bytearray(hashing.CHUNK_SIZE)
+    view = memoryview(buf)
+    for entry in manifest.files:
+        where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+        reader = src._open_read(rel, entry.path)
+        try:
+            writer = sink.open_file(entry, reader)
+            hasher = hashing.new_hasher()
+            size = 0
+            readinto = getattr(reader, "readinto", None)
+            while True:
+                chunk: bytes | memoryview
+                if readinto is not None:
+                    n = readinto(buf)
+                    chunk = view[:n]
+                else:
+                    chunk = reader.read(hashing.CHUNK_SIZE)
+                    n = len(chunk)
+                if not n:
+                    break
+                size += n
+                if size > entry.size:
+                    raise VerificationError(
+                        f"{where}: more than the {entry.size} bytes of its manifest (changed since cataloged)"
+                    )
+                hasher.update(chunk)
+                writer.write(chunk)
+                if progress is not None:
+                    progress(n)
+            if size != entry.size:
+                raise VerificationError(
+                    f"{where}: {size} bytes, manifest says {entry.size} (changed since cataloged)"
+                )
+            digest = hasher.hexdigest()
+            if digest != entry.hash:
+                raise VerificationError(
+                    f"{where}: hash {digest} != {entry.hash} in manifest (changed since cataloged)"
+                )
+            writer.finish()
+        finally:
+            reader.close()
