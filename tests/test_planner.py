@@ -601,7 +601,9 @@ def test_planner_vetoes_reaps_of_protected_checkpoints(monkeypatch: pytest.Monke
         )
         return ReapDecision(reaps, frozenset(c.key for c in snapshot.checkpoints), {})
 
-    monkeypatch.setattr(planner, "plan_reaps", reckless)
+    from ckptkeeper.core import reaps as core_reaps
+
+    monkeypatch.setattr(core_reaps, "plan_reaps", reckless)
     cps = (ckpt(100, pinned=True), ckpt(200), ckpt(300))
     # A failed run: the planner only shows the reaper what it may judge (not live complete ones).
     p = planner.plan(
