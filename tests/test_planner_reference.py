@@ -9,6 +9,8 @@ same actions (kind, run, step, tier, destination, then every field and reason), 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +79,7 @@ def inputs(draw: st.DrawFn) -> dict[str, object]:
         scale = draw(st.sampled_from([600.0, HOUR, DAY]))
         for step in draw(st.lists(st.integers(1, 8), max_size=5, unique=True)):
             odd = draw(st.integers(0, 15))  # rare traits, one draw: clock gone back, stale write, pinned
-            created = T0 + step * scale - (2 * scale if odd == 1 else 0.0)
+            created = T0 + step * scale - (2.5 * scale if odd < 4 else 0.0)  # watermarks go by time
             loss = draw(st.integers(-1, 5))
             checkpoints.append(
                 Checkpoint(
@@ -120,9 +122,18 @@ def inputs(draw: st.DrawFn) -> dict[str, object]:
     for n in names:
         if draw(st.booleans()):
             total = draw(st.integers(100, 800))
-            usage[n] = TierUsage(total, draw(st.integers(0, total)))
+            usage[n] = TierUsage(total, draw(st.integers(0, total) | st.integers(total // 2, total)))
         else:
             usage[n] = None
+    if ntiers > 1 and draw(st.integers(0, 2)) == 0:
+        # Pressure: the hot tier is above its high watermark, so demotions happen (oldest first).
+        high = draw(st.sampled_from([0.3, 0.5]))
+        hot = replace(
+            tiers[0].policy, high_watermark=high, low_watermark=draw(st.sampled_from([None, high / 2]))
+        )
+        tiers = (replace(tiers[0], policy=hot), *tiers[1:])
+        total = draw(st.integers(100, 400))
+        usage[names[0]] = TierUsage(total, draw(st.integers(int(high * total) + 1, total)))
     reaper = None
     if draw(st.booleans()):
         reaper = ReaperPolicy(
