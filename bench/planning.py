@@ -120,11 +120,13 @@ def synthetic_snapshot(n_checkpoints: int, seed: int = 8) -> Snapshot:
 
 def _plan_once(snapshot: Snapshot) -> float:
     from ckptkeeper.core.planner import plan
+    from ckptkeeper.util.gc import gc_paused
 
     usage = {"hot": TierUsage(total_bytes=10**15, used_bytes=9 * 10**14), "warm": None, "cold": None}
     gc.collect()
     t0 = time.perf_counter()
-    result = plan(snapshot, TIERS, usage, NOW, reaper=ReaperPolicy(), max_delete=10**9)
+    with gc_paused():  # as the prune action calls it; timed, GC restore included
+        result = plan(snapshot, TIERS, usage, NOW, reaper=ReaperPolicy(), max_delete=10**9)
     elapsed = time.perf_counter() - t0
     assert result.actions, "the synthetic node should need work"
     return elapsed

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-from ckptkeeper.core import planner
 from ckptkeeper.core.model import (
     Artifact,
     Checkpoint,
@@ -18,6 +17,8 @@ from ckptkeeper.core.model import (
     TierSpec,
 )
 from ckptkeeper.core.reaper import plan_reaps
+from ckptkeeper.core.reaps import reaper_view
+from ckptkeeper.core.runs import group_by_run
 
 NOW = 1_800_000_000.0
 TIERS = [TierSpec("hot", "/hot", TierPolicy(keep_last=2)), TierSpec("warm", "/warm", TierPolicy())]
@@ -62,6 +63,6 @@ def _snapshot() -> Snapshot:
 
 def test_reaper_view_gives_the_same_decision() -> None:
     snap = _snapshot()
-    view = planner._reaper_view(snap, planner._group_by_run(snap.checkpoints))
+    view = reaper_view(snap, group_by_run(snap.checkpoints))
     assert len(view.checkpoints) < len(snap.checkpoints)
     assert plan_reaps(view, TIERS, ReaperPolicy(), NOW) == plan_reaps(snap, TIERS, ReaperPolicy(), NOW)

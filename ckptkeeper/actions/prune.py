@@ -313,19 +313,21 @@ def make_plan(
     kinds: Sequence[str] = KINDS,
 ) -> Plan:
     from ckptkeeper.core.planner import plan
+    from ckptkeeper.util.gc import gc_paused
 
     specs = settings.tier_specs()
     snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs]))
-    result = plan(
-        snapshot,
-        specs,
-        tier_usage(settings),
-        time.time() if now is None else now,
-        reaper=settings.reaper.to_policy() if "reap" in kinds else None,
-        max_delete=settings.max_delete,
-        force=force,
-        run=run,
-    )
+    with gc_paused():  # a plan allocates millions of objects for a big catalog, none in cycles
+        result = plan(
+            snapshot,
+            specs,
+            tier_usage(settings),
+            time.time() if now is None else now,
+            reaper=settings.reaper.to_policy() if "reap" in kinds else None,
+            max_delete=settings.max_delete,
+            force=force,
+            run=run,
+        )
     if shared_steps:
         result = dataclasses.replace(result, notes=(*result.notes, *shared_steps))
     if "retention" not in kinds:
