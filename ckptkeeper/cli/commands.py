@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.util.fmt import human_bytes, table
+from ckptkeeper.util.fmt import format_duration, human_bytes, table
 
 
 def _ctx() -> Any:
@@ -39,8 +39,6 @@ def _policy_summary(settings: Any) -> str:
                     label = f"best by {t.metric} ({t.mode})"
                 rules.append(f"{label} {value}")
         if t.keep_within is not None:
-            from ckptkeeper.config import format_duration
-
             rules.append(f"within {format_duration(t.keep_within)}")
         if t.replicate:
             rules.append("replicate")

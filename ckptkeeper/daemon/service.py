@@ -39,9 +39,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper import __version__
-from ckptkeeper.config import ConfigError, Settings, format_duration, load_settings
+from ckptkeeper.config import ConfigError, Settings, load_settings
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
 from ckptkeeper.util import logs
+from ckptkeeper.util.fmt import format_duration, human_age
 from ckptkeeper.util.lock import DaemonLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
@@ -155,10 +156,6 @@ def _run_of(path: str | None, run_depth: int) -> str | None:
     if any(p.startswith(".") or STAGING_MARK in p for p in parts[:run_depth]):
         return None
     return "/".join(parts[:run_depth])
-
-
-def _ago(now: float, then: float | None) -> str:
-    return "never" if then is None else f"{format_duration(max(0.0, now - then))} ago"
 
 
 class Daemon:
@@ -708,9 +705,9 @@ class Daemon:
         last_ok = max((j.last_success for j in prune_jobs if j.last_success), default=None)
         last_err = max((j.last_error_at for j in prune_jobs if j.last_error_at), default=None)
         if last_err is not None and (last_ok is None or last_err > last_ok):
-            prune = f"last prune failed {_ago(now, last_err)}"
+            prune = f"last prune failed {human_age(now - last_err)} ago"
         elif last_ok is not None:
-            prune = f"last prune ok {_ago(now, last_ok)}"
+            prune = f"last prune ok {human_age(now - last_ok)} ago"
         else:
             prune = "no prune yet"
         mode = " (polling)" if self.watcher is not None and self.watcher.polling else ""
