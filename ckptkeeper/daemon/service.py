@@ -24,7 +24,10 @@ serialises the daemon's jobs with a manual ``ckptkeeper prune``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import gc
 import logging
 import os
 import signal
@@ -36,31 +39,27 @@ from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.jobstores.base import JobLookupError
-from apscheduler.jobstores.memory import MemoryJobStore
-from apscheduler.schedulers.background import BackgroundScheduler
-from prometheus_client.core import GaugeMetricFamily
-
 from ckptkeeper import __version__
 from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Locked
-from ckptkeeper.actions.index import open_index, read_hold
-from ckptkeeper.actions.prune import PruneOutcome, run_prune
 from ckptkeeper.config import ConfigError, Settings, load_settings, parse_addr
 from ckptkeeper.daemon.config_diff import config_changes, watch_keys_changed
 from ckptkeeper.daemon.logbridge import bridge_stdlib_logging
-from ckptkeeper.daemon.metrics import Metrics, MetricsServer
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
 from ckptkeeper.hook.protocol import STAGING_MARK
-from ckptkeeper.ingest.catalog import Catalog, ReconcileReport
-from ckptkeeper.ingest.watcher import Watcher
 from ckptkeeper.util import logs
 from ckptkeeper.util.fmt import format_duration, human_age
 from ckptkeeper.util.lock import DaemonLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
+# The heavy imports (the actions, the catalog and watcher, apscheduler, prometheus_client) are made
+# inside the methods that run after run() has installed the signal handlers: a SIGTERM that reaches
+# a daemon still importing at start-up must stop it cleanly (exit 0, STOPPING=1), not kill it.
 if TYPE_CHECKING:
+    from ckptkeeper.actions.prune import PruneOutcome
+    from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.index import Index
+    from ckptkeeper.ingest.catalog import ReconcileReport
+    from ckptkeeper.ingest.watcher import Watcher
 
 __all__ = ["JOB_IDS", "Daemon", "run_daemon"]
 
@@ -80,10 +79,6 @@ WATCHER_RESTART_BACKOFF = 30.0
 def _release_memory() -> None:
     """Give the heap a job's snapshot and plan used back to the OS: the daemon idles between jobs,
     and glibc keeps freed memory mapped otherwise (10k checkpoints: RSS 89 -> ~70 MiB, bench/)."""
-    import contextlib
-    import ctypes
-    import gc
-
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)
@@ -178,6 +173,9 @@ class Daemon:
     # -- startup and main loop -------------------------------------------------------------
 
     def _run_locked(self) -> int:
+        from ckptkeeper.actions.index import open_index
+        from ckptkeeper.daemon.metrics import Metrics
+
         settings = self.settings
         try:
             parse_addr(settings.daemon.metrics_addr)
@@ -274,6 +272,9 @@ class Daemon:
         return True
 
     def _make_watcher(self, settings: Settings) -> Watcher:
+        from ckptkeeper.ingest.catalog import Catalog
+        from ckptkeeper.ingest.watcher import Watcher
+
         assert self.index is not None
         return Watcher(
             Catalog(settings, self.index),
@@ -307,6 +308,10 @@ class Daemon:
         return f"EXTEND_TIMEOUT_USEC={int(self.pinger.interval * 4 * 1_000_000)}"
 
     def _make_scheduler(self) -> Any:
+        from apscheduler.executors.pool import ThreadPoolExecutor
+        from apscheduler.jobstores.memory import MemoryJobStore
+        from apscheduler.schedulers.background import BackgroundScheduler
+
         assert self.index is not None
         scheduler = BackgroundScheduler(
             timezone=UTC,
@@ -390,6 +395,8 @@ class Daemon:
         return None
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
+        from ckptkeeper.actions.prune import run_prune
+
         if self.watcher is None or self.index is None:
             return "the hot tier is not being watched (see the watcher errors above)"
         # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune where it
@@ -443,6 +450,8 @@ class Daemon:
         return f"prune exited with code {outcome.exit_code}"
 
     def _deletes_held(self) -> bool:
+        from ckptkeeper.actions.index import read_hold
+
         try:
             return read_hold(self.settings) is not None
         except Exception:
@@ -505,6 +514,8 @@ class Daemon:
         scheduler = self.scheduler
         if scheduler is None or not scheduler.running or self.stopping.is_set():
             return False
+        from apscheduler.jobstores.base import JobLookupError
+
         target = datetime.now(UTC) + timedelta(seconds=PROMPT_RETENTION_DELAY)
         try:
             job = scheduler.get_job("retention")
@@ -520,6 +531,8 @@ class Daemon:
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep running with the old one. True if applied."""
+        from ckptkeeper.ingest.catalog import Catalog
+
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             try:
@@ -628,6 +641,8 @@ class Daemon:
         return f"STATUS=watching {root}{mode}: {count} checkpoints, {prune}"
 
     def _daemon_metrics(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
         watcher = self.watcher
         g = GaugeMetricFamily(
             "ckptkeeper_watcher_polling", "1 if the hot tier is polled instead of inotify-watched"
