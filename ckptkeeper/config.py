@@ -67,19 +67,6 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
-def format_duration(seconds: float) -> str:
-    """Inverse of parse_duration for messages: 7200 -> '2h', 5400 -> '1h30m'."""
-    remaining = round(seconds)
-    if remaining == 0:
-        return "0s"
-    out = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if remaining >= size:
-            out.append(f"{remaining // size}{unit}")
-            remaining %= size
-    return "".join(out)
-
-
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 JobInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0)]
 """A scheduled job runs at most once a second: ``0`` made the daemon spin a whole core."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptkeeper.config import ConfigError, format_duration, load_settings, parse_duration
+from ckptkeeper.config import ConfigError, load_settings, parse_duration
+from ckptkeeper.util.fmt import format_duration
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -32,10 +32,10 @@ from ckptkeeper.core.reaper import (
     ReapDecision,
     RunFacts,
     derive_run_state,
-    format_age,
     plan_reaps,
     summarize_reclaim,
 )
+from ckptkeeper.util.fmt import human_age as format_age
 
 NOW = 1_700_000_000.0
 H = 3600.0

@@ -279,7 +279,7 @@ def test_verify_reports_a_corrupted_copy(node: Node) -> None:
 
 
 def test_second_executor_exits_11(node: Node) -> None:
-    from ckptkeeper.actions.prune import executor_lock
+    from ckptkeeper.actions.index import executor_lock
     from ckptkeeper.config import load_settings
 
     with executor_lock(load_settings(node.config), timeout=1):

@@ -1,17 +1,121 @@
-"""Resume helpers for training scripts: ``ckptkeeper.restore`` and ``ckptkeeper.latest``.
+"""``restore``: materialise a verified checkpoint from the fastest tier holding it.
 
-A resume script runs as the training user, who may only read the daemon's index: the index is
-opened read-only when it is not writable, and the hot run directory is re-recognised on the spot
-when it can be written, so a checkpoint saved a second ago is found even if no daemon is running.
+Also the resume helpers for training scripts, ``ckptkeeper.restore`` and ``ckptkeeper.latest``
+(``ckptkeeper/__init__.py`` maps them here lazily). A resume script runs as the training user, who
+may only read the daemon's index: the index is opened read-only when it is not writable, and the hot
+run directory is re-recognised on the spot when it can be written, so a checkpoint saved a second
+ago is found even if no daemon is running.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptkeeper.config import Settings, load_settings
-from ckptkeeper.index import Index
+from ckptkeeper.index import CheckpointRow, Index
+from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.storage import StorageError, TierStorage
+from ckptkeeper.util.logs import get_logger
+
+log = get_logger("ckptkeeper.actions.restore")
+
+
+def find_checkpoint(index: Index, run: str, step: str | int) -> CheckpointRow:
+    """Resolve ``latest`` / ``best`` / a step number to one complete cataloged checkpoint."""
+    rows = [
+        r for r in index.checkpoints(run) if r.state.value == "complete" and r.version and r.verified_tiers
+    ]
+    if not rows:
+        raise LookupError(f"no complete checkpoint of run {run!r} with a verified copy in the index")
+    if step == "latest":
+        return max(rows, key=lambda r: (r.step, r.name))
+    if step == "best":
+        raise LookupError("use find_best with the tier policy's metric")
+    try:
+        wanted = int(step)
+    except (TypeError, ValueError):
+        raise LookupError(f"step must be a number, 'latest' or 'best', not {step!r}") from None
+    matches = [r for r in rows if r.step == wanted]
+    if not matches:
+        raise LookupError(f"run {run!r} has no complete checkpoint at step {wanted}")
+    return max(matches, key=lambda r: r.name)
+
+
+def find_best(settings: Settings, index: Index, run: str) -> CheckpointRow:
+    """The best checkpoint by the first tier policy that names a metric."""
+    tier = next((t for t in settings.tiers if t.metric), None)
+    if tier is None or tier.metric is None:
+        raise LookupError("no tier names a metric (set `metric` and `mode` on a tier to use best)")
+    metric, mode = tier.metric, tier.mode
+    rows = [
+        r
+        for r in index.checkpoints(run)
+        if r.state.value == "complete" and r.verified_tiers and metric in r.metrics
+    ]
+    if not rows:
+        raise LookupError(f"no complete checkpoint of run {run!r} reports {metric}")
+    key = (
+        (lambda r: (r.metrics[metric], -r.step))
+        if mode == "min"
+        else (lambda r: (-r.metrics[metric], -r.step))
+    )
+    return min(rows, key=key)
+
+
+def restore_checkpoint(
+    settings: Settings,
+    index: Index,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Materialise a verified copy from the fastest tier that holds it; returns its path.
+
+    When ``to`` is the run's own hot directory and the hot copy is intact, the hot copy itself is
+    returned: restoring onto itself would be a no-op at best.
+    """
+    row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+    manifest = row.manifest()
+    if manifest is None:
+        raise LookupError(f"{run}@{row.step} has no manifest in the index")
+    order = [t for t in settings.tiers if t.name in row.verified_tiers]
+    hot = settings.hot
+    target = Path(to)
+    if order and order[0].name == hot.name:
+        in_place = hot.local_path / run
+        if target.resolve() == in_place.resolve():
+            storage = TierStorage(hot.to_spec(), hot=True)
+            if not storage.verify(manifest, deep=False):
+                return in_place / row.name
+    errors = []
+    for tier in order:
+        storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
+        try:
+            path = storage.fetch(manifest, target, progress=progress)
+        except StorageError as exc:
+            log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
+            errors.append(f"{tier.name}: {exc}")
+            continue
+        _uniform_mtime(path, manifest.created_at or time.time())
+        return path
+    raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+
+
+def _uniform_mtime(path: Path, when: float) -> None:
+    """Give every restored file one mtime: layouts read "a shard newer than its marker" as a save
+    in progress (torch DCP), and the copy order would otherwise decide that."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*filenames, *dirnames):
+            os.utime(os.path.join(dirpath, name), (when, when), follow_symlinks=False)
+    os.utime(path, (when, when), follow_symlinks=False)
+
+
+# -- the Python API -----------------------------------------------------------------------
 
 
 def _open(config: str | os.PathLike[str] | Settings | None, run: str) -> tuple[Settings, Index]:
@@ -19,11 +123,8 @@ def _open(config: str | os.PathLike[str] | Settings | None, run: str) -> tuple[S
     path = Path(settings.index)
     writable = os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
     index = Index(path, readonly=not writable)
-    if writable:
-        from ckptkeeper.ingest.catalog import Catalog
-
-        if (settings.hot.local_path / run).is_dir():
-            Catalog(settings, index).reconcile_run(run)
+    if writable and (settings.hot.local_path / run).is_dir():
+        Catalog(settings, index).reconcile_run(run)
     return settings, index
 
 
@@ -39,12 +140,10 @@ def restore(
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.
     Raises LookupError when the run has no such checkpoint anywhere.
     """
-    from ckptkeeper.actions import prune as operations
-
     settings, index = _open(config, run)
     try:
         target = Path(to) if to is not None else settings.hot.local_path / run
-        return operations.restore(settings, index, run, step, target)
+        return restore_checkpoint(settings, index, run, step, target)
     finally:
         index.close()
 

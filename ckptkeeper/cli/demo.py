@@ -4,7 +4,8 @@ It writes, under a temp dir, a hot tier with runs of several frameworks (Hugging
 Lightning, torch DCP, Orbax), a failed run and a crashed one with partial checkpoints and temp
 files, a warm tier and a cold tier (a local moto S3 server when moto is installed, else a local
 dir), then runs the real ``scan``, ``ls``, ``prune --dry-run`` and — unless ``--no-apply`` —
-``prune`` and ``ls`` again. The files are made without torch: torch.save writes a zip, DCP
+``prune`` and ``ls`` again, through the same command group that runs ``demo`` (passed in, not
+imported: this module is one of that group's commands). The files are made without torch: torch.save writes a zip, DCP
 writes ``.distcp`` shards and ``.metadata``, so a zip and a few bytes stand in faithfully.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
+import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import click
 
 HOUR = 3600.0
 
@@ -61,6 +63,8 @@ def _lightning_checkpoint(
 ) -> None:
     path = run_dir / "checkpoints" / f"epoch={epoch}-step={step}.ckpt"
     path.parent.mkdir(parents=True, exist_ok=True)
+    import zipfile  # only the demo writes zips: kept out of ``ckptkeeper --help``
+
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("archive/data.pkl", os.urandom(8 * 1024))
         zf.writestr("archive/data/0", os.urandom(120 * 1024))
@@ -209,8 +213,10 @@ keep_last_of_failed = 1
     return path
 
 
-def run_demo(*, keep: bool = False, apply: bool = True) -> int:
-    from ckptkeeper.cli import main
+def run_demo(cli: click.Command, *, keep: bool = False, apply: bool = True) -> int:
+    """Build the demo node and drive ``cli`` (the ``ckptkeeper`` group) on it; the worst exit code."""
+    import shutil
+    import tempfile  # with shutil: only the demo needs them, kept out of ``ckptkeeper --help``
 
     base = Path(tempfile.mkdtemp(prefix="ckptkeeper-demo-"))
     (base / "hot").mkdir()
@@ -222,7 +228,7 @@ def run_demo(*, keep: bool = False, apply: bool = True) -> int:
         def step(title: str, *args: str) -> int:
             print(f"\n$ ckptkeeper {' '.join(args)}    # {title}", flush=True)
             try:
-                main.main(["--config", str(config), *args], standalone_mode=False)
+                cli.main(["--config", str(config), *args], standalone_mode=False)
             except SystemExit as exc:
                 return int(exc.code or 0)
             return 0
@@ -237,7 +243,17 @@ def run_demo(*, keep: bool = False, apply: bool = True) -> int:
     if keep:
         print(f"\nkept {base} (config: {config})")
     else:
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
     return max(codes)
+
+
+@click.command()
+@click.option("--keep", is_flag=True, help="Keep the demo directory afterwards.")
+@click.option("--no-apply", is_flag=True, help="Stop after prune --dry-run.")
+def demo(keep: bool, no_apply: bool) -> None:
+    """Make a throwaway node with realistic checkpoints and run scan, ls, prune on it."""
+    group = click.get_current_context().find_root().command
+    sys.exit(run_demo(group, keep=keep, apply=not no_apply))
+
+
+COMMANDS = (demo,)

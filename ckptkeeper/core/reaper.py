@@ -35,6 +35,7 @@ from ckptkeeper.core.model import (
     Snapshot,
     TierSpec,
 )
+from ckptkeeper.util.fmt import human_age
 
 __all__ = [
     "ARTIFACT_KINDS",
@@ -46,7 +47,6 @@ __all__ = [
     "ReclaimSummary",
     "RunFacts",
     "derive_run_state",
-    "format_age",
     "plan_reaps",
     "summarize_reclaim",
 ]
@@ -81,26 +81,6 @@ NO_RUN = "(no run)"
 _HOOK_FINISHED = "finished"
 _HOOK_FAILED = "failed"
 _HOOK_ACTIVE = "active"
-
-
-def format_age(seconds: float) -> str:
-    """Compact restic-like age: ``45s``, ``1m30s``, ``1h``, ``3h12m``, ``2d5h``.
-
-    Two most significant units are enough for a reason a human skims; negative ages (mtimes from
-    a host whose clock runs ahead) print as ``0s`` rather than nonsense.
-    """
-    remaining = max(0, int(seconds))
-    days, remaining = divmod(remaining, 86400)
-    hours, remaining = divmod(remaining, 3600)
-    minutes, secs = divmod(remaining, 60)
-    units = ((days, "d"), (hours, "h"), (minutes, "m"), (secs, "s"))
-    for i, (value, unit) in enumerate(units):
-        if value:
-            text = f"{value}{unit}"
-            if i + 1 < len(units) and units[i + 1][0]:
-                text += f"{units[i + 1][0]}{units[i + 1][1]}"
-            return text
-    return "0s"
 
 
 def _older_than(t: float, threshold: float, now: float) -> bool:
@@ -163,9 +143,9 @@ def derive_run_state(
     if facts.pid is not None and local and facts.pid_alive:
         return RunState.ACTIVE, f"{prefix}; writer pid {facts.pid} alive on {where}"
     if facts.heartbeat is not None and not _older_than(facts.heartbeat, failed_after, now):
-        return RunState.ACTIVE, f"{prefix}; heartbeat {format_age(now - facts.heartbeat)} ago"
+        return RunState.ACTIVE, f"{prefix}; heartbeat {human_age(now - facts.heartbeat)} ago"
     if not _older_than(facts.newest_write, failed_after, now):
-        return RunState.ACTIVE, f"{prefix}; last write {format_age(now - facts.newest_write)} ago"
+        return RunState.ACTIVE, f"{prefix}; last write {human_age(now - facts.newest_write)} ago"
 
     gone: list[str] = [prefix]
     if facts.pid is not None:
@@ -178,8 +158,8 @@ def derive_run_state(
     if facts.heartbeat is None:
         gone.append("no heartbeat")
     else:
-        gone.append(f"no heartbeat for {format_age(now - facts.heartbeat)}")
-    gone.append(f"no write for {format_age(now - facts.newest_write)}")
+        gone.append(f"no heartbeat for {human_age(now - facts.heartbeat)}")
+    gone.append(f"no write for {human_age(now - facts.newest_write)}")
     return RunState.STALE, "; ".join(gone)
 
 
@@ -268,7 +248,7 @@ class _Judge:
         known = self.runs[run]
         if known.state is RunState.FAILED:
             return "failed run"
-        return f"stale run (no sign of life for {format_age(self.now - known.last_seen)})"
+        return f"stale run (no sign of life for {human_age(self.now - known.last_seen)})"
 
     def verdict(self, c: Checkpoint) -> _Reap | _Spare | None:
         """Reap, spare (with reasons) or not the reaper's business (None)."""
@@ -315,13 +295,13 @@ class _Judge:
             # Also for failed runs: a fresh partial may be an async save still finishing or a
             # checkpoint the catalog has not settled yet (invariant 3 outranks speed).
             reasons.append(
-                f"{c.state.value}: last write {format_age(self.now - last)} ago, "
-                f"within partial_after {format_age(self.policy.partial_after)}"
+                f"{c.state.value}: last write {human_age(self.now - last)} ago, "
+                f"within partial_after {human_age(self.policy.partial_after)}"
             )
         if reasons:
             return _Spare(tuple(reasons))
 
-        quiet = format_age(self.now - last)
+        quiet = human_age(self.now - last)
         if dead:
             rule = RULE_FAILED_RUN if state is RunState.FAILED else RULE_STALE_RUN
             what = "partial" if c.state is CheckpointState.WRITING else "corrupt"
@@ -458,7 +438,7 @@ def _artifact_action(
         return None
     if not _older_than(a.last_write, policy.partial_after, now):
         return None
-    quiet = format_age(now - a.last_write)
+    quiet = human_age(now - a.last_write)
     if a.kind == MULTIPART_UPLOAD:
         if not a.upload_id:
             return None

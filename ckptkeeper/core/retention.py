@@ -32,6 +32,7 @@ from operator import add, attrgetter, ge, le, truediv
 from typing import Protocol, TypeGuard
 
 from ckptkeeper.core.model import Checkpoint, CheckpointState, TierPolicy
+from ckptkeeper.util.fmt import format_duration  # re-exported: the one duration formatter
 
 __all__ = [
     "KeepAll",
@@ -142,22 +143,6 @@ class _SelectsFromHistory:
 
     def kept_steps(self, run: RunHistory) -> Collection[int]:
         raise NotImplementedError
-
-
-def format_duration(seconds: float) -> str:
-    """Compact human duration as written in config files: ``7d``, ``1d12h``, ``90s`` → ``1m30s``."""
-    if seconds < 0 or not math.isfinite(seconds):
-        return f"{seconds}s"
-    whole = int(seconds)
-    frac = seconds - whole
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if whole >= size:
-            parts.append(f"{whole // size}{unit}")
-            whole %= size
-    if whole or frac or not parts:
-        parts.append(f"{whole + frac:g}s")
-    return "".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

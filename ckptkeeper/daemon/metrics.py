@@ -16,23 +16,22 @@ closed list of reclaim reasons): no run, step or path labels, which would grow w
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper import __version__
-from ckptkeeper.config import parse_addr
+from ckptkeeper.actions.status import StatusSummary, summarize
+from ckptkeeper.config import Settings, parse_addr
 from ckptkeeper.core.model import ActionKind, CheckpointState, RunState
+from ckptkeeper.index import Index
 from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
-    from ckptkeeper.config import Settings
-    from ckptkeeper.index import Index
+    from ckptkeeper.actions.prune import PruneOutcome
 
 __all__ = [
     "ERROR_KINDS",
@@ -73,27 +72,28 @@ class IndexCollector:
 
     ``open_index`` yields an :class:`~ckptkeeper.index.Index`; the daemon passes one that opens a
     short-lived read-only connection, so a scrape never waits behind the writer's lock (WAL readers
-    do not block writers) and never touches the daemon's own connection.
+    do not block writers) and never touches the daemon's own connection. The numbers are the ones
+    ``ckptkeeper status`` shows: both come from :func:`ckptkeeper.actions.status.summarize`.
     """
 
     def __init__(
         self,
         open_index: Callable[[], AbstractContextManager[Index]],
-        tiers: Sequence[tuple[str, Path | None]],
+        settings: Settings,
         *,
         counters: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
         extra: Callable[[], Iterable[Any]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._open_index = open_index
-        self._tiers = list(tiers)
+        self._settings = settings
         self._counters = counters
         self._extra = extra
         self._clock = clock
 
-    def set_tiers(self, tiers: Sequence[tuple[str, Path | None]]) -> None:
+    def set_settings(self, settings: Settings) -> None:
         """Config reload: the tier list may have changed."""
-        self._tiers = list(tiers)
+        self._settings = settings
 
     def describe(self) -> list[Any]:
         # Unchecked registration: the series depend on the config and on what the index holds.
@@ -124,12 +124,7 @@ class IndexCollector:
         up = GaugeMetricFamily("ckptkeeper_index_up", "1 if the index could be read for this scrape")
         try:
             with self._open_index() as ix:
-                checkpoints = ix.checkpoints()
-                runs = ix.runs()
-                statuses = ix.tier_statuses()
-                reclaimed = ix.reclaimed()
-                jobs = ix.job_runs()
-                journal = ix.journal_open()
+                summary = summarize(self._settings, ix, now=self._clock())
         except Exception as exc:  # a scrape must answer even when the index is unreadable
             log.warning("metrics: cannot read the index", error=str(exc))
             up.add_metric([], 0)
@@ -138,82 +133,78 @@ class IndexCollector:
             return
         up.add_metric([], 1)
         yield up
-        now = self._clock()
-
-        count = GaugeMetricFamily(
-            "ckptkeeper_checkpoints", "Complete checkpoints with a verified copy in the tier", labels=["tier"]
-        )
-        size = GaugeMetricFamily(
-            "ckptkeeper_bytes", "Bytes of the verified checkpoint copies in the tier", labels=["tier"]
-        )
-        age = GaugeMetricFamily(
-            "ckptkeeper_newest_checkpoint_age_seconds",
-            "Age of the newest verified checkpoint in the tier (recovery point)",
-            labels=["tier"],
-        )
-        tier_up = GaugeMetricFamily(
-            "ckptkeeper_tier_up", "1 if the tier's last listing succeeded", labels=["tier"]
-        )
-        used = GaugeMetricFamily(
-            "ckptkeeper_tier_used_ratio", "Filesystem usage of a local tier (0..1)", labels=["tier"]
-        )
-        for name, local_path in self._tiers:
-            held = [
-                c for c in checkpoints if c.state is CheckpointState.COMPLETE and name in c.verified_tiers
-            ]
-            count.add_metric([name], len(held))
-            size.add_metric([name], sum(c.bytes for c in held))
-            if held:
-                age.add_metric([name], max(0.0, now - max(c.created_at for c in held)))
-            status = statuses.get(name)
-            tier_up.add_metric([name], 1 if status is not None and status.ok else 0)
-            if local_path is not None:
-                try:
-                    du = shutil.disk_usage(local_path)
-                except OSError:
-                    pass
-                else:
-                    used.add_metric([name], du.used / du.total if du.total else 0.0)
-        yield from (count, size, age, tier_up, used)
-
-        states = GaugeMetricFamily(
-            "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]
-        )
-        for st in CheckpointState:
-            states.add_metric([st.value], sum(1 for c in checkpoints if c.state is st))
-        yield states
-        run_states = GaugeMetricFamily("ckptkeeper_runs", "Runs by state", labels=["state"])
-        for rs in RunState:
-            run_states.add_metric([rs.value], sum(1 for r in runs if r.state is rs))
-        yield run_states
-
-        by_reason: dict[str, int] = {}
-        for reason, (nbytes, _n) in reclaimed.items():
-            label = _reason_label(reason)
-            by_reason[label] = by_reason.get(label, 0) + nbytes
-        fam = CounterMetricFamily(
-            "ckptkeeper_reclaimed_bytes", "Bytes reclaimed since the index was created", labels=["reason"]
-        )
-        for reason, nbytes in sorted(by_reason.items()):
-            fam.add_metric([reason], nbytes)
-        yield fam
-
-        last = GaugeMetricFamily(
-            "ckptkeeper_job_last_success_timestamp_seconds",
-            "When the job last finished without error",
-            labels=["job"],
-        )
-        for job in sorted(jobs.values(), key=lambda j: j.job):
-            if job.job in JOBS and job.last_success is not None:
-                last.add_metric([job.job], job.last_success)
-        yield last
-
-        pending = GaugeMetricFamily(
-            "ckptkeeper_journal_open_entries", "Interrupted executor steps waiting to be finished or undone"
-        )
-        pending.add_metric([], len(journal))
-        yield pending
+        yield from _summary_metrics(summary)
         yield from self._extra() if self._extra is not None else ()
+
+
+def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    count = GaugeMetricFamily(
+        "ckptkeeper_checkpoints", "Complete checkpoints with a verified copy in the tier", labels=["tier"]
+    )
+    size = GaugeMetricFamily(
+        "ckptkeeper_bytes", "Bytes of the verified checkpoint copies in the tier", labels=["tier"]
+    )
+    age = GaugeMetricFamily(
+        "ckptkeeper_newest_checkpoint_age_seconds",
+        "Age of the newest verified checkpoint in the tier (recovery point)",
+        labels=["tier"],
+    )
+    tier_up = GaugeMetricFamily(
+        "ckptkeeper_tier_up", "1 if the tier's last listing succeeded", labels=["tier"]
+    )
+    used = GaugeMetricFamily(
+        "ckptkeeper_tier_used_ratio", "Filesystem usage of a local tier (0..1)", labels=["tier"]
+    )
+    for tier in summary.tiers:
+        count.add_metric([tier.name], tier.checkpoints)
+        size.add_metric([tier.name], tier.bytes)
+        newest = summary.newest_age(tier)
+        if newest is not None:
+            age.add_metric([tier.name], newest)
+        tier_up.add_metric([tier.name], 1 if tier.ok else 0)
+        if tier.usage is not None:
+            used.add_metric([tier.name], tier.usage.fraction)
+    yield from (count, size, age, tier_up, used)
+
+    states = GaugeMetricFamily(
+        "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]
+    )
+    for st in CheckpointState:
+        states.add_metric([st.value], summary.checkpoints.get(st.value, 0))
+    yield states
+    run_states = GaugeMetricFamily("ckptkeeper_runs", "Runs by state", labels=["state"])
+    for rs in RunState:
+        run_states.add_metric([rs.value], summary.runs.get(rs.value, 0))
+    yield run_states
+
+    by_reason: dict[str, int] = {}
+    for reason, (nbytes, _n) in summary.reclaimed.items():
+        label = _reason_label(reason)
+        by_reason[label] = by_reason.get(label, 0) + nbytes
+    fam = CounterMetricFamily(
+        "ckptkeeper_reclaimed_bytes", "Bytes reclaimed since the index was created", labels=["reason"]
+    )
+    for reason, nbytes in sorted(by_reason.items()):
+        fam.add_metric([reason], nbytes)
+    yield fam
+
+    last = GaugeMetricFamily(
+        "ckptkeeper_job_last_success_timestamp_seconds",
+        "When the job last finished without error",
+        labels=["job"],
+    )
+    for job in sorted(summary.jobs.values(), key=lambda j: j.job):
+        if job.job in JOBS and job.last_success is not None:
+            last.add_metric([job.job], job.last_success)
+    yield last
+
+    pending = GaugeMetricFamily(
+        "ckptkeeper_journal_open_entries", "Interrupted executor steps waiting to be finished or undone"
+    )
+    pending.add_metric([], summary.journal_open)
+    yield pending
 
 
 class MetricsServer:
@@ -234,31 +225,19 @@ class MetricsServer:
 class Metrics:
     """The daemon's registry: the index collector plus action / error counters."""
 
-    def __init__(
-        self,
-        index_path: str | os.PathLike[str],
-        tiers: Sequence[tuple[str, Path | None]],
-        *,
-        extra: Callable[[], Iterable[Any]] | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, *, extra: Callable[[], Iterable[Any]] | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
-        self.index_path = Path(index_path)
+        self.index_path = Path(settings.index)
         self._lock = threading.Lock()
         self._actions = {k.value: 0 for k in ActionKind}
         self._errors = dict.fromkeys(ERROR_KINDS, 0)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = IndexCollector(self._readonly_index, tiers, counters=self._counters, extra=extra)
+        self.collector = IndexCollector(self._readonly_index, settings, counters=self._counters, extra=extra)
         self.registry.register(self.collector)
-
-    @classmethod
-    def for_settings(cls, settings: Settings, *, extra: Callable[[], Iterable[Any]] | None = None) -> Metrics:
-        return cls(settings.index, _tier_paths(settings), extra=extra)
 
     @contextmanager
     def _readonly_index(self) -> Iterator[Index]:
-        from ckptkeeper.index import Index
-
         ix = Index(self.index_path, readonly=True)
         try:
             yield ix
@@ -269,19 +248,14 @@ class Metrics:
         with self._lock:
             return dict(self._actions), dict(self._errors)
 
-    def record_outcome(self, outcome: Any) -> None:
-        """Count what a ``run_prune`` outcome did: actions carried out by kind, failed actions."""
-        if getattr(outcome, "dry_run", False):
+    def record_outcome(self, outcome: PruneOutcome) -> None:
+        """Count what a prune pass did: actions carried out by kind, failed actions."""
+        if outcome.result is None:  # a dry run
             return
-        result = getattr(outcome, "result", None)
-        done = list(getattr(result, "done", ()) or ())
-        failed = len(getattr(outcome, "failed", ()) or ())
         with self._lock:
-            for action in done:
-                kind = getattr(getattr(action, "action", None), "value", None)
-                if kind in self._actions:
-                    self._actions[kind] += 1
-            self._errors["action"] += failed
+            for action in outcome.result.done:
+                self._actions[action.action.value] += 1
+            self._errors["action"] += len(outcome.failed)
 
     def record_error(self, kind: str) -> None:
         with self._lock:
@@ -301,12 +275,8 @@ class Metrics:
         return MetricsServer(httpd, thread, host, httpd.server_port)
 
 
-def _tier_paths(settings: Settings) -> list[tuple[str, Path | None]]:
-    return [(t.name, t.local_path if t.is_local else None) for t in settings.tiers]
-
-
 def write_prune_textfile(
-    settings: Settings, index: Index, outcome: Any, *, path: str | None = None
+    settings: Settings, index: Index, outcome: PruneOutcome, *, path: str | None = None
 ) -> Path | None:
     """Write metrics for node_exporter's textfile collector after a one-shot ``prune``.
 
@@ -322,9 +292,7 @@ def write_prune_textfile(
     if not target:
         return None
     now = time.time()
-    result = getattr(outcome, "result", None)
-    done = list(getattr(result, "done", ()) or ())
-    failed = len(getattr(outcome, "failed", ()) or ())
+    done = outcome.result.done if outcome.result is not None else []
 
     def prune_gauges() -> Iterator[Any]:
         g = GaugeMetricFamily(
@@ -333,23 +301,23 @@ def write_prune_textfile(
         g.add_metric([], now)
         yield g
         g = GaugeMetricFamily("ckptkeeper_prune_last_exit_code", "Exit code of the last one-shot prune")
-        g.add_metric([], int(getattr(outcome, "exit_code", 0)))
+        g.add_metric([], outcome.exit_code)
         yield g
         g = GaugeMetricFamily(
             "ckptkeeper_prune_last_actions", "Actions carried out by the last prune", labels=["kind"]
         )
         for kind in ActionKind:
-            g.add_metric([kind.value], sum(1 for a in done if getattr(a, "action", None) is kind))
+            g.add_metric([kind.value], sum(1 for a in done if a.action is kind))
         yield g
         g = GaugeMetricFamily("ckptkeeper_prune_last_failed_actions", "Actions that failed in the last prune")
-        g.add_metric([], failed)
+        g.add_metric([], len(outcome.failed))
         yield g
         g = GaugeMetricFamily("ckptkeeper_prune_last_reclaimed_bytes", "Bytes the last prune reclaimed")
-        g.add_metric([], int(getattr(outcome, "reclaimed_bytes", 0) or 0))
+        g.add_metric([], outcome.reclaimed_bytes)
         yield g
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(IndexCollector(lambda: nullcontext(index), _tier_paths(settings), extra=prune_gauges))
+    registry.register(IndexCollector(lambda: nullcontext(index), settings, extra=prune_gauges))
     target_path = Path(target)
     target_path.parent.mkdir(parents=True, exist_ok=True)
     write_to_textfile(str(target_path), registry)

@@ -24,28 +24,38 @@ serialises the daemon's jobs with a manual ``ckptkeeper prune``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
-import inspect
+import gc
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper import __version__
-from ckptkeeper.config import ConfigError, Settings, format_duration, load_settings
+from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Locked
+from ckptkeeper.config import ConfigError, Settings, load_settings, parse_addr
+from ckptkeeper.daemon.config_diff import config_changes, watch_keys_changed
+from ckptkeeper.daemon.logbridge import bridge_stdlib_logging
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
+from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.util import logs
+from ckptkeeper.util.fmt import format_duration, human_age
 from ckptkeeper.util.lock import DaemonLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
+# The heavy imports (the actions, the catalog and watcher, apscheduler, prometheus_client) are made
+# inside the methods that run after run() has installed the signal handlers: a SIGTERM that reaches
+# a daemon still importing at start-up must stop it cleanly (exit 0, STOPPING=1), not kill it.
 if TYPE_CHECKING:
+    from ckptkeeper.actions.prune import PruneOutcome
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.index import Index
     from ckptkeeper.ingest.catalog import ReconcileReport
@@ -54,10 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["JOB_IDS", "Daemon", "run_daemon"]
 
 log = get_logger("ckptkeeper.daemon.service")
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
 
 JOB_IDS = ("retention", "reap", "rescan")
 FIRST_RUN_DELAY = {"retention": 30.0, "reap": 60.0}
@@ -70,73 +76,12 @@ STATUS_INTERVAL = 30.0
 WATCHER_RESTART_BACKOFF = 30.0
 
 
-class _StdlibBridge(logging.Handler):
-    """Route stdlib logging (APScheduler, watchdog) through structlog, so journald gets one format."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            logger = get_logger(record.name)
-            method = getattr(logger, record.levelname.lower(), logger.warning)
-            if record.exc_info:
-                method(record.getMessage(), exc_info=record.exc_info)
-            else:
-                method(record.getMessage())
-        except Exception:  # logging must never raise into the code that logs
-            self.handleError(record)
-
-
-def _bridge_stdlib_logging() -> _StdlibBridge:
-    handler = _StdlibBridge(logging.WARNING)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING)
-    logging.captureWarnings(True)  # Python warnings become JSON log lines too
-    # watchdog warns when its recursive registration races a `mkdir -p` under the hot tier; the watch
-    # is re-registered and nothing is lost, so it is noise in the journal.
-    warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
-    # "Running job ..." / "Added job ..." every interval is noise in the journal.
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    return handler
-
-
 def _release_memory() -> None:
     """Give the heap a job's snapshot and plan used back to the OS: the daemon idles between jobs,
     and glibc keeps freed memory mapped otherwise (10k checkpoints: RSS 89 -> ~70 MiB, bench/)."""
-    import contextlib
-    import ctypes
-    import gc
-
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _flatten(v, f"{prefix}[{i}]")
-    else:
-        yield prefix, value
-
-
-def config_changes(old: Settings, new: Settings) -> list[str]:
-    """Key paths whose value differs (for the reload log line; values may hold secrets)."""
-    a = dict(_flatten(old.model_dump()))
-    b = dict(_flatten(new.model_dump()))
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object()))
-
-
-def _watch_keys_changed(old: Settings, new: Settings) -> bool:
-    return (
-        old.hot.url != new.hot.url
-        or old.hot.name != new.hot.name
-        or old.run_depth != new.run_depth
-        or old.daemon.polling != new.daemon.polling
-        or old.daemon.polling_interval != new.daemon.polling_interval
-    )
 
 
 def _intervals(settings: Settings) -> dict[str, float]:
@@ -147,18 +92,12 @@ def _intervals(settings: Settings) -> dict[str, float]:
 def _run_of(path: str | None, run_depth: int) -> str | None:
     """The run a hot-tier path (relative to the root) lies in; None above run depth or in a
     hidden/staging directory that no reconcile treats as a run."""
-    from ckptkeeper.hook.protocol import STAGING_MARK
-
     parts = (path or "").split("/")
     if len(parts) <= run_depth or any(p in ("", ".", "..") for p in parts):
         return None
     if any(p.startswith(".") or STAGING_MARK in p for p in parts[:run_depth]):
         return None
     return "/".join(parts[:run_depth])
-
-
-def _ago(now: float, then: float | None) -> str:
-    return "never" if then is None else f"{format_duration(max(0.0, now - then))} ago"
 
 
 class Daemon:
@@ -184,17 +123,17 @@ class Daemon:
     # -- entry point -----------------------------------------------------------------------
 
     def run(self) -> int:
-        bridge = _bridge_stdlib_logging()
+        bridge = bridge_stdlib_logging()
         lock = DaemonLock(self.settings.index)
         try:
             lock.acquire(timeout=0)
         except LockHeld as exc:
             print(f"ckptkeeper: {exc}", file=sys.stderr)
             log.error("refusing to start", reason=str(exc))
-            return EXIT_FAILED
+            return EXIT_ACTION_FAILED
         except OSError as exc:
             print(f"ckptkeeper: cannot take {lock.path}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_FAILED
+            return EXIT_ACTION_FAILED
         previous = self._install_signal_handlers()
         try:
             return self._run_locked()
@@ -234,8 +173,7 @@ class Daemon:
     # -- startup and main loop -------------------------------------------------------------
 
     def _run_locked(self) -> int:
-        from ckptkeeper.actions.prune import open_index
-        from ckptkeeper.config import parse_addr
+        from ckptkeeper.actions.index import open_index
         from ckptkeeper.daemon.metrics import Metrics
 
         settings = self.settings
@@ -243,18 +181,18 @@ class Daemon:
             parse_addr(settings.daemon.metrics_addr)
         except ValueError as exc:
             print(f"config error: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
+            return EXIT_USAGE
         try:
             # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
-            # every tier has been reconciled (operations.open_index).
+            # every tier has been reconciled (actions.index.open_index).
             self.index = open_index(settings, check=True, rebuild=True)
         except Exception as exc:
             print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+            return EXIT_ACTION_FAILED
         try:
-            self.metrics = Metrics.for_settings(settings, extra=self._daemon_metrics)
+            self.metrics = Metrics(settings, extra=self._daemon_metrics)
             if not self._serve_metrics(settings.daemon.metrics_addr, fatal=True):
-                return EXIT_FAILED
+                return EXIT_ACTION_FAILED
             notify(f"STATUS=initial scan of {settings.hot.local_path}", env=None)
             self._start_pinger()
             log.info(
@@ -273,7 +211,7 @@ class Daemon:
             except OSError as exc:
                 print(f"ckptkeeper: cannot watch hot tier {settings.hot.local_path}: {exc}", file=sys.stderr)
                 log.error("cannot watch the hot tier", root=str(settings.hot.local_path), error=str(exc))
-                return EXIT_FAILED
+                return EXIT_ACTION_FAILED
             if self.stopping.is_set():
                 return EXIT_OK
             self.scheduler = self._make_scheduler()
@@ -457,81 +395,69 @@ class Daemon:
         return None
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
-        try:
-            from ckptkeeper.actions.prune import run_prune
-        except ImportError as exc:
-            log.error("prune operation not available yet", job=job, error=str(exc))
-            return "prune operation not available yet"
+        from ckptkeeper.actions.prune import run_prune
+
         if self.watcher is None or self.index is None:
             return "the hot tier is not being watched (see the watcher errors above)"
-        params = inspect.signature(run_prune).parameters
-        kwargs: dict[str, Any] = {"kinds": kinds, "lock_timeout": EXECUTOR_LOCK_WAIT}
-        hot_reconcile = "run_prune"  # a run_prune without ``rescan`` reconciles by itself
-        synced_runs: int | None = None
-        if "stop" in params:
-            kwargs["stop"] = self.stopping
-        if "rescan" in params:
-            # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune
-            # where it could interleave with a watcher reconcile of the same run. A sync, not a
-            # full walk, while the watcher vouches for the index (Watcher.sync): re-parsing 10k
-            # unchanged checkpoints every pass was most of an idle daemon's CPU.
-            kwargs["rescan"] = False
-            if self._deletes_held():
-                synced = self.watcher.reconcile_all()  # a rebuilt index waits on full listings of every tier
-                hot_reconcile = "full"
-            else:
-                synced = self.watcher.sync()
-                hot_reconcile = "full" if self.watcher.last_sync_full else "runs"
-            synced_runs = synced.runs
+        # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune where it
+        # could interleave with a watcher reconcile of the same run (hence rescan=False). A sync, not
+        # a full walk, while the watcher vouches for the index (Watcher.sync): re-parsing 10k
+        # unchanged checkpoints every pass was most of an idle daemon's CPU.
+        if self._deletes_held():
+            synced = self.watcher.reconcile_all()  # a rebuilt index waits on full listings of every tier
+            hot_reconcile = "full"
+        else:
+            synced = self.watcher.sync()
+            hot_reconcile = "full" if self.watcher.last_sync_full else "runs"
         try:
-            outcome = run_prune(self.settings, self.index, **kwargs)
-        except Exception as exc:
-            if type(exc).__name__ == "Locked":
-                # Our executor never started; the other process's changes raise events of their own.
-                log.info("prune skipped: another process holds the executor lock", job=job, detail=str(exc))
-                return f"skipped: {exc}"
+            outcome = run_prune(
+                self.settings,
+                self.index,
+                kinds=kinds,
+                rescan=False,
+                lock_timeout=EXECUTOR_LOCK_WAIT,
+                stop=self.stopping,
+            )
+        except Locked as exc:
+            # Our executor never started; the other process's changes raise events of their own.
+            log.info("prune skipped: another process holds the executor lock", job=job, detail=str(exc))
+            return f"skipped: {exc}"
+        except Exception:
             # Failed part-way: which paths it touched is unknown, so walk everything.
             self.watcher.request_full()
             raise
         self._resync_after(outcome)
         if self.metrics is not None:
             self.metrics.record_outcome(outcome)
-        code = getattr(outcome, "exit_code", 0)
-        failed = list(getattr(outcome, "failed", ()) or ())
-        reclaimed = int(getattr(outcome, "reclaimed_bytes", 0) or 0)
-        plan = getattr(outcome, "plan", None)
         log.info(
             "prune done",
             job=job,
-            exit_code=code,
-            actions=len(getattr(plan, "actions", ()) or ()),
-            failed=len(failed),
-            reclaimed_bytes=reclaimed,
+            exit_code=outcome.exit_code,
+            actions=len(outcome.plan.actions),
+            failed=len(outcome.failed),
+            reclaimed_bytes=outcome.reclaimed_bytes,
             hot_reconcile=hot_reconcile,
-            reconciled_runs=synced_runs,
+            reconciled_runs=synced.runs,
         )
-        for line in failed:
+        for line in outcome.failed:
             log.error("prune action failed", job=job, detail=line)
-        if code == 0:
+        if outcome.exit_code == EXIT_OK:
             return None
-        if failed:
-            return f"{len(failed)} action(s) failed; first: {failed[0]}"
-        refused = getattr(plan, "refused", None)
-        if refused:
-            return f"refused by a guard: {refused}"
-        return f"prune exited with code {code}"
+        if outcome.failed:
+            return f"{len(outcome.failed)} action(s) failed; first: {outcome.failed[0]}"
+        if outcome.plan.refused:
+            return f"refused by a guard: {outcome.plan.refused}"
+        return f"prune exited with code {outcome.exit_code}"
 
     def _deletes_held(self) -> bool:
-        try:
-            from ckptkeeper.actions.prune import read_hold
-        except ImportError:
-            return False
+        from ckptkeeper.actions.index import read_hold
+
         try:
             return read_hold(self.settings) is not None
         except Exception:
             return True  # cannot tell: the full reconcile is the safe choice
 
-    def _resync_after(self, outcome: Any) -> None:
+    def _resync_after(self, outcome: PruneOutcome) -> None:
         """Re-check what the executor touched, and only that: each run whose hot copies it changed
         (queued on the watcher, which also hears the deletes), and each slower tier it wrote to.
 
@@ -541,7 +467,7 @@ class Daemon:
         fall back to reconciling every tier.
         """
         assert self.watcher is not None
-        result = getattr(outcome, "result", None)
+        result = outcome.result
         if result is None:
             return
         hot = self.settings.hot.name
@@ -605,8 +531,6 @@ class Daemon:
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep running with the old one. True if applied."""
-        from ckptkeeper.config import parse_addr
-        from ckptkeeper.daemon.metrics import _tier_paths
         from ckptkeeper.ingest.catalog import Catalog
 
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
@@ -637,14 +561,14 @@ class Daemon:
             self.settings = new
             logs.configure(new.log_level)
             assert self.index is not None
-            if _watch_keys_changed(old, new) or self.watcher is None:
+            if watch_keys_changed(old, new) or self.watcher is None:
                 self._restart_watcher(new)
             else:
                 with self._reconcile_lock:
                     self.watcher.catalog = Catalog(new, self.index)
             self._reschedule(old, new)
             if self.metrics is not None:
-                self.metrics.collector.set_tiers(_tier_paths(new))
+                self.metrics.collector.set_settings(new)
                 if new.daemon.metrics_addr != old.daemon.metrics_addr:
                     if self.metrics_server is not None:
                         self.metrics_server.stop()
@@ -708,9 +632,9 @@ class Daemon:
         last_ok = max((j.last_success for j in prune_jobs if j.last_success), default=None)
         last_err = max((j.last_error_at for j in prune_jobs if j.last_error_at), default=None)
         if last_err is not None and (last_ok is None or last_err > last_ok):
-            prune = f"last prune failed {_ago(now, last_err)}"
+            prune = f"last prune failed {human_age(now - last_err)} ago"
         elif last_ok is not None:
-            prune = f"last prune ok {_ago(now, last_ok)}"
+            prune = f"last prune ok {human_age(now - last_ok)} ago"
         else:
             prune = "no prune yet"
         mode = " (polling)" if self.watcher is not None and self.watcher.polling else ""

@@ -1,4 +1,4 @@
-"""Presentation helpers shared by CLI commands: sizes, ages, aligned tables."""
+"""Presentation helpers: sizes, durations and ages, aligned tables (the one place each is formatted)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,40 @@ def human_bytes(n: float) -> str:
     return f"{n / 1024**exp:.1f} {'KMGTP'[exp - 1]}iB"
 
 
+_UNITS = (("d", 86400), ("h", 3600), ("m", 60))
+
+
+def format_duration(seconds: float) -> str:
+    """Exact, as written in config files (``config.parse_duration`` reads it back): ``7d``,
+    ``1d12h``, ``90`` -> ``1m30s``, ``1.5`` -> ``1.5s``. For intervals and policy windows."""
+    if seconds < 0 or not math.isfinite(seconds):
+        return f"{seconds}s"
+    whole = int(seconds)
+    frac = seconds - whole
+    parts = []
+    for unit, size in _UNITS:
+        if whole >= size:
+            parts.append(f"{whole // size}{unit}")
+            whole %= size
+    if whole or frac or not parts:
+        parts.append(f"{whole + frac:g}s")
+    return "".join(parts)
+
+
 def human_age(seconds: float) -> str:
-    """7380 -> '2h3m': two units at most, as people read ages."""
+    """How long ago, as people skim it (restic-like): ``45s``, ``1m30s``, ``3h12m``, ``2d5h``, ``1d``.
+
+    A thin wrapper of :func:`format_duration`: the age is rounded down to its two most significant
+    units first, because an age in a status line or a reason needs no more ("3h12m7s" is noise),
+    while a configured interval must print exactly. Negative ages (an mtime from a host whose clock
+    runs ahead) print as ``0s``.
+    """
     s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        h, m = divmod(s // 60, 60)
-        return f"{h}h{m}m" if m else f"{h}h"
-    d, h = divmod(s // 3600, 24)
-    return f"{d}d{h}h" if h else f"{d}d"
+    sizes = [size for _, size in _UNITS] + [1]
+    for i, size in enumerate(sizes[:-1]):
+        if s >= size:
+            return format_duration(s - s % sizes[i + 1])
+    return format_duration(s)
 
 
 def format_metrics(metrics: Mapping[str, float], limit: int = 3) -> str:

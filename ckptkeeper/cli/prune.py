@@ -1,25 +1,27 @@
-"""CLI commands that drive the planner and executor: prune, restore, verify, demo."""
+"""``prune``: plan retention and reaping, carry the plan out, and render both."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.util.fmt import human_bytes, table
+from ckptkeeper.actions.errors import Locked
+from ckptkeeper.cli.context import EXIT_LOCKED, Context, fail, pass_ctx
+from ckptkeeper.util.fmt import format_duration, human_bytes, table
+
+if TYPE_CHECKING:
+    from ckptkeeper.actions.prune import PruneOutcome
+    from ckptkeeper.config import Settings
+    from ckptkeeper.core.model import Action, Plan
+    from ckptkeeper.index import Index
 
 
-def _ctx() -> Any:
-    """The invocation's ``cli.Context`` (found by position: ``python -m ckptkeeper.cli`` runs a
-    second copy of the cli module as ``__main__``, so an isinstance lookup would miss it)."""
-    return click.get_current_context().find_root().obj
-
-
-def _policy_summary(settings: Any) -> str:
+def _policy_summary(settings: Settings) -> str:
     parts = []
     for t in settings.tiers:
         rules = []
@@ -39,8 +41,6 @@ def _policy_summary(settings: Any) -> str:
                     label = f"best by {t.metric} ({t.mode})"
                 rules.append(f"{label} {value}")
         if t.keep_within is not None:
-            from ckptkeeper.config import format_duration
-
             rules.append(f"within {format_duration(t.keep_within)}")
         if t.replicate:
             rules.append("replicate")
@@ -50,8 +50,8 @@ def _policy_summary(settings: Any) -> str:
     return "; ".join(parts)
 
 
-def _render_plan(plan: Any, settings: Any, *, dry_run: bool) -> None:
-    from ckptkeeper.core.reaper import summarize_reclaim
+def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
+    from ckptkeeper.core.reaper import summarize_reclaim  # with the planner: not for --help
 
     click.echo(f"policy  {_policy_summary(settings)}")
     keep_by_run: dict[str, list[Any]] = {}
@@ -114,7 +114,7 @@ def _progress_printer() -> Callable[..., None] | None:
         return None
     last = [0.0]
 
-    def show(action: Any, done: int, total: int) -> None:
+    def show(action: Action, done: int, total: int) -> None:
         now = time.monotonic()
         if done < total and now - last[0] < 0.2:
             return
@@ -138,13 +138,15 @@ def _progress_printer() -> Callable[..., None] | None:
 @click.option(
     "--lock-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for another executor."
 )
-def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeout: float) -> None:
+@pass_ctx
+def prune(
+    app: Context, dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeout: float
+) -> None:
     """Plan retention and reaping; without --dry-run, carry the plan out."""
-    import json
+    # The planner, executor and storage: imported here, not for --help.
+    from ckptkeeper.actions.prune import run_prune
+    from ckptkeeper.core.reaper import summarize_reclaim
 
-    from ckptkeeper.actions.prune import EXIT_LOCKED, Locked, run_prune
-
-    app = _ctx()
     settings = app.settings
     with app.index(rebuild=not dry_run) as ix:
         try:
@@ -158,14 +160,11 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
                 progress=None if as_json else _progress_printer(),
             )
         except Locked as exc:
-            click.echo(f"ckptkeeper: {exc}; try again later", err=True)
-            sys.exit(EXIT_LOCKED)
+            fail(f"{exc}; try again later", EXIT_LOCKED)
         if settings.daemon.textfile and not dry_run:
             _write_textfile(settings, ix, outcome)
     plan = outcome.plan
     if as_json:
-        from ckptkeeper.core.reaper import summarize_reclaim
-
         doc = plan.to_dict()
         summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap"])
         doc["reap_summary"] = {
@@ -201,103 +200,13 @@ def prune(dry_run: bool, as_json: bool, run: str | None, force: bool, lock_timeo
     sys.exit(outcome.exit_code)
 
 
-def _write_textfile(settings: Any, index: Any, outcome: Any) -> None:
-    try:
-        from ckptkeeper.daemon.metrics import write_prune_textfile
-    except ImportError:
-        return
+def _write_textfile(settings: Settings, index: Index, outcome: PruneOutcome) -> None:
+    from ckptkeeper.daemon.metrics import write_prune_textfile  # prometheus_client: only when configured
+
     try:
         write_prune_textfile(settings, index, outcome)
     except OSError as exc:
         click.echo(f"ckptkeeper: cannot write metrics textfile {settings.daemon.textfile}: {exc}", err=True)
 
 
-class _StepType(click.ParamType):
-    name = "N|latest|best"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> str | int:
-        if value in ("latest", "best"):
-            return str(value)
-        try:
-            step = int(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a step number, 'latest' or 'best'", param, ctx)
-        if step < 0:
-            self.fail("a step is a non-negative number", param, ctx)
-        return step
-
-
-@click.command()
-@click.argument("run")
-@click.option("--step", type=_StepType(), default="latest", show_default=True)
-@click.option(
-    "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
-)
-def restore(run: str, step: str | int, to: str) -> None:
-    """Materialise a checkpoint from whichever tier holds it, verified."""
-    from ckptkeeper.actions import prune as operations
-
-    app = _ctx()
-    with app.index() as ix:
-        printer = _progress_printer()
-        try:
-            path = operations.restore(app.settings, ix, run, step, Path(to))
-        except LookupError as exc:
-            click.echo(f"ckptkeeper: {exc}", err=True)
-            sys.exit(1)
-        del printer
-    click.echo(str(path))
-
-
-@click.command()
-@click.argument("run", required=False)
-@click.option("--json", "as_json", is_flag=True)
-def verify(run: str | None, as_json: bool) -> None:
-    """Re-hash every copy against its manifest; exit 1 on any mismatch."""
-    import json
-
-    from ckptkeeper.storage import StorageError, TierStorage
-
-    app = _ctx()
-    settings = app.settings
-    storages = {t.name: TierStorage(t.to_spec(), hot=i == 0) for i, t in enumerate(settings.tiers)}
-    checked, problems = 0, list[dict[str, Any]]()
-    with app.index() as ix:
-        rows = ix.checkpoints(run)
-    for row in rows:
-        manifest = row.manifest()
-        if manifest is None:
-            continue
-        for tier in sorted(row.verified_tiers, key=lambda n: [t.name for t in settings.tiers].index(n)):
-            checked += 1
-            try:
-                found = storages[tier].verify(manifest)
-            except StorageError as exc:
-                found = [f"cannot verify: {exc}"]
-            problems.extend({"run": row.run, "step": row.step, "tier": tier, "problem": p} for p in found)
-    if as_json:
-        click.echo(json.dumps({"checked": checked, "problems": problems}, indent=2))
-    else:
-        for p in problems:
-            click.echo(f"MISMATCH {p['run']}@{p['step']} in {p['tier']}: {p['problem']}")
-        click.echo(f"verified {checked} copies: {len(problems)} problems")
-    sys.exit(1 if problems else 0)
-
-
-@click.command()
-@click.option("--keep", is_flag=True, help="Keep the demo directory afterwards.")
-@click.option("--no-apply", is_flag=True, help="Stop after prune --dry-run.")
-def demo(keep: bool, no_apply: bool) -> None:
-    """Make a throwaway node with realistic checkpoints and run scan, ls, prune on it."""
-    from ckptkeeper.cli.demo import run_demo
-
-    sys.exit(run_demo(keep=keep, apply=not no_apply))
-
-
-def register(group: click.Group) -> None:
-    """Attach the commands of this module to the ``ckptkeeper`` group."""
-    for command in (prune, restore, verify, demo):
-        group.add_command(command)
-    from ckptkeeper.cli import daemon as cli_daemon
-
-    cli_daemon.register(group)
+COMMANDS = (prune,)

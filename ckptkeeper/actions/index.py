@@ -1,0 +1,244 @@
+"""The index as an action: open it, and repair a corrupt one from the tiers.
+
+A corrupt index is moved aside and rebuilt from the tiers (every tier is self-describing); what only
+the index knew — pins, the journal — is lost with it, so deletes are held (``<index>.deletes-held``)
+until every tier has been reconciled again. The hold is written here, applied to each prune plan
+(:func:`apply_hold`) and advanced or released after each pass (:func:`after_held_pass`).
+:func:`executor_lock` serialises everything that changes the tiers or rebuilds the index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ckptkeeper.actions.errors import IndexUnusable, Locked
+from ckptkeeper.config import Settings
+from ckptkeeper.core.model import ActionKind, Plan
+from ckptkeeper.index import Index, IndexCorrupt
+from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.util.lock import ExecutorLock, LockHeld
+from ckptkeeper.util.logs import get_logger
+
+log = get_logger("ckptkeeper.actions.index")
+
+
+@contextmanager
+def executor_lock(settings: Settings, timeout: float) -> Iterator[None]:
+    """One executor per index (flock); waits up to ``timeout`` seconds, then raises Locked."""
+    lock = ExecutorLock(settings.index)
+    try:
+        lock.acquire(timeout)
+    except LockHeld as exc:
+        raise Locked(str(exc)) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+HELD_SUFFIX = ".deletes-held"
+
+
+def deletes_held_path(settings: Settings) -> Path:
+    index = Path(settings.index)
+    return index.with_name(index.name + HELD_SUFFIX)
+
+
+def read_hold(settings: Settings) -> dict[str, Any] | None:
+    """The hold a rebuild left (``reason``, ``pins_salvaged``, ``first_pass_done``), or None."""
+    try:
+        text = deletes_held_path(settings).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            return doc
+    except ValueError:
+        pass
+    # unreadable: the strictest hold
+    return {"reason": text.strip() or "index rebuilt", "pins_salvaged": False, "first_pass_done": False}
+
+
+def deletes_held(settings: Settings) -> str | None:
+    """What is held and why (for ``status``), or None."""
+    hold = read_hold(settings)
+    if hold is None:
+        return None
+    if not hold.get("first_pass_done"):
+        return f"every delete and reap, for one prune pass: {hold.get('reason')}"
+    return (
+        f"expiries and reaps (moves go on): {hold.get('reason')}; the index was rebuilt without its "
+        "pins: re-pin what must be kept, then run `ckptkeeper prune --force`"
+    )
+
+
+def write_hold(settings: Settings, doc: dict[str, Any]) -> None:
+    held = deletes_held_path(settings)
+    tmp = held.with_name(held.name + ".tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, held)
+
+
+def _corruption(exc: BaseException) -> bool:
+    """A damaged database, as opposed to one that is busy, missing or on a failing disk."""
+    if isinstance(exc, IndexCorrupt):
+        return True
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text or not isinstance(exc, sqlite3.OperationalError)
+
+
+def open_index(settings: Settings, *, check: bool = False, rebuild: bool = False) -> Index:
+    """Open the index; with ``check`` run SQLite's ``quick_check`` first.
+
+    A corrupt index (unreadable, or failing the check) is moved aside as
+    ``<index>.corrupt-<time>`` and, with ``rebuild``, rebuilt from the tiers: the hot tier is
+    scanned and every slower tier listed through the manifests beside its copies. What only the
+    index knew is lost with it — pins (salvaged from the damaged file when it still reads), the
+    journal — so deletes are then held (``<index>.deletes-held``): the first prune after a rebuild
+    copies but deletes and reaps nothing, and releases the hold once a reconcile listed every
+    tier. Without ``rebuild`` a corrupt index raises :class:`IndexUnusable`.
+    """
+    ix: Index | None = None
+    try:
+        ix = Index(settings.index)
+        if check:
+            ix.quick_check()
+        return ix
+    except Exception as exc:
+        if ix is not None:
+            ix.close()
+        if not _corruption(exc):
+            raise
+        problem = f"{type(exc).__name__}: {exc}"
+    if not rebuild:
+        raise IndexUnusable(
+            f"index {settings.index} is corrupt ({problem}); `ckptkeeper scan` rebuilds it from the tiers"
+        )
+    with executor_lock(settings, timeout=60.0):
+        return _rebuild(settings, problem)
+
+
+def _rebuild(settings: Settings, problem: str) -> Index:
+    path = Path(settings.index)
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    reason = f"index rebuilt from the tiers at {time.strftime('%Y-%m-%d %H:%M:%S')} ({problem})"
+    # The hold first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
+    hold = {"reason": reason, "pins_salvaged": False, "first_pass_done": False}
+    write_hold(settings, hold)
+    for suffix in ("", "-wal", "-shm"):
+        src = Path(str(path) + suffix)
+        if src.exists():
+            os.replace(src, Path(str(aside) + suffix))
+    log.error(
+        "index corrupt: moved aside, rebuilding from the tiers; deletes held until a full reconcile",
+        index=str(path),
+        moved_to=str(aside),
+        problem=problem,
+    )
+    pins = _salvage_pins(aside)
+    ix = Index(path)
+    report = Catalog(settings, ix).reconcile()
+    wanted = sorted(set(pins or ()))
+    restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
+    # Relaxed only once every pin is back in the index: a crash before this, or a pinned checkpoint
+    # in a tier that could not be listed, keeps the strict hold.
+    if pins is not None and restored == len(wanted):
+        write_hold(settings, {**hold, "pins_salvaged": True})
+    log.warning(
+        "index rebuilt from the tiers",
+        checkpoints=len(ix.checkpoints()),
+        tiers_failed=sorted(report.tiers_failed),
+        pins_salvaged=None if pins is None else len(wanted),
+        pins_restored=restored,
+    )
+    if pins is None or restored != len(wanted):
+        log.error(
+            "pins could not all be restored from the damaged index: expiries and reaps stay held; re-pin "
+            "what must be kept (ckptkeeper pin), then run `ckptkeeper prune --force`",
+            pins_restored=restored,
+            pins_salvaged=None if pins is None else len(wanted),
+        )
+    return ix
+
+
+def _salvage_pins(aside: Path) -> list[tuple[str, int]] | None:
+    """Pins live only in the index: read them from the damaged file (None: it does not read)."""
+    try:
+        con = sqlite3.connect(f"file:{aside}?mode=ro", uri=True, timeout=1)
+        try:
+            rows = con.execute("SELECT run, step FROM checkpoints WHERE pinned = 1").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    return [(str(r), int(s)) for r, s in rows]
+
+
+def apply_hold(plan: Plan, hold: dict[str, Any], force: bool) -> Plan:
+    """After a rebuild: the first pass only copies (copies add safety); later passes also move
+    (a move deletes a source only once its new copy is verified), but while the pins are unknown
+    nothing that destroys a last copy — an expiry, a reap — runs until ``--force``."""
+    if not hold.get("first_pass_done"):
+        kept = tuple(a for a in plan.actions if a.action is ActionKind.COPY)
+        why = f"deletes held for the first pass after the index was rebuilt: {hold.get('reason')}"
+    elif not hold.get("pins_salvaged") and not force:
+        kept = tuple(
+            a
+            for a in plan.actions
+            if a.action is ActionKind.COPY or (a.action is ActionKind.DELETE and a.rule != "expired")
+        )
+        why = (
+            "expiries and reaps held: the index was rebuilt without its pins; re-pin what must be kept, "
+            "then run `ckptkeeper prune --force`"
+        )
+    else:
+        return plan
+    if len(kept) == len(plan.actions):
+        return dataclasses.replace(plan, notes=(*plan.notes, why))
+    log.warning("destructive actions held", held=len(plan.actions) - len(kept), reason=why)
+    return dataclasses.replace(
+        plan,
+        actions=kept,
+        refused=f"{plan.refused}; {why}" if plan.refused else why,
+        reclaim_bytes=dict.fromkeys(plan.reclaim_bytes, 0),
+    )
+
+
+def after_held_pass(
+    settings: Settings, index: Index, hold: dict[str, Any], kinds: Sequence[str], force: bool
+) -> None:
+    """Advance the hold: the first pass with retention that listed every tier ends phase one."""
+    if not hold.get("first_pass_done"):
+        statuses = index.tier_statuses()
+        failing = [t.name for t in settings.tiers if not (statuses.get(t.name) and statuses[t.name].ok)]
+        if "retention" not in kinds or failing:
+            if failing:
+                log.warning("deletes stay held: tiers not listed since the rebuild", tiers=failing)
+            return
+        if hold.get("pins_salvaged"):
+            deletes_held_path(settings).unlink(missing_ok=True)
+            log.warning(
+                "every tier reconciled since the index was rebuilt: deletes resume from the next pass"
+            )
+        else:
+            write_hold(settings, {**hold, "first_pass_done": True})
+            log.error(
+                "every tier reconciled since the index was rebuilt; moves resume, expiries and reaps stay "
+                "held until `ckptkeeper prune --force` (the pins were lost with the index)"
+            )
+    elif force:
+        deletes_held_path(settings).unlink(missing_ok=True)
+        log.warning("expiries and reaps released by --force")

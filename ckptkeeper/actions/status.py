@@ -1,0 +1,122 @@
+"""``status``: one summary of what this node holds and does, for ``status``, ``status --json`` and
+the Prometheus metrics alike.
+
+:func:`summarize` reads the index once (plus each local tier's filesystem usage and the
+deletes-held file) and returns plain values; the callers only render them. ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ckptkeeper.actions.index import deletes_held
+from ckptkeeper.config import Settings
+from ckptkeeper.core.model import CheckpointState, TierUsage
+from ckptkeeper.index import Index, JobRun
+
+
+@dataclass(frozen=True, slots=True)
+class TierSummary:
+    name: str
+    url: str
+    ok: bool | None
+    """The tier's last listing worked; None: never listed."""
+    error: str | None
+    checked_at: float | None
+    usage: TierUsage | None
+    """Filesystem usage of a local tier; None for object stores or when it cannot be read."""
+    checkpoints: int
+    """Complete checkpoints with a verified copy in the tier."""
+    bytes: int
+    newest_checkpoint_at: float | None
+    """Creation time of the newest of those (the tier's recovery point)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSummary:
+    now: float
+    tiers: tuple[TierSummary, ...]
+    runs: Mapping[str, int]
+    """Runs by state value (states with none are absent)."""
+    checkpoints: Mapping[str, int]
+    """Cataloged checkpoints by state value (states with none are absent)."""
+    pinned: int
+    reclaimed: Mapping[str, tuple[int, int]]
+    """reason -> (bytes, count), cumulative since the index was created."""
+    jobs: Mapping[str, JobRun]
+    journal_open: int
+    """Interrupted executor steps the next prune (or daemon start) finishes or undoes."""
+    deletes_held: str | None
+
+    @property
+    def reclaimed_bytes(self) -> int:
+        return sum(b for b, _ in self.reclaimed.values())
+
+    def newest_age(self, tier: TierSummary) -> float | None:
+        """Seconds since the tier's newest checkpoint was made (never negative)."""
+        if tier.newest_checkpoint_at is None:
+            return None
+        return max(0.0, self.now - tier.newest_checkpoint_at)
+
+
+def tier_usage(settings: Settings) -> dict[str, TierUsage | None]:
+    """Filesystem usage per local tier (status, watermarks); object stores have none."""
+    out: dict[str, TierUsage | None] = {}
+    for tier in settings.tiers:
+        if not tier.is_local:
+            out[tier.name] = None
+            continue
+        try:
+            du = shutil.disk_usage(tier.local_path)
+        except OSError:
+            out[tier.name] = None
+            continue
+        out[tier.name] = TierUsage(total_bytes=du.total, used_bytes=du.used)
+    return out
+
+
+def summarize(settings: Settings, index: Index, *, now: float | None = None) -> StatusSummary:
+    """Tiers with usage, counts per state, pending work, reclaimed bytes, last job runs."""
+    checkpoints = index.checkpoints()
+    runs = index.runs()
+    statuses = index.tier_statuses()
+    reclaimed = index.reclaimed()
+    jobs = index.job_runs()
+    journal = index.journal_open()
+    usage = tier_usage(settings)
+    tiers = []
+    for t in settings.tiers:
+        held = [c for c in checkpoints if c.state is CheckpointState.COMPLETE and t.name in c.verified_tiers]
+        st = statuses.get(t.name)
+        tiers.append(
+            TierSummary(
+                name=t.name,
+                url=t.url,
+                ok=st.ok if st else None,
+                error=st.error if st else "never listed",
+                checked_at=st.checked_at if st else None,
+                usage=usage.get(t.name),
+                checkpoints=len(held),
+                bytes=sum(c.bytes for c in held),
+                newest_checkpoint_at=max((c.created_at for c in held), default=None),
+            )
+        )
+    try:
+        held_text = deletes_held(settings)
+    except OSError as exc:  # a status must answer; the hold is then unknown, not absent
+        held_text = f"unknown: cannot read the hold file: {exc}"
+    return StatusSummary(
+        now=time.time() if now is None else now,
+        tiers=tuple(tiers),
+        runs=dict(Counter(r.state.value for r in runs)),
+        checkpoints=dict(Counter(c.state.value for c in checkpoints)),
+        pinned=sum(1 for c in checkpoints if c.pinned),
+        reclaimed=reclaimed,
+        jobs=jobs,
+        journal_open=len(journal),
+        deletes_held=held_text,
+    )

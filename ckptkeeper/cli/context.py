@@ -1,0 +1,98 @@
+"""What every command module shares: the invocation's :class:`Context`, :func:`fail`, JSON output
+and the exit codes of DESIGN §7.
+
+Imported at start-up by every command module, so it imports click and the standard library only:
+the config (pydantic) and the index are loaded on first use, which keeps ``ckptkeeper --help`` fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NoReturn
+
+import click
+
+from ckptkeeper.actions.errors import (
+    EXIT_ACTION_FAILED,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    IndexUnusable,
+    Locked,
+)
+
+if TYPE_CHECKING:
+    from ckptkeeper.config import Settings
+    from ckptkeeper.index import Index
+
+__all__ = [
+    "EXIT_ACTION_FAILED",
+    "EXIT_LOCKED",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_USAGE",
+    "Context",
+    "emit_json",
+    "fail",
+    "pass_ctx",
+]
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    click.echo(f"ckptkeeper: {message}", err=True)
+    sys.exit(code)
+
+
+def emit_json(doc: object) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+
+
+class Context:
+    """Lazily loaded settings and index shared by the commands of one invocation."""
+
+    def __init__(self, config_path: str | None) -> None:
+        self.config_path = config_path
+        self._settings: Settings | None = None
+
+    @property
+    def settings(self) -> Settings:
+        """The config; a bad one exits 2 with one line per problem."""
+        if self._settings is None:
+            # Imported here, not at the top: pydantic costs ~0.5 s, which --help must not pay.
+            from ckptkeeper.config import ConfigError, load_settings
+            from ckptkeeper.util import logs
+
+            try:
+                self._settings = load_settings(self.config_path)
+            except ConfigError as exc:
+                for line in exc.problems:
+                    click.echo(f"config error: {line}", err=True)
+                sys.exit(EXIT_USAGE)
+            logs.configure(self._settings.log_level)
+        return self._settings
+
+    @contextmanager
+    def index(self, *, rebuild: bool = False) -> Iterator[Index]:
+        """``rebuild`` (scan, prune): check the index and rebuild a corrupt one from the tiers."""
+        # Imported here (sqlite, the catalog and its layouts): not for --help.
+        from ckptkeeper.actions.index import open_index
+
+        try:
+            ix = open_index(self.settings, check=rebuild, rebuild=rebuild)
+        except IndexUnusable as exc:
+            fail(str(exc), EXIT_ACTION_FAILED)
+        except Locked as exc:
+            fail(f"{exc}; try again later", EXIT_LOCKED)
+        except Exception as exc:  # sqlite3 errors carry the reason; the path is what users need
+            fail(f"cannot open index {self.settings.index}: {exc}", EXIT_ACTION_FAILED)
+        try:
+            yield ix
+        finally:
+            ix.close()
+
+
+pass_ctx = click.make_pass_decorator(Context)

@@ -1,0 +1,257 @@
+"""Commands that read and annotate the catalog: ``scan``, ``ls``, ``status``, ``pin``, ``unpin``."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_USAGE, Context, emit_json, fail, pass_ctx
+from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table
+
+if TYPE_CHECKING:
+    from ckptkeeper.actions.status import StatusSummary
+    from ckptkeeper.config import Settings
+
+
+# -- scan ---------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the reconcile report as JSON.")
+@pass_ctx
+def scan(app: Context, as_json: bool) -> None:
+    """Reconcile the index with every tier now."""
+    from ckptkeeper.ingest.catalog import Catalog  # layouts, fsspec: not for --help
+
+    with app.index(rebuild=True) as ix:
+        report = Catalog(app.settings, ix).reconcile()
+    doc = {
+        "runs": report.runs,
+        "new": report.new,
+        "new_versions": report.new_versions,
+        "unchanged": report.unchanged,
+        "removed": report.removed,
+        "partial": report.partial,
+        "corrupt": report.corrupt,
+        "hashed_bytes": report.hashed_bytes,
+        "tiers_failed": report.tiers_failed,
+    }
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(
+            f"scanned {report.runs} runs: {report.new} new, {report.new_versions} rewritten, "
+            f"{report.unchanged} unchanged, {report.removed} removed, {report.partial} partial, "
+            f"{report.corrupt} corrupt; hashed {human_bytes(report.hashed_bytes)}"
+        )
+        for tier, error in report.tiers_failed.items():
+            click.echo(
+                f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True
+            )
+    if report.tiers_failed:
+        sys.exit(EXIT_ACTION_FAILED)
+
+
+# -- ls -----------------------------------------------------------------------------------
+
+
+def _tier_order(settings: Settings) -> dict[str, int]:
+    return {t.name: i for i, t in enumerate(settings.tiers)}
+
+
+@click.command(name="ls")
+@click.argument("run", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
+    """List runs and their checkpoints: step, state, tiers, size, metrics, pin."""
+    order = _tier_order(app.settings)
+    with app.index() as ix:
+        runs = [r for r in ix.runs() if run is None or r.name == run]
+        checkpoints = ix.checkpoints(run)
+    if run is not None and not runs and not checkpoints:
+        fail(f"no run named {run!r} in the index (try `ckptkeeper scan`)", EXIT_USAGE)
+    by_run: dict[str, list[Any]] = {}
+    for c in checkpoints:
+        by_run.setdefault(c.run, []).append(c)
+    doc_runs: list[dict[str, Any]] = []
+    for r in runs:
+        doc_runs.append(
+            {
+                "name": r.name,
+                "state": r.state.value,
+                "state_reason": r.state_reason,
+                "last_seen": r.last_seen,
+                "parent": {"run": r.parent[0], "step": r.parent[1]} if r.parent else None,
+                "checkpoints": [
+                    {
+                        "step": c.step,
+                        "name": c.name,
+                        "state": c.state.value,
+                        "layout": c.layout,
+                        "tiers": sorted(c.verified_tiers, key=lambda t: order.get(t, 99)),
+                        "bytes": c.bytes,
+                        "metrics": dict(c.metrics),
+                        "pinned": c.pinned,
+                        "version": c.version,
+                        "created_at": c.created_at,
+                        "problem": c.problem,
+                    }
+                    for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
+                ],
+            }
+        )
+    if as_json:
+        emit_json({"runs": doc_runs})
+        return
+    if not doc_runs:
+        click.echo("no runs cataloged (run `ckptkeeper scan`, or start the daemon)")
+        return
+    for i, doc in enumerate(doc_runs):
+        if i:
+            click.echo()
+        reason = f" ({doc['state_reason']})" if doc["state_reason"] else ""
+        click.echo(f"run {doc['name']}: {doc['state']}{reason}")
+        rows = [
+            (
+                c["step"],
+                c["state"],
+                c["layout"],
+                ",".join(c["tiers"]) or "-",
+                human_bytes(c["bytes"]),
+                format_metrics(c["metrics"]),
+                "pinned" if c["pinned"] else "",
+                c["name"],
+            )
+            for c in doc["checkpoints"]
+        ]
+        click.echo(
+            table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
+        )
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def _status_doc(s: StatusSummary) -> dict[str, Any]:
+    tiers = []
+    for t in s.tiers:
+        age = s.newest_age(t)
+        tiers.append(
+            {
+                "name": t.name,
+                "url": t.url,
+                "ok": t.ok,
+                "error": t.error,
+                "checked_at": t.checked_at,
+                "usage": {
+                    "total_bytes": t.usage.total_bytes,
+                    "used_bytes": t.usage.used_bytes,
+                    "fraction": round(t.usage.fraction, 4),
+                }
+                if t.usage
+                else None,
+                "checkpoints": t.checkpoints,
+                "bytes": t.bytes,
+                "newest_checkpoint_age_seconds": None if age is None else round(age, 1),
+            }
+        )
+    return {
+        "tiers": tiers,
+        "runs": dict(s.runs),
+        "checkpoints": dict(s.checkpoints),
+        "pinned": s.pinned,
+        "reclaimed": {
+            "total_bytes": s.reclaimed_bytes,
+            "by_reason": {k: {"bytes": b, "count": n} for k, (b, n) in sorted(s.reclaimed.items())},
+        },
+        "jobs": {
+            j.job: {"last_start": j.last_start, "last_success": j.last_success, "last_error": j.last_error}
+            for j in s.jobs.values()
+        },
+        "pending": {"journal": s.journal_open},
+        "deletes_held": s.deletes_held,
+    }
+
+
+def _render_status(s: StatusSummary) -> None:
+    rows = []
+    for t in s.tiers:
+        u = t.usage
+        disk = f"{human_bytes(u.used_bytes)}/{human_bytes(u.total_bytes)} ({u.fraction:.0%})" if u else "-"
+        health = "ok" if t.ok else ("unknown" if t.ok is None else "FAILING")
+        age = s.newest_age(t)
+        newest = human_age(age) if age is not None else "-"
+        rows.append((t.name, health, t.checkpoints, human_bytes(t.bytes), disk, newest, t.url))
+    click.echo(table(["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"], rows, right=(2, 3)))
+    click.echo()
+    click.echo("runs: " + (", ".join(f"{n} {st}" for st, n in sorted(s.runs.items())) or "none"))
+    click.echo(
+        "checkpoints: " + (", ".join(f"{n} {st}" for st, n in sorted(s.checkpoints.items())) or "none")
+    )
+    click.echo(f"reclaimed so far: {human_bytes(s.reclaimed_bytes)}")
+    for reason, (b, n) in sorted(s.reclaimed.items()):
+        click.echo(f"  {reason}: {human_bytes(b)} ({n} items)")
+    for j in sorted(s.jobs.values(), key=lambda j: j.job):
+        ok = f"ok {human_age(s.now - j.last_success)} ago" if j.last_success else "never succeeded"
+        err = (
+            f"; last error {human_age(s.now - j.last_error_at)} ago: {j.last_error}"
+            if j.last_error and j.last_error_at
+            else ""
+        )
+        click.echo(f"job {j.job}: {ok}{err}")
+    if s.journal_open:
+        click.echo(
+            f"pending: {s.journal_open} interrupted step(s) will be finished or undone by the next prune/daemon start"
+        )
+    if s.deletes_held:
+        click.echo(f"deletes held: {s.deletes_held}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def status(app: Context, as_json: bool) -> None:
+    """Tiers with usage, counts, bytes reclaimed, last job runs, pending work."""
+    from ckptkeeper.actions.status import summarize  # the index and config: not for --help
+
+    with app.index() as ix:
+        summary = summarize(app.settings, ix)
+    if as_json:
+        emit_json(_status_doc(summary))
+    else:
+        _render_status(summary)
+
+
+# -- pin / unpin --------------------------------------------------------------------------
+
+
+def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
+    with app.index() as ix:
+        changed = ix.set_pinned(run, step, pinned)
+    if not changed:
+        fail(f"no checkpoint {run}@{step} in the index (try `ckptkeeper ls {run}`)", EXIT_USAGE)
+    click.echo(f"{'pinned' if pinned else 'unpinned'} {run}@{step}")
+
+
+@click.command()
+@click.argument("run")
+@click.argument("step", type=click.IntRange(min=0))
+@pass_ctx
+def pin(app: Context, run: str, step: int) -> None:
+    """Protect a checkpoint from retention and reaping."""
+    _set_pin(app, run, step, True)
+
+
+@click.command()
+@click.argument("run")
+@click.argument("step", type=click.IntRange(min=0))
+@pass_ctx
+def unpin(app: Context, run: str, step: int) -> None:
+    """Release a pinned checkpoint back to its tier policies."""
+    _set_pin(app, run, step, False)
+
+
+COMMANDS = (scan, ls_cmd, status, pin, unpin)
