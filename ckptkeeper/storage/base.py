@@ -22,7 +22,6 @@ from ckptkeeper.core.model import (
 log = logging.getLogger("ckptkeeper.storage")
 """The one logger of the package (its name predates the split into modules; log lines keep it)."""
 
-"""Infix of every staging name we create (local staging dirs/files, S3 markers, manifest temps)."""
 STAGING_KIND = "ckptkeeper-staging"
 MULTIPART_KIND = "multipart-upload"
 
