@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
@@ -29,21 +28,6 @@ from ckptkeeper.index import Index
 
 REPO = Path(__file__).resolve().parent.parent
 SETTLE = 1.0
-
-
-@pytest.fixture(autouse=True)
-def _no_thread_leaks() -> Iterator[None]:
-    """Fail a test that leaves threads behind in this process (hook heartbeats, readers, …)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 3.0
-    leaked: list[threading.Thread] = []
-    while time.monotonic() < deadline:
-        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not leaked:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"test leaked threads: {sorted(t.name for t in leaked)}")
 
 
 def free_port() -> int:
