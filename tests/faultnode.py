@@ -121,25 +121,6 @@ class Template:
         return Template(root, hashes)
 
 
-def manifest_of(run_dir: Path, run: str, step: int) -> Any:
-    from ckptkeeper.core.model import FileEntry, Manifest
-    from ckptkeeper.util.hashing import hash_file
-
-    ckpt = run_dir / f"checkpoint-{step}"
-    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
-    entries = tuple(FileEntry(rel, *hash_file(ckpt / rel)) for rel in files)
-    return Manifest(
-        run=run,
-        step=step,
-        name=f"checkpoint-{step}",
-        layout="hf",
-        is_dir=True,
-        files=entries,
-        created_at=time.time() - 5 * HOUR + step,
-        node="another-node",
-    )
-
-
 class FaultNode:
     """hot + warm (local) + cold (S3) with the scenario above, driven through the real CLI."""
 
@@ -226,7 +207,8 @@ keep_last_of_failed = 1
         tmp.replace(self.config)
 
     def populate(self) -> None:
-        from ckptkeeper.core.model import TierPolicy, TierSpec
+        from builders import manifest_of, tier
+
         from ckptkeeper.storage import TierStorage
 
         src = self.template.root
@@ -261,13 +243,15 @@ keep_last_of_failed = 1
         (self.outside / "precious.bin").write_bytes(b"never delete me" * 100)
         os.symlink(self.outside, self.hot / "train" / "link-out")
         # run `old` as another node left it: copies with manifests in warm (and step 100 in cold)
-        template_tier = TierStorage(TierSpec("template", str(src), TierPolicy()), hot=True)
-        warm = TierStorage(TierSpec("warm", str(self.warm), TierPolicy()))
+        template_tier = TierStorage(tier("template", str(src)), hot=True)
+        warm = TierStorage(tier("warm", str(self.warm)))
         cold = TierStorage(
-            TierSpec("cold", f"s3://{self.bucket}/{self.prefix}", TierPolicy(), self.direct_options())
+            tier("cold", f"s3://{self.bucket}/{self.prefix}", storage_options=self.direct_options())
         )
         for step in OLD_STEPS:
-            manifest = manifest_of(src / "old", "old", step)
+            manifest = manifest_of(
+                src, "old", step, created_at=time.time() - 5 * HOUR + step, node="another-node"
+            )
             warm.copy_from(template_tier, manifest)
             if step == 100:
                 cold.copy_from(template_tier, manifest)
