@@ -173,6 +173,11 @@ S3_CREDENTIALS = {"key": "testing", "secret": "testing"}
 """moto's fake credentials (conftest sets the same in the environment)."""
 
 
+def local_tier(name: str, url: str | Path, **policy: Any) -> dict[str, Any]:
+    """A ``[[tiers]]`` table of a local-directory tier; keywords are policy keys (``keep_last`` …)."""
+    return {"name": name, "url": url, **policy}
+
+
 def s3_tier(
     name: str,
     bucket: str,
@@ -182,9 +187,10 @@ def s3_tier(
     storage_options: Mapping[str, Any] | None = None,
     **policy: Any,
 ) -> dict[str, Any]:
-    """A ``[[tiers]]`` table of an S3 tier on the moto ``endpoint`` (fake credentials unless
-    ``storage_options`` gives others)."""
-    options = {"endpoint_url": endpoint, **(S3_CREDENTIALS if storage_options is None else storage_options)}
+    """A ``[[tiers]]`` table of an S3 tier at ``s3://bucket/prefix`` reached through ``endpoint``
+    (which wins over an ``endpoint_url`` in ``storage_options``); moto's fake credentials unless
+    ``storage_options`` gives others."""
+    options = {**(S3_CREDENTIALS if storage_options is None else storage_options), "endpoint_url": endpoint}
     return {"name": name, "url": f"s3://{bucket}/{prefix}", "storage_options": options, **policy}
 
 

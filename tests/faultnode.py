@@ -160,51 +160,37 @@ class FaultNode:
 
     # -- setup --------------------------------------------------------------------------------
 
-    def write_config(self, **daemon: str) -> None:
-        opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in self.storage_options.items())
-        daemon_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in daemon.items())
-        text = f"""
-index = "{self.index}"
-max_delete = {self.max_delete}
-log_level = "{self.log_level}"
+    def write_config(self, *, warm_keep_last: int = 4, **daemon: str) -> None:
+        from builders import local_tier, s3_tier, write_config
 
-[daemon]
-settle_seconds = "1s"
-retention_interval = "1s"
-reap_interval = "1s"
-rescan_interval = "1h"
-metrics_addr = ""
-{daemon_lines}
-
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-keep_last = 2
-keep_best = 1
-metric = "eval_loss"
-mode = "min"
-
-[[tiers]]
-name = "warm"
-url = "{self.warm}"
-keep_last = 4
-
-[[tiers]]
-name = "cold"
-url = "s3://{self.bucket}/{self.prefix}"
-storage_options = {{ {opts} }}
-keep_every = 300
-replicate = true
-
-[reaper]
-failed_after = "2h"
-partial_after = "1h"
-keep_last_of_failed = 1
-"""
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.chmod(0o600)
-        tmp.replace(self.config)
+        write_config(
+            self.config,
+            index=self.index,
+            max_delete=self.max_delete,
+            log_level=self.log_level,
+            daemon={
+                "settle_seconds": "1s",
+                "retention_interval": "1s",
+                "reap_interval": "1s",
+                "rescan_interval": "1h",
+                "metrics_addr": "",
+                **daemon,
+            },
+            tiers=[
+                local_tier("hot", self.hot, keep_last=2, keep_best=1, metric="eval_loss", mode="min"),
+                local_tier("warm", self.warm, keep_last=warm_keep_last),
+                s3_tier(
+                    "cold",
+                    self.bucket,
+                    self.storage_options["endpoint_url"],
+                    prefix=self.prefix,
+                    storage_options=self.storage_options,
+                    keep_every=300,
+                    replicate=True,
+                ),
+            ],
+            reaper={"failed_after": "2h", "partial_after": "1h", "keep_last_of_failed": 1},
+        )
 
     def populate(self) -> None:
         from builders import manifest_of, tier

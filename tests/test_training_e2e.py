@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 from click.testing import CliRunner
 
 import ckptkeeper
@@ -86,23 +87,15 @@ def test_lightning_run_cataloged_tiered_reaped_and_best_restored(tmp_path: Path)
     hot.mkdir()
     warm.mkdir()
     config = tmp_path / "config.toml"
-    config.write_text(
-        f"""
-index = "{tmp_path}/index.db"
-[daemon]
-settle_seconds = "1h"   # only the hook's commits make these complete
-[[tiers]]
-name = "hot"
-url = "{hot}"
-keep_last = 1
-metric = "val_loss"
-mode = "min"
-[[tiers]]
-name = "warm"
-url = "{warm}"
-"""
+    write_config(
+        config,
+        index=tmp_path / "index.db",
+        daemon={"settle_seconds": "1h"},  # only the hook's commits make these complete
+        tiers=[
+            local_tier("hot", hot, keep_last=1, metric="val_loss", mode="min"),
+            local_tier("warm", warm),
+        ],
     )
-    config.chmod(0o600)
 
     def cli(*args: str) -> tuple[int, str]:
         result = CliRunner().invoke(main, ["--config", str(config), *args], catch_exceptions=False)
