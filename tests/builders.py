@@ -169,6 +169,15 @@ def manifest_of(root: Path, run: str, step: int, *, name: str | None = None, **f
 # --------------------------------------------------------------------------------------------
 # config files
 
+FAST_DAEMON = {
+    "settle_seconds": "1s",
+    "retention_interval": "1s",
+    "reap_interval": "1s",
+    "rescan_interval": "1h",
+    "metrics_addr": "",
+}
+"""A ``[daemon]`` table for tests of the running daemon: every pass each second, no /metrics."""
+
 S3_CREDENTIALS = {"key": "testing", "secret": "testing"}
 """moto's fake credentials (conftest sets the same in the environment)."""
 

@@ -97,6 +97,25 @@ def s3_storage_options(s3_reset: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# real (tiny) training
+
+
+@pytest.fixture
+def torch_quiet() -> None:
+    """Skip without torch; else one CPU thread, a fixed seed and no tqdm monitor thread (which
+    outlives any test: the thread-leak guard below would count it)."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    try:
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
 # thread-leak guard (as watchdog's tests/conftest.py)
 
 

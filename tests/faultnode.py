@@ -161,21 +161,14 @@ class FaultNode:
     # -- setup --------------------------------------------------------------------------------
 
     def write_config(self, *, warm_keep_last: int = 4, **daemon: str) -> None:
-        from builders import local_tier, s3_tier, write_config
+        from builders import FAST_DAEMON, local_tier, s3_tier, write_config
 
         write_config(
             self.config,
             index=self.index,
             max_delete=self.max_delete,
             log_level=self.log_level,
-            daemon={
-                "settle_seconds": "1s",
-                "retention_interval": "1s",
-                "reap_interval": "1s",
-                "rescan_interval": "1h",
-                "metrics_addr": "",
-                **daemon,
-            },
+            daemon={**FAST_DAEMON, **daemon},
             tiers=[
                 local_tier("hot", self.hot, keep_last=2, keep_best=1, metric="eval_loss", mode="min"),
                 local_tier("warm", self.warm, keep_last=warm_keep_last),

@@ -14,21 +14,7 @@ import pytest
 
 from ckptkeeper.hook import read_commits, read_run_dir
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> None:
-    """One CPU thread and a fixed seed; no tqdm monitor thread (the conftest guard counts it)."""
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    try:
-        import tqdm
-
-        tqdm.tqdm.monitor_interval = 0
-    except ImportError:
-        pass
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_quiet")]
 
 
 def test_integrations_package_is_cheap() -> None:

@@ -16,23 +16,9 @@ from click.testing import CliRunner
 import ckptkeeper
 from ckptkeeper.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_quiet")]
 
 VAL_LOSS_BY_EPOCH = [0.5, 2.0, 1.0]  # the best checkpoint is the oldest: retention must not lose it
-
-
-@pytest.fixture(autouse=True)
-def _torch_quiet() -> None:
-    """One CPU thread and a fixed seed; no tqdm monitor thread (the conftest guard counts it)."""
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    try:
-        import tqdm
-
-        tqdm.tqdm.monitor_interval = 0
-    except ImportError:
-        pass
 
 
 def train(run_dir: Path, crash_epoch: int | None = None) -> None:
