@@ -97,6 +97,25 @@ def s3_storage_options(s3_reset: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# real (tiny) training
+
+
+@pytest.fixture
+def torch_quiet() -> None:
+    """Skip without torch; else one CPU thread, a fixed seed and no tqdm monitor thread (which
+    outlives any test: the thread-leak guard below would count it)."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    try:
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
 # thread-leak guard (as watchdog's tests/conftest.py)
 
 
@@ -120,22 +139,42 @@ def _allowed_survivor(thread: threading.Thread) -> bool:
     )
 
 
+LEAK_GRACE = 5.0
+"""Seconds a thread someone else started (a watchdog emitter, APScheduler's worker …) gets to
+finish after the test, so a loaded CI machine does not turn a slow shutdown into a failure."""
+
+OUR_PREFIX = "ckptkeeper"
+"""Threads ckptkeeper starts (heartbeat, watcher, metrics, sd-watchdog) are named so; their
+``stop()``/``close()`` joins them, so they get no grace: one alive after the test is a missing join."""
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_leaks() -> Iterator[None]:
-    """Fail a test that leaves behind a thread it started (observer, scheduler, worker …).
+    """Fail a test that leaves behind a thread it started (observer, scheduler, heartbeat, worker …).
 
-    Daemon threads count too: watchdog observers and APScheduler's BackgroundScheduler run as
-    daemon threads, and leaving those running is exactly the bug this guard exists to catch.
+    The one guard of the suite; no test module needs its own. Daemon threads count too: watchdog
+    observers and APScheduler's BackgroundScheduler run as daemon threads, and leaving those
+    running is exactly the bug this guard exists to catch.
     """
     before = set(threading.enumerate())
     yield
-    deadline = time.monotonic() + 2.0
-    leaked: list[threading.Thread] = []
-    for thread in threading.enumerate():
-        if thread in before or _allowed_survivor(thread) or thread is threading.current_thread():
-            continue
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            leaked.append(thread)
+
+    def new_threads() -> list[threading.Thread]:
+        me = threading.current_thread()
+        return [
+            t
+            for t in threading.enumerate()
+            if t not in before and t is not me and not _allowed_survivor(t) and t.is_alive()
+        ]
+
+    ours = [t for t in new_threads() if t.name.startswith(OUR_PREFIX)]
+    if ours:
+        pytest.fail(f"test left ckptkeeper threads running (not joined): {ours!r}", pytrace=False)
+    deadline = time.monotonic() + LEAK_GRACE
+    leaked = new_threads()
+    while leaked and time.monotonic() < deadline:
+        for thread in leaked:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        leaked = new_threads()  # a thread may start another while stopping
     if leaked:
         pytest.fail(f"test leaked threads: {leaked!r}", pytrace=False)

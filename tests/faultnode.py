@@ -121,25 +121,6 @@ class Template:
         return Template(root, hashes)
 
 
-def manifest_of(run_dir: Path, run: str, step: int) -> Any:
-    from ckptkeeper.core.model import FileEntry, Manifest
-    from ckptkeeper.util.hashing import hash_file
-
-    ckpt = run_dir / f"checkpoint-{step}"
-    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
-    entries = tuple(FileEntry(rel, *hash_file(ckpt / rel)) for rel in files)
-    return Manifest(
-        run=run,
-        step=step,
-        name=f"checkpoint-{step}",
-        layout="hf",
-        is_dir=True,
-        files=entries,
-        created_at=time.time() - 5 * HOUR + step,
-        node="another-node",
-    )
-
-
 class FaultNode:
     """hot + warm (local) + cold (S3) with the scenario above, driven through the real CLI."""
 
@@ -179,54 +160,34 @@ class FaultNode:
 
     # -- setup --------------------------------------------------------------------------------
 
-    def write_config(self, **daemon: str) -> None:
-        opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in self.storage_options.items())
-        daemon_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in daemon.items())
-        text = f"""
-index = "{self.index}"
-max_delete = {self.max_delete}
-log_level = "{self.log_level}"
+    def write_config(self, *, warm_keep_last: int = 4, **daemon: str) -> None:
+        from builders import FAST_DAEMON, local_tier, s3_tier, write_config
 
-[daemon]
-settle_seconds = "1s"
-retention_interval = "1s"
-reap_interval = "1s"
-rescan_interval = "1h"
-metrics_addr = ""
-{daemon_lines}
-
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-keep_last = 2
-keep_best = 1
-metric = "eval_loss"
-mode = "min"
-
-[[tiers]]
-name = "warm"
-url = "{self.warm}"
-keep_last = 4
-
-[[tiers]]
-name = "cold"
-url = "s3://{self.bucket}/{self.prefix}"
-storage_options = {{ {opts} }}
-keep_every = 300
-replicate = true
-
-[reaper]
-failed_after = "2h"
-partial_after = "1h"
-keep_last_of_failed = 1
-"""
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.chmod(0o600)
-        tmp.replace(self.config)
+        write_config(
+            self.config,
+            index=self.index,
+            max_delete=self.max_delete,
+            log_level=self.log_level,
+            daemon={**FAST_DAEMON, **daemon},
+            tiers=[
+                local_tier("hot", self.hot, keep_last=2, keep_best=1, metric="eval_loss", mode="min"),
+                local_tier("warm", self.warm, keep_last=warm_keep_last),
+                s3_tier(
+                    "cold",
+                    self.bucket,
+                    self.storage_options["endpoint_url"],
+                    prefix=self.prefix,
+                    storage_options=self.storage_options,
+                    keep_every=300,
+                    replicate=True,
+                ),
+            ],
+            reaper={"failed_after": "2h", "partial_after": "1h", "keep_last_of_failed": 1},
+        )
 
     def populate(self) -> None:
-        from ckptkeeper.core.model import TierPolicy, TierSpec
+        from builders import manifest_of, tier
+
         from ckptkeeper.storage import TierStorage
 
         src = self.template.root
@@ -261,13 +222,15 @@ keep_last_of_failed = 1
         (self.outside / "precious.bin").write_bytes(b"never delete me" * 100)
         os.symlink(self.outside, self.hot / "train" / "link-out")
         # run `old` as another node left it: copies with manifests in warm (and step 100 in cold)
-        template_tier = TierStorage(TierSpec("template", str(src), TierPolicy()), hot=True)
-        warm = TierStorage(TierSpec("warm", str(self.warm), TierPolicy()))
+        template_tier = TierStorage(tier("template", str(src)), hot=True)
+        warm = TierStorage(tier("warm", str(self.warm)))
         cold = TierStorage(
-            TierSpec("cold", f"s3://{self.bucket}/{self.prefix}", TierPolicy(), self.direct_options())
+            tier("cold", f"s3://{self.bucket}/{self.prefix}", storage_options=self.direct_options())
         )
         for step in OLD_STEPS:
-            manifest = manifest_of(src / "old", "old", step)
+            manifest = manifest_of(
+                src, "old", step, created_at=time.time() - 5 * HOUR + step, node="another-node"
+            )
             warm.copy_from(template_tier, manifest)
             if step == 100:
                 cold.copy_from(template_tier, manifest)

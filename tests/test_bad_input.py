@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 
 HOUR = 3600.0
 BOMB = "[" * 100_000 + "]" * 100_000
@@ -66,7 +67,8 @@ def snapshot(root: Path) -> dict[str, tuple[str, Any]]:
 
 
 class Node:
-    def __init__(self, tmp: Path, tiers: str = "keep_last = 1\n", **top: Any) -> None:
+    def __init__(self, tmp: Path, hot: dict[str, Any] | None = None, **top: Any) -> None:
+        """hot (policy ``hot``, by default last 1) and warm (last 1); ``top``: top-level keys."""
         self.tmp = tmp
         self.hot = tmp / "hot"
         self.warm = tmp / "warm"
@@ -74,14 +76,21 @@ class Node:
         for d in (self.hot, self.warm, self.outside):
             d.mkdir(exist_ok=True)
         self.config = tmp / "config.toml"
-        head = "\n".join(f"{k} = {json.dumps(v)}" for k, v in top.items())
-        self.config.write_text(
-            f'index = "{tmp}/index.db"\n{head}\n[daemon]\nsettle_seconds = "1s"\nmetrics_addr = ""\n'
-            f'retention_interval = "1s"\nreap_interval = "1s"\n'
-            f'[[tiers]]\nname = "hot"\nurl = "{self.hot}"\n{tiers}'
-            f'[[tiers]]\nname = "warm"\nurl = "{self.warm}"\nkeep_last = 1\n'
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            daemon={
+                "settle_seconds": "1s",
+                "metrics_addr": "",
+                "retention_interval": "1s",
+                "reap_interval": "1s",
+            },
+            tiers=[
+                local_tier("hot", self.hot, **(hot or {"keep_last": 1})),
+                local_tier("warm", self.warm, keep_last=1),
+            ],
+            **top,
         )
-        self.config.chmod(0o600)
         (self.outside / "precious.bin").write_bytes(b"outside the roots" * 50)
         (self.outside / "sub").mkdir()
         (self.outside / "sub" / "deep.bin").write_bytes(b"deep outside" * 50)
@@ -317,7 +326,7 @@ def test_non_utf8_names_are_left_alone_and_nothing_crashes(tmp_path: Path) -> No
 
 
 def test_malformed_trainer_state_marks_corrupt_and_the_daemon_keeps_running(tmp_path: Path) -> None:
-    node = Node(tmp_path, "keep_last = 5\n")
+    node = Node(tmp_path, {"keep_last": 5})
     run = node.hot / "r"
     hf(run, 1, state=BOMB)  # used to raise RecursionError out of every scan and prune
     hf(run, 2, state='{"global_step": 2, "log_hist')  # truncated

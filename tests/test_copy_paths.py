@@ -11,18 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
+from builders import manifest_of, tier
 
-from ckptkeeper.core.model import FileEntry, Manifest, TierPolicy, TierSpec
 from ckptkeeper.storage import S3TierStorage, TierStorage, VerificationError, localfs
 from ckptkeeper.util import hashing
-
-
-def _manifest(root: Path, run: str, name: str) -> Manifest:
-    path = root / run / name
-    files = tuple(
-        FileEntry(p.relative_to(path).as_posix(), *hashing.hash_file(p)) for p in sorted(path.rglob("*")) if p.is_file()
-    )
-    return Manifest(run=run, step=1, name=name, layout="test", is_dir=True, files=files)
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -35,9 +27,9 @@ def tiers(tmp_path: Path) -> tuple[Path, TierStorage, Path, TierStorage]:
     warm.mkdir()
     return (
         hot,
-        TierStorage(TierSpec("hot", str(hot), TierPolicy()), hot=True),
+        TierStorage(tier("hot", str(hot)), hot=True),
         warm,
-        TierStorage(TierSpec("warm", str(warm), TierPolicy())),
+        TierStorage(tier("warm", str(warm))),
     )
 
 
@@ -47,7 +39,7 @@ def test_many_files_more_than_the_unsynced_limit(tiers: tuple[Path, TierStorage,
     for i in range(localfs._MAX_UNSYNCED_FILES * 2 + 3):
         (ckpt / f"d{i % 5}").mkdir(parents=True, exist_ok=True)
         (ckpt / f"d{i % 5}" / f"shard-{i}.distcp").write_bytes(os.urandom(i * 97))
-    manifest = _manifest(hot, "run", "ckpt")
+    manifest = manifest_of(hot, "run", 1, name="ckpt", layout="test")
     fds_before = len(os.listdir("/proc/self/fd"))
     warm_tier.copy_from(hot_tier, manifest)
     assert len(os.listdir("/proc/self/fd")) == fds_before  # every descriptor closed
@@ -64,19 +56,21 @@ def test_large_file_crosses_writeback_windows_and_chunks(
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_bytes(os.urandom(10 * hashing.CHUNK_SIZE + 12345))
     (ckpt / "config.json").write_text("{}")
-    manifest = _manifest(hot, "run", "ckpt")
+    manifest = manifest_of(hot, "run", 1, name="ckpt", layout="test")
     restored = hot_tier.fetch(manifest, warm / "restore")  # fetch shares the loop
     warm_tier.copy_from(hot_tier, manifest)
     assert _tree(warm / "run" / "ckpt") == _tree(ckpt) == _tree(restored)
 
 
-def test_a_changed_source_still_aborts_with_pending_files(tiers: tuple[Path, TierStorage, Path, TierStorage]) -> None:
+def test_a_changed_source_still_aborts_with_pending_files(
+    tiers: tuple[Path, TierStorage, Path, TierStorage],
+) -> None:
     hot, hot_tier, warm, warm_tier = tiers
     ckpt = hot / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     for i in range(5):
         (ckpt / f"a{i}.bin").write_bytes(os.urandom(1000))
-    manifest = _manifest(hot, "run", "ckpt")
+    manifest = manifest_of(hot, "run", 1, name="ckpt", layout="test")
     (ckpt / "a4.bin").write_bytes(os.urandom(1000))  # same size, other content
     fds_before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(VerificationError):
@@ -96,10 +90,8 @@ def test_s3_parts_reuse_buffers_across_files_and_stay_exact(
     MiB = 2**20
     for i, size in enumerate((11 * MiB + 7, 5 * MiB, 3, 0, 10 * MiB)):  # multipart, exact part, tiny, empty
         (ckpt / f"shard-{i}.pt").write_bytes(os.urandom(size))
-    manifest = _manifest(hot, "run", "ckpt")
-    cold = TierStorage(
-        TierSpec("cold", f"s3://{s3_bucket}/cold", TierPolicy(), storage_options={"endpoint_url": s3_reset})
-    )
+    manifest = manifest_of(hot, "run", 1, name="ckpt", layout="test")
+    cold = TierStorage(tier("cold", f"s3://{s3_bucket}/cold", storage_options={"endpoint_url": s3_reset}))
     assert isinstance(cold, S3TierStorage)
     cold.part_size = 5 * MiB
     cold.max_inflight = 2

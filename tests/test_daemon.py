@@ -14,36 +14,21 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config, write_text_config
 from layout_fixtures import make_hf  # tests/ is on sys.path (pytest prepend mode), as in test_layouts
 
 from ckptkeeper.index import Index
 
 REPO = Path(__file__).resolve().parent.parent
 SETTLE = 1.0
-
-
-@pytest.fixture(autouse=True)
-def _no_thread_leaks() -> Iterator[None]:
-    """Fail a test that leaves threads behind in this process (hook heartbeats, readers, …)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 3.0
-    leaked: list[threading.Thread] = []
-    while time.monotonic() < deadline:
-        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not leaked:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"test leaked threads: {sorted(t.name for t in leaked)}")
 
 
 def free_port() -> int:
@@ -116,33 +101,33 @@ class Node:
         self.write_config()
 
     def write_config(
-        self, extra_daemon: str = "", *, warm_replicate: bool = False, raw: str | None = None
+        self,
+        *,
+        daemon: Mapping[str, Any] | None = None,
+        hot: Mapping[str, Any] | None = None,
+        warm: Mapping[str, Any] | None = None,
+        reaper: Mapping[str, Any] | None = None,
+        warm_replicate: bool = False,
+        raw: str | None = None,
     ) -> None:
-        text = (
-            raw
-            or f"""
-index = "{self.index_path}"
-
-[daemon]
-settle_seconds = "{SETTLE}s"
-metrics_addr = "127.0.0.1:{self.port}"
-{extra_daemon}
-
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-keep_last = 5
-
-[[tiers]]
-name = "warm"
-url = "{self.warm}"
-replicate = {"true" if warm_replicate else "false"}
-"""
+        """hot (last 5) and warm; ``daemon``/``hot``/``warm`` add or override keys; ``raw``: this text."""
+        if raw is not None:
+            write_text_config(self.config, raw)
+            return
+        write_config(
+            self.config,
+            index=self.index_path,
+            daemon={
+                "settle_seconds": f"{SETTLE}s",
+                "metrics_addr": f"127.0.0.1:{self.port}",
+                **(daemon or {}),
+            },
+            tiers=[
+                local_tier("hot", self.hot, **{"keep_last": 5, **(hot or {})}),
+                local_tier("warm", self.warm, **{"replicate": warm_replicate, **(warm or {})}),
+            ],
+            reaper=reaper,
         )
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.chmod(0o600)
-        tmp.replace(self.config)
 
     def cli(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -365,7 +350,7 @@ def test_sighup_keeps_running_on_a_bad_config_and_applies_a_good_one(
         assert proc.poll() is None
 
         mark = len(notify_socket.lines())
-        node.write_config('retention_interval = "7m"')
+        node.write_config(daemon={"retention_interval": "7m"})
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: any(e.get("event") == "config reloaded" for e in node.log_events(proc)), 10)
         applied = next(e for e in node.log_events(proc) if e.get("event") == "config reloaded")
@@ -388,7 +373,7 @@ def test_abstract_notify_socket_and_prompt_replication(node: Node) -> None:
     """`@name` NOTIFY_SOCKET; a new checkpoint with `replicate` on warm gets copied long before
     the (1 h) retention interval: the watcher triggers a prompt retention pass."""
     notify = Notifications(abstract=True)
-    node.write_config('retention_interval = "1h"\nreap_interval = "1h"', warm_replicate=True)
+    node.write_config(daemon={"retention_interval": "1h", "reap_interval": "1h"}, warm_replicate=True)
     proc = node.start(notify)
     try:
         assert notify.wait_for("READY=1", 30), node.log_text(proc)
@@ -423,7 +408,7 @@ def test_checkpoint_written_while_running_is_tiered_without_walking_the_hot_tier
     re-check walks the whole hot tier (a walk stamps the hot tier's status); SIGHUP still does."""
     for step in (100, 200):
         settled(make_hf(node.hot / "old", step))
-    node.write_config('retention_interval = "1h"\nreap_interval = "1h"', warm_replicate=True)
+    node.write_config(daemon={"retention_interval": "1h", "reap_interval": "1h"}, warm_replicate=True)
     notify = Notifications()
     proc = node.start(notify)
     try:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from builders import FAST_DAEMON
 from test_daemon import Node, Notifications, stop_cleanly, wait_for
 
 import ckptkeeper
@@ -26,26 +27,10 @@ def node(tmp_path: Path) -> Node:
 
 def test_training_loop_checkpoints_are_cataloged_tiered_and_reaped_unattended(node: Node) -> None:
     node.write_config(
-        raw=f"""
-index = "{node.index_path}"
-[daemon]
-settle_seconds = "1s"
-retention_interval = "1s"
-reap_interval = "1s"
-rescan_interval = "1h"
-metrics_addr = ""
-[[tiers]]
-name = "hot"
-url = "{node.hot}"
-keep_last = 1
-[[tiers]]
-name = "warm"
-url = "{node.warm}"
-keep_last = 2
-[reaper]
-partial_after = "1s"
-failed_after = "1h"
-"""
+        daemon=FAST_DAEMON,
+        hot={"keep_last": 1},
+        warm={"keep_last": 2, "replicate": None},
+        reaper={"partial_after": "1s", "failed_after": "1h"},
     )
     notify = Notifications()
     proc = node.start(notify)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 from faultnode import GOLDEN, FaultNode, Template, kill
 
 ENOSPC_SEAM = """
@@ -69,12 +70,15 @@ class TwoTiers:
         self.hot = tmp / "hot"
         self.warm = warm
         self.config = tmp / "config.toml"
-        self.config.write_text(
-            f'index = "{tmp}/index.db"\n[daemon]\nsettle_seconds = "1s"\n'
-            f'[[tiers]]\nname = "hot"\nurl = "{self.hot}"\nkeep_last = 1\n'
-            f'[[tiers]]\nname = "warm"\nurl = "{warm}"\nkeep_last = 5\n'
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            daemon={"settle_seconds": "1s"},
+            tiers=[
+                local_tier("hot", self.hot, keep_last=1),
+                local_tier("warm", warm, keep_last=5),
+            ],
         )
-        self.config.chmod(0o600)
         run = self.hot / "run"
         # step 1 does not fit in 2 MiB; step 2 does; step 3 stays hot
         self.hashes = {1: hf(run, 1, 3 * 2**20), 2: hf(run, 2, 100_000), 3: hf(run, 3, 100_000)}
@@ -187,14 +191,8 @@ def files_of(node: FaultNode, s3: Any) -> set[str]:
     return local | {f"s3:{k}" for k in node.s3_keys(s3)}
 
 
-STRICTER = {"keep_last = 4": "keep_last = 1"}  # warm keeps only the newest: old@300..500 would expire
-
-
 def stricter(node: FaultNode) -> None:
-    text = node.config.read_text()
-    for a, b in STRICTER.items():
-        text = text.replace(a, b)
-    node.config.write_text(text)
+    node.write_config(warm_keep_last=1)  # warm keeps only the newest: old@300..500 would expire
 
 
 def test_corrupt_index_is_rebuilt_from_the_tiers_and_the_first_prune_deletes_nothing(

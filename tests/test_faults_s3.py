@@ -245,9 +245,9 @@ def test_single_put_outlasting_botocore_retries_is_resent_whole(
     """A one-request object (up to a part size) whose PUT is cut off after the server took it, more
     times than botocore retries (3): the attempts after that are ours (the rewinding loop parts
     use too), and the object must still arrive whole and verify."""
-    from test_storage import manifest_of
+    from builders import tier
+    from test_storage import cataloged
 
-    from ckptkeeper.core.model import TierPolicy, TierSpec
     from ckptkeeper.storage import TierStorage
 
     data_key = f"/{s3_bucket}/cold/run1/model.pt"
@@ -264,10 +264,10 @@ def test_single_put_outlasting_botocore_retries_is_resent_whole(
     (hot_root / "run1").mkdir(parents=True)
     payload = os.urandom(3 * 2**20 + 17)
     (hot_root / "run1" / "model.pt").write_bytes(payload)
-    hot = TierStorage(TierSpec("hot", str(hot_root), TierPolicy()), hot=True)
+    hot = TierStorage(tier("hot", str(hot_root)), hot=True)
     options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
-    cold = TierStorage(TierSpec("cold", f"s3://{s3_bucket}/cold", TierPolicy(), options))
-    manifest = manifest_of(hot_root, "run1", "model.pt", 100)
+    cold = TierStorage(tier("cold", f"s3://{s3_bucket}/cold", storage_options=options))
+    manifest = cataloged(hot_root, "run1", "model.pt", 100)
 
     cold.copy_from(hot, manifest)
 

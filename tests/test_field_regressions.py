@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, s3_tier, write_config
 from faultproxy import FaultProxy
 from layout_fixtures import torch_like_zip
 
@@ -61,17 +62,19 @@ def hf(run: Path, step: int, *, eval_loss: float | None = None, when: float | No
 
 
 class Node:
-    def __init__(self, tmp: Path, tiers: str, **top: Any) -> None:
+    def __init__(self, tmp: Path, hot: dict[str, Any], *more: dict[str, Any], **top: Any) -> None:
+        """A hot tier with policy ``hot``, then the ``more`` tier tables (``local_tier``/``s3_tier``)."""
         self.tmp = tmp
         self.hot = tmp / "hot"
         self.hot.mkdir(exist_ok=True)
         self.config = tmp / "config.toml"
-        head = "\n".join(f"{k} = {json.dumps(v)}" for k, v in top.items())
-        self.config.write_text(
-            f'index = "{tmp}/index.db"\n{head}\n[daemon]\nsettle_seconds = "1s"\n'
-            f'[[tiers]]\nname = "hot"\nurl = "{self.hot}"\n{tiers}'
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            daemon={"settle_seconds": "1s"},
+            tiers=[local_tier("hot", self.hot, **hot), *more],
+            **top,
         )
-        self.config.chmod(0o600)
 
     def cli(self, *args: str, wrapper: str | None = None) -> subprocess.CompletedProcess[str]:
         head = [sys.executable, "-c", wrapper] if wrapper else [sys.executable, "-m", "ckptkeeper.cli"]
@@ -101,7 +104,7 @@ def test_hf_25129_11769_27138_rotation_never_deletes_the_best_or_the_newest(
     and with ``load_best_model_at_end`` the best checkpoint was rotated out. Here names sort the
     other way round from steps (``checkpoint-1000`` < ``checkpoint-999``), mtimes are reversed (a
     resumed run rewrote old steps last) and the best checkpoint is the oldest one."""
-    node = Node(tmp_path, f'keep_last = {keep_last}\nkeep_best = 1\nmetric = "eval_loss"\nmode = "min"\n')
+    node = Node(tmp_path, {"keep_last": keep_last, "keep_best": 1, "metric": "eval_loss", "mode": "min"})
     run = node.hot / "resumed"
     steps = [98, 99, 100, 999, 1000]
     now = time.time()
@@ -132,11 +135,17 @@ def test_lightning_11379_never_deletes_another_runs_checkpoints(
     whose names are prefixes of each other (``exp``/``exp-2``/``exp2``) hold checkpoints whose names
     are prefixes of each other (``checkpoint-1``/``-10``/``-100``), in hot and in S3; then ``exp``
     fails and is reaped everywhere but its newest — ``exp-2`` and ``exp2`` come out untouched."""
-    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s3_storage_options.items())
     node = Node(
         tmp_path,
-        f'keep_last = 3\n[[tiers]]\nname = "cold"\nurl = "s3://{s3_bucket}/c"\nstorage_options = {{ {opts} }}\n'
-        "replicate = true\n",
+        {"keep_last": 3},
+        s3_tier(
+            "cold",
+            s3_bucket,
+            s3_storage_options["endpoint_url"],
+            prefix="c",
+            storage_options=s3_storage_options,
+            replicate=True,
+        ),
     )
     for run in ("exp", "exp-2", "exp2"):
         for step in (1, 10, 100):
@@ -183,7 +192,7 @@ def test_orbax_394_copies_that_lack_a_marker_are_never_deleted(tmp_path: Path) -
     with no marker at all but fresh (still being written), and one with no marker at all that is
     old. Only the last may ever be reaped (DESIGN §4), and not before ``partial_after``."""
     warm = tmp_path / "warm"
-    node = Node(tmp_path, f'keep_last = 1\n[[tiers]]\nname = "warm"\nurl = "{warm}"\nkeep_last = 2\n')
+    node = Node(tmp_path, {"keep_last": 1}, local_tier("warm", warm, keep_last=2))
     foreign = warm / "orbax-run" / "7"
     foreign.mkdir(parents=True)
     (foreign / "default").mkdir()
@@ -242,16 +251,21 @@ def test_fsspec_1559_a_failed_copy_never_removes_the_source(
         proxy.rules.append(
             lambda r: "denied" if r.method == "PUT" and r.path.endswith(".ckptkeeper-manifest.json") else None
         )
-        opts = ", ".join(
-            f"{k} = {json.dumps(v)}" for k, v in {**s3_storage_options, "endpoint_url": proxy.url}.items()
-        )
         warm = tmp_path / "warm"
         warm.mkdir()
         node = Node(
             tmp_path,
-            f'keep_last = 1\n[[tiers]]\nname = "warm"\nurl = "{warm}"\nkeep_last = 2\nreplicate = true\n'
-            f'[[tiers]]\nname = "cold"\nurl = "s3://{s3_bucket}/c"\nstorage_options = {{ {opts} }}\n'
-            "keep_last = 4\nreplicate = true\n",  # two copies per move: never a same-filesystem rename
+            {"keep_last": 1},
+            local_tier("warm", warm, keep_last=2, replicate=True),
+            s3_tier(  # two copies per move: never a same-filesystem rename
+                "cold",
+                s3_bucket,
+                proxy.url,
+                prefix="c",
+                storage_options=s3_storage_options,
+                keep_last=4,
+                replicate=True,
+            ),
         )
         run = node.hot / "r"
         originals = {s: digest_tree(hf(run, s)) for s in (1, 2, 3, 4)}
@@ -281,7 +295,7 @@ def test_two_checkpoints_sharing_a_step_are_planned_one_at_a_time(tmp_path: Path
     complete one per step and the other is left untouched (a note says so); both survive."""
     warm = tmp_path / "warm"
     warm.mkdir()
-    node = Node(tmp_path, f'keep_last = 1\n[[tiers]]\nname = "warm"\nurl = "{warm}"\nkeep_last = 3\n')
+    node = Node(tmp_path, {"keep_last": 1}, local_tier("warm", warm, keep_last=3))
     ckpts = node.hot / "lit" / "checkpoints"
     now = time.time()
     paths = {}

@@ -50,17 +50,6 @@ HEAVY = {
 }
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_heartbeats() -> Iterator[None]:
-    """A test that leaves a heartbeat thread running fails (the hook must join what it starts)."""
-    before = {t for t in threading.enumerate() if t.name.startswith("ckptkeeper-heartbeat")}
-    yield
-    leaked = [
-        t.name for t in threading.enumerate() if t.name.startswith("ckptkeeper-heartbeat") and t not in before
-    ]
-    assert not leaked, f"leaked heartbeat threads: {leaked}"
-
-
 def _ckpt(run_dir: Path, name: str, data: bytes = b"weights") -> Path:
     path = run_dir / name
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,7 @@ import importlib
 import subprocess
 import sys
 import textwrap
-import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,24 +14,7 @@ import pytest
 
 from ckptkeeper.hook import read_commits, read_run_dir
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def one_thread_no_leaks() -> Iterator[None]:
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    try:  # tqdm's monitor thread outlives any test (the shared conftest guard counts it as a leak)
-        import tqdm
-
-        tqdm.tqdm.monitor_interval = 0
-    except ImportError:
-        pass
-    before = set(threading.enumerate())
-    yield
-    leaked = [t.name for t in threading.enumerate() if t.name.startswith("ckptkeeper") and t not in before]
-    assert not leaked, f"leaked threads: {leaked}"
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_quiet")]
 
 
 def test_integrations_package_is_cheap() -> None:

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from builders import local_tier, write_config
 from click.testing import CliRunner
 
 import ckptkeeper
@@ -16,10 +17,7 @@ from ckptkeeper.cli import main
 def test_parent_of_an_active_run_survives_retention_until_the_child_ends(tmp_path: Path) -> None:
     hot = tmp_path / "hot"
     config = tmp_path / "config.toml"
-    config.write_text(
-        f'index = "{tmp_path}/index.db"\n[[tiers]]\nname = "hot"\nurl = "{hot}"\nkeep_last = 1\n'
-    )
-    config.chmod(0o600)
+    write_config(config, index=tmp_path / "index.db", tiers=[local_tier("hot", hot, keep_last=1)])
 
     def cli(*args: str) -> tuple[int, str]:
         result = CliRunner().invoke(main, ["--config", str(config), *args], catch_exceptions=False)

@@ -10,6 +10,8 @@ import random
 from dataclasses import replace
 
 import pytest
+from builders import checkpoint, tier
+from builders import run as make_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +25,6 @@ from ckptkeeper.core.model import (
     Run,
     RunState,
     Snapshot,
-    TierPolicy,
-    TierSpec,
 )
 from ckptkeeper.core.reaper import (
     ARTIFACT_KINDS,
@@ -42,9 +42,9 @@ H = 3600.0
 FAILED_AFTER = 2 * H
 POLICY = ReaperPolicy(failed_after=FAILED_AFTER, partial_after=H, keep_last_of_failed=1)
 TIERS = (
-    TierSpec("hot", "/nvme/ckpt", TierPolicy(keep_last=2)),
-    TierSpec("warm", "/mnt/warm", TierPolicy(keep_last=5)),
-    TierSpec("cold", "s3://bucket/ckpt", TierPolicy(keep_every=400)),
+    tier("hot", "/nvme/ckpt", keep_last=2),
+    tier("warm", "/mnt/warm", keep_last=5),
+    tier("cold", "s3://bucket/ckpt", keep_every=400),
 )
 ME = "node-a"
 
@@ -65,23 +65,21 @@ def ckpt(
     nbytes: int = 1000,
 ) -> Checkpoint:
     """A checkpoint last written ``age`` seconds before NOW; partial ones have no verified copy."""
-    return Checkpoint(
-        run=run,
-        step=step,
-        name=f"checkpoint-{step}",
-        layout="hf",
+    return checkpoint(
+        run,
+        step,
         state=state,
         created_at=NOW - age - 60,
-        bytes=nbytes,
-        pinned=pinned,
-        tiers=frozenset(tiers) if state is COMPLETE else frozenset(),
         last_write=NOW - age,
+        nbytes=nbytes,
+        pinned=pinned,
+        tiers=tiers if state is COMPLETE else (),
         committed=committed,
     )
 
 
 def run(name: str, state: RunState, *, parent: tuple[str, int] | None = None, idle: float = 3 * H) -> Run:
-    return Run(name=name, state=state, last_seen=NOW - idle, parent=parent)
+    return make_run(name, state, last_seen=NOW - idle, parent=parent)
 
 
 def reap(snapshot: Snapshot, policy: ReaperPolicy = POLICY) -> ReapDecision:
@@ -624,14 +622,14 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
         for step in draw(STEP_SETS):
             state = draw(CKPT_STATES)
             checkpoints.append(
-                Checkpoint(
-                    run=name,
-                    step=step * 100,
+                checkpoint(
+                    name,
+                    step * 100,
+                    state=state,
                     name=f"step-{step * 100}",
                     layout="orbax",
-                    state=state,
                     created_at=NOW - 60 * H,
-                    bytes=draw(SIZES),
+                    nbytes=draw(SIZES),
                     pinned=draw(st.booleans()),
                     tiers=draw(TIER_SETS),
                     last_write=NOW - draw(AGES),
@@ -644,19 +642,10 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
         parent: tuple[str, int] | None = None
         if draw(st.booleans()) and len(keys) > 0:
             parent = draw(st.sampled_from(keys))
-        runs.append(
-            Run(
-                name=name,
-                state=draw(RUN_STATES),
-                last_seen=NOW - draw(AGES),
-                parent=parent,
-            )
-        )
+        runs.append(make_run(name, draw(RUN_STATES), last_seen=NOW - draw(AGES), parent=parent))
     if draw(st.integers(0, 4)) and len(keys) > 0:
         # A resumed run with no checkpoint of its own yet: the case parent protection exists for.
-        runs.append(
-            Run(name="resumed", state=RunState.ACTIVE, last_seen=NOW, parent=draw(st.sampled_from(keys)))
-        )
+        runs.append(make_run("resumed", RunState.ACTIVE, last_seen=NOW, parent=draw(st.sampled_from(keys))))
     artifacts = [
         Artifact(
             tier=draw(ARTIFACT_TIERS),

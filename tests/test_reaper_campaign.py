@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, s3_tier, write_config
 from click.testing import CliRunner
 
 from ckptkeeper.cli import main
@@ -152,23 +153,13 @@ class Campaign:
         self.bucket = bucket
 
         self.config = tmp / "config.toml"
-        self.config.write_text(f"""
-index = "{tmp}/index.db"
-[daemon]
-settle_seconds = "1s"
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-[[tiers]]
-name = "cold"
-url = "s3://{bucket}/ckpt"
-storage_options = {{ endpoint_url = "{endpoint}", key = "testing", secret = "testing" }}
-[reaper]
-failed_after = "2h"
-partial_after = "3s"
-keep_last_of_failed = 1
-""")
-        self.config.chmod(0o600)
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            daemon={"settle_seconds": "1s"},
+            tiers=[local_tier("hot", self.hot), s3_tier("cold", bucket, endpoint)],
+            reaper={"failed_after": "2h", "partial_after": "3s", "keep_last_of_failed": 1},
+        )
 
     def cli(self, *args: str) -> tuple[int, str]:
         result = CliRunner().invoke(main, ["--config", str(self.config), *args], catch_exceptions=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 from layout_fixtures import make_campaign, make_hf
 
 
@@ -32,11 +33,12 @@ class Hot:
         self.root = tmp / "hot"
         self.root.mkdir()
         self.config = tmp / "config.toml"
-        self.config.write_text(
-            f'index = "{tmp}/index.db"\n[daemon]\nsettle_seconds = "{settle}"\n'
-            f'[[tiers]]\nname = "hot"\nurl = "{self.root}"\n'
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            daemon={"settle_seconds": settle},
+            tiers=[local_tier("hot", self.root)],
         )
-        self.config.chmod(0o600)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+from builders import manifest_of
+from builders import tier as spec  # `tier` names TierStorage objects here
 
 from ckptkeeper import storage
-from ckptkeeper.core.model import MANIFEST_SUFFIX, FileEntry, Manifest, TierPolicy, TierSpec
+from ckptkeeper.core.model import MANIFEST_SUFFIX, FileEntry, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage import (
     LocalTierStorage,
@@ -40,30 +42,18 @@ MiB = 2**20
 # the hot tier: a run with a directory checkpoint and a single-file checkpoint
 
 
-def manifest_of(root: Path, run: str, name: str, step: int) -> Manifest:
+CATALOGED = {
+    "layout": "test",
+    "metrics": {"eval_loss": 1.25},
+    "created_at": 1_700_000_000.0,
+    "node": "test-node",
+}
+"""The fields a catalog run on ``test-node`` would record besides the files."""
+
+
+def cataloged(root: Path, run: str, name: str, step: int) -> Manifest:
     """What the catalog would record for ``root/run/name`` (hashing.hash_file, no symlinks)."""
-    path = root / run / name
-    if path.is_dir():
-        files = tuple(
-            FileEntry(p.relative_to(path).as_posix(), *hashing.hash_file(p))
-            for p in sorted(path.rglob("*"))
-            if p.is_file() and not p.is_symlink()
-        )
-        is_dir = True
-    else:
-        files = (FileEntry("", *hashing.hash_file(path)),)
-        is_dir = False
-    return Manifest(
-        run=run,
-        step=step,
-        name=name,
-        layout="test",
-        is_dir=is_dir,
-        files=files,
-        metrics={"eval_loss": 1.25},
-        created_at=1_700_000_000.0,
-        node="test-node",
-    )
+    return manifest_of(root, run, step, name=name, **CATALOGED)
 
 
 @dataclass
@@ -91,9 +81,9 @@ def hot(tmp_path: Path) -> Hot:
     f.write_bytes(os.urandom(70 * 1024))
     return Hot(
         root=root,
-        tier=TierStorage(TierSpec("hot", str(root), TierPolicy()), hot=True),
-        ckpt_dir=manifest_of(root, "run1", "checkpoint-100", 100),
-        ckpt_file=manifest_of(root, "run1", "checkpoints/epoch=1-step=20.ckpt", 20),
+        tier=TierStorage(spec("hot", str(root)), hot=True),
+        ckpt_dir=cataloged(root, "run1", "checkpoint-100", 100),
+        ckpt_file=cataloged(root, "run1", "checkpoints/epoch=1-step=20.ckpt", 20),
     )
 
 
@@ -163,10 +153,10 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path, name
     if kind == "local":
         root = tmp_path / name
         root.mkdir()
-        return Backend(kind, TierStorage(TierSpec(name, str(root), TierPolicy())), LocalRaw(root))
+        return Backend(kind, TierStorage(spec(name, str(root))), LocalRaw(root))
     bucket = request.getfixturevalue("s3_bucket")
     options = request.getfixturevalue("s3_storage_options")
-    tier = TierStorage(TierSpec(name, f"s3://{bucket}/{name}/ckpt", TierPolicy(), options))
+    tier = TierStorage(spec(name, f"s3://{bucket}/{name}/ckpt", storage_options=options))
     return Backend(kind, tier, S3Raw(request.getfixturevalue("s3_client"), bucket, f"{name}/ckpt/"))
 
 
@@ -247,7 +237,7 @@ class TestTierContract:
         backend.tier.copy_from(hot.tier, hot.ckpt_dir)
         backend.tier.copy_from(hot.tier, hot.ckpt_dir)  # same version: a no-op
         (hot.path(hot.ckpt_dir) / "trainer_state.json").write_text('{"global_step": 101}')
-        rewritten = manifest_of(hot.root, "run1", "checkpoint-100", 100)
+        rewritten = cataloged(hot.root, "run1", "checkpoint-100", 100)
         with pytest.raises(StorageError, match="different version"):
             backend.tier.copy_from(hot.tier, rewritten)
         assert backend.tier.read_manifest("run1/checkpoint-100") == hot.ckpt_dir
@@ -325,7 +315,7 @@ class TestTierContract:
     ) -> None:
         big = hot.root / "run1" / "big.pt"
         big.write_bytes(os.urandom(12 * MiB))
-        m = manifest_of(hot.root, "run1", "big.pt", 300)
+        m = cataloged(hot.root, "run1", "big.pt", 300)
         if isinstance(backend.tier, storage.S3TierStorage):
             backend.tier.part_size = 5 * MiB  # the failure hits a multipart upload in flight
             backend.tier.max_inflight = 2
@@ -461,9 +451,9 @@ class TestTierContract:
 
 
 def test_local_tier_unavailable(tmp_path: Path) -> None:
-    missing = TierStorage(TierSpec("warm", str(tmp_path / "nope"), TierPolicy()))
+    missing = TierStorage(spec("warm", str(tmp_path / "nope")))
     (tmp_path / "file").write_text("")
-    not_a_dir = TierStorage(TierSpec("warm", str(tmp_path / "file"), TierPolicy()))
+    not_a_dir = TierStorage(spec("warm", str(tmp_path / "file")))
     for tier in (missing, not_a_dir):
         with pytest.raises(TierUnavailable):
             tier.list_manifests()
@@ -478,7 +468,7 @@ def test_local_tier_with_unreadable_directory_is_unavailable(
 ) -> None:
     root = tmp_path / "warm"
     (root / "run1" / "locked").mkdir(parents=True)
-    tier = TierStorage(TierSpec("warm", str(root), TierPolicy()))
+    tier = TierStorage(spec("warm", str(root)))
     if os.geteuid() != 0:
         (root / "run1" / "locked").chmod(0)
         try:
@@ -499,7 +489,7 @@ def test_local_tier_with_unreadable_directory_is_unavailable(
 
 
 def test_s3_missing_bucket_is_unavailable(s3_storage_options: dict[str, Any]) -> None:
-    tier = TierStorage(TierSpec("cold", "s3://no-such-bucket-here/ckpt", TierPolicy(), s3_storage_options))
+    tier = TierStorage(spec("cold", "s3://no-such-bucket-here/ckpt", storage_options=s3_storage_options))
     with pytest.raises(TierUnavailable):
         tier.list_manifests()
     with pytest.raises(TierUnavailable):
@@ -518,7 +508,7 @@ def test_s3_unreachable_endpoint_is_unavailable_and_secrets_stay_out(s3_reset: s
         "secret": "hunter2-very-secret-value",
         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
     }
-    tier = TierStorage(TierSpec("cold", "s3://bucket/ckpt", TierPolicy(), options))
+    tier = TierStorage(spec("cold", "s3://bucket/ckpt", storage_options=options))
     start = time.monotonic()
     with pytest.raises(TierUnavailable) as info:
         tier.list_manifests()
@@ -529,7 +519,7 @@ def test_s3_unreachable_endpoint_is_unavailable_and_secrets_stay_out(s3_reset: s
 
 def test_s3_error_messages_redact_secrets(s3_storage_options: dict[str, Any]) -> None:
     tier = TierStorage(
-        TierSpec("cold", "s3://bucket/ckpt", TierPolicy(), {**s3_storage_options, "secret": "s3cr3t-value"})
+        spec("cold", "s3://bucket/ckpt", storage_options={**s3_storage_options, "secret": "s3cr3t-value"})
     )
     assert isinstance(tier, storage.S3TierStorage)
     assert tier._redact("failed with s3cr3t-value inside") == "failed with *** inside"
@@ -543,7 +533,7 @@ def test_s3_error_messages_redact_secrets(s3_storage_options: dict[str, Any]) ->
 @pytest.fixture
 def warm(tmp_path: Path) -> LocalTierStorage:
     (tmp_path / "warm").mkdir()
-    tier = TierStorage(TierSpec("warm", str(tmp_path / "warm"), TierPolicy()))
+    tier = TierStorage(spec("warm", str(tmp_path / "warm")))
     assert isinstance(tier, LocalTierStorage)
     return tier
 
@@ -674,7 +664,7 @@ def cold(request: pytest.FixtureRequest, tmp_path: Path) -> storage.S3TierStorag
 @pytest.fixture
 def big(hot: Hot) -> Manifest:
     (hot.root / "run1" / "big.pt").write_bytes(os.urandom(11 * MiB))
-    return manifest_of(hot.root, "run1", "big.pt", 300)
+    return cataloged(hot.root, "run1", "big.pt", 300)
 
 
 def corrupt_parts_in_transit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -817,7 +807,7 @@ def test_s3_upload_from_a_local_file_holds_no_part_buffers(cold: storage.S3TierS
 
     path = hot.root / "run1" / "huge.pt"
     path.write_bytes(os.urandom(40 * MiB + 5))
-    m = manifest_of(hot.root, "run1", "huge.pt", 400)
+    m = cataloged(hot.root, "run1", "huge.pt", 400)
     job = {
         "url": cold.spec.url,
         "options": dict(cold.spec.storage_options),

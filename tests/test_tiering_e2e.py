@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, s3_tier, write_config
 from click.testing import CliRunner
 
 from ckptkeeper.cli import main
@@ -94,32 +95,17 @@ class Node:
         self.endpoint = endpoint
         self.index = tmp / "index.db"
         self.config = tmp / "config.toml"
-        self.config.write_text(
-            f"""
-index = "{self.index}"
-max_delete = {max_delete}
-[daemon]
-settle_seconds = "1s"
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-keep_last = 2
-keep_best = 1
-metric = "eval_loss"
-mode = "min"
-[[tiers]]
-name = "warm"
-url = "{self.warm}"
-keep_last = 5
-[[tiers]]
-name = "cold"
-url = "s3://{bucket}/ckpt"
-storage_options = {{ endpoint_url = "{endpoint}", key = "testing", secret = "testing" }}
-keep_every = 400
-replicate = {"true" if replicate else "false"}
-"""
+        write_config(
+            self.config,
+            index=self.index,
+            max_delete=max_delete,
+            daemon={"settle_seconds": "1s"},
+            tiers=[
+                local_tier("hot", self.hot, keep_last=2, keep_best=1, metric="eval_loss", mode="min"),
+                local_tier("warm", self.warm, keep_last=5),
+                s3_tier("cold", bucket, endpoint, keep_every=400, replicate=replicate),
+            ],
         )
-        self.config.chmod(0o600)
         self.run_dir = self.hot / "gpt-run"
         now = time.time()
         for i, step in enumerate(STEPS):

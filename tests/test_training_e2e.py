@@ -6,36 +6,19 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 from click.testing import CliRunner
 
 import ckptkeeper
 from ckptkeeper.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_quiet")]
 
 VAL_LOSS_BY_EPOCH = [0.5, 2.0, 1.0]  # the best checkpoint is the oldest: retention must not lose it
-
-
-@pytest.fixture(autouse=True)
-def _torch_quiet() -> Iterator[None]:
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    try:
-        import tqdm
-
-        tqdm.tqdm.monitor_interval = 0
-    except ImportError:
-        pass
-    before = set(threading.enumerate())
-    yield
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptkeeper") and t not in before]
 
 
 def train(run_dir: Path, crash_epoch: int | None = None) -> None:
@@ -90,23 +73,15 @@ def test_lightning_run_cataloged_tiered_reaped_and_best_restored(tmp_path: Path)
     hot.mkdir()
     warm.mkdir()
     config = tmp_path / "config.toml"
-    config.write_text(
-        f"""
-index = "{tmp_path}/index.db"
-[daemon]
-settle_seconds = "1h"   # only the hook's commits make these complete
-[[tiers]]
-name = "hot"
-url = "{hot}"
-keep_last = 1
-metric = "val_loss"
-mode = "min"
-[[tiers]]
-name = "warm"
-url = "{warm}"
-"""
+    write_config(
+        config,
+        index=tmp_path / "index.db",
+        daemon={"settle_seconds": "1h"},  # only the hook's commits make these complete
+        tiers=[
+            local_tier("hot", hot, keep_last=1, metric="val_loss", mode="min"),
+            local_tier("warm", warm),
+        ],
     )
-    config.chmod(0o600)
 
     def cli(*args: str) -> tuple[int, str]:
         result = CliRunner().invoke(main, ["--config", str(config), *args], catch_exceptions=False)

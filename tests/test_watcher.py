@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,21 +27,6 @@ SETTLE = 1.0
 # watchdog's recursive inotify registration races with directories created under it (mkdir -p) and
 # says so with a RuntimeWarning; it is harmless (the watch is re-registered) and not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
-
-@pytest.fixture(autouse=True)
-def _no_thread_leaks() -> Iterator[None]:
-    """Fail a test that leaves an observer, worker or any other thread running (as watchdog does)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 3.0
-    leaked: list[threading.Thread] = []
-    while time.monotonic() < deadline:
-        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not leaked:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"test leaked threads: {sorted(t.name for t in leaked)}")
 
 
 class Env:

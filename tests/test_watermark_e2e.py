@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
 from click.testing import CliRunner
 
 import ckptkeeper
@@ -36,22 +37,14 @@ class Node:
         self.hot.mkdir()
         self.warm.mkdir()
         self.config = tmp / "config.toml"
-        self.config.write_text(
-            f"""
-index = "{tmp / "index.db"}"
-[[tiers]]
-name = "hot"
-url = "{self.hot}"
-keep_last = 2
-high_watermark = 0.85
-low_watermark = 0.50
-[[tiers]]
-name = "warm"
-url = "{self.warm}"
-keep_last = 5
-"""
+        write_config(
+            self.config,
+            index=tmp / "index.db",
+            tiers=[
+                local_tier("hot", self.hot, keep_last=2, high_watermark=0.85, low_watermark=0.50),
+                local_tier("warm", self.warm, keep_last=5),
+            ],
         )
-        self.config.chmod(0o600)
 
     def cli(self, *args: str) -> tuple[int, str]:
         result = CliRunner().invoke(main, ["--config", str(self.config), *args], catch_exceptions=False)
