@@ -1,4 +1,4 @@
-"""The local catalog: the only module that speaks SQL.
+"""The index's queries: every SQL statement ckptkeeper runs is in this module.
 
 SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journal must survive
 ``kill -9`` and power loss, because the journal is what lets a restart finish or undo a move.
@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,197 +20,19 @@ from ckptkeeper.core.model import (
     Artifact,
     Checkpoint,
     CheckpointState,
-    Manifest,
-    Run,
     RunState,
     Snapshot,
 )
-
-BUSY_TIMEOUT_MS = 10_000
-
-
-class IndexCorrupt(Exception):
-    """The database failed its integrity check; the caller rebuilds it from the tiers."""
-
-
-# Each entry migrates from version i to i+1. Never edit a shipped migration: append a new one.
-_MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE runs (
-        name TEXT PRIMARY KEY,
-        state TEXT NOT NULL,
-        state_reason TEXT NOT NULL DEFAULT '',
-        last_seen REAL NOT NULL DEFAULT 0,
-        parent_run TEXT,
-        parent_step INTEGER,
-        host TEXT NOT NULL DEFAULT '',
-        pid INTEGER,
-        on_hot INTEGER NOT NULL DEFAULT 1,
-        updated_at REAL NOT NULL DEFAULT 0
-    );
-    CREATE TABLE checkpoints (
-        id INTEGER PRIMARY KEY,
-        run TEXT NOT NULL,
-        name TEXT NOT NULL,
-        step INTEGER NOT NULL,
-        layout TEXT NOT NULL,
-        state TEXT NOT NULL,
-        created_at REAL NOT NULL,
-        last_write REAL NOT NULL DEFAULT 0,
-        bytes INTEGER NOT NULL DEFAULT 0,
-        metrics TEXT NOT NULL DEFAULT '{}',
-        pinned INTEGER NOT NULL DEFAULT 0,
-        committed INTEGER NOT NULL DEFAULT 0,
-        version TEXT,
-        manifest TEXT,
-        problem TEXT,
-        UNIQUE (run, name)
-    );
-    CREATE INDEX checkpoints_run_step ON checkpoints (run, step);
-    CREATE TABLE locations (
-        checkpoint_id INTEGER NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
-        tier TEXT NOT NULL,
-        version TEXT NOT NULL,
-        verified_at REAL NOT NULL,
-        PRIMARY KEY (checkpoint_id, tier)
-    );
-    CREATE TABLE artifacts (
-        tier TEXT NOT NULL,
-        path TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        bytes INTEGER NOT NULL,
-        last_write REAL NOT NULL,
-        run TEXT,
-        upload_id TEXT,
-        PRIMARY KEY (tier, path, upload_id)
-    );
-    CREATE TABLE tier_status (
-        tier TEXT PRIMARY KEY,
-        ok INTEGER NOT NULL,
-        error TEXT,
-        checked_at REAL NOT NULL
-    );
-    CREATE TABLE journal (
-        id INTEGER PRIMARY KEY,
-        action TEXT NOT NULL,
-        phase TEXT NOT NULL,
-        detail TEXT NOT NULL DEFAULT '{}',
-        started_at REAL NOT NULL,
-        updated_at REAL NOT NULL,
-        done INTEGER NOT NULL DEFAULT 0
-    );
-    CREATE INDEX journal_open ON journal (done);
-    CREATE TABLE reclaimed (
-        reason TEXT PRIMARY KEY,
-        bytes INTEGER NOT NULL DEFAULT 0,
-        count INTEGER NOT NULL DEFAULT 0
-    );
-    CREATE TABLE job_runs (
-        job TEXT PRIMARY KEY,
-        last_start REAL,
-        last_success REAL,
-        last_error TEXT,
-        last_error_at REAL
-    );
-    """,
+from ckptkeeper.index.rows import (
+    CheckpointRow,
+    JobRun,
+    JournalEntry,
+    RunRow,
+    TierStatus,
+    checkpoint_row,
+    run_row,
 )
-
-SCHEMA_VERSION = len(_MIGRATIONS)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRow:
-    """A checkpoint as stored, with its locations (tier -> version)."""
-
-    id: int
-    run: str
-    name: str
-    step: int
-    layout: str
-    state: CheckpointState
-    created_at: float
-    last_write: float
-    bytes: int
-    metrics: Mapping[str, float]
-    pinned: bool
-    committed: bool
-    version: str | None
-    manifest_json: str | None
-    problem: str | None
-    locations: Mapping[str, str]
-
-    @property
-    def verified_tiers(self) -> frozenset[str]:
-        """Tiers holding a copy of the current version."""
-        return frozenset(t for t, v in self.locations.items() if v == self.version)
-
-    def manifest(self) -> Manifest | None:
-        return Manifest.from_json(self.manifest_json) if self.manifest_json else None
-
-    def to_model(self) -> Checkpoint:
-        return Checkpoint(
-            run=self.run,
-            step=self.step,
-            name=self.name,
-            layout=self.layout,
-            state=self.state,
-            created_at=self.created_at,
-            bytes=self.bytes,
-            metrics=dict(self.metrics),
-            pinned=self.pinned,
-            version=self.version,
-            tiers=self.verified_tiers,
-            last_write=self.last_write,
-            committed=self.committed,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class RunRow:
-    name: str
-    state: RunState
-    state_reason: str
-    last_seen: float
-    parent: tuple[str, int] | None
-    host: str
-    pid: int | None
-    on_hot: bool
-
-    def to_model(self) -> Run:
-        return Run(
-            name=self.name,
-            state=self.state,
-            last_seen=self.last_seen,
-            parent=self.parent,
-            host=self.host,
-            pid=self.pid,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class JournalEntry:
-    id: int
-    action: dict[str, Any]
-    phase: str
-    detail: dict[str, Any]
-    started_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class TierStatus:
-    tier: str
-    ok: bool
-    error: str | None
-    checked_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class JobRun:
-    job: str
-    last_start: float | None
-    last_success: float | None
-    last_error: str | None
-    last_error_at: float | None
+from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, MIGRATIONS, SCHEMA_VERSION, IndexCorrupt
 
 
 class _Result:
@@ -293,7 +114,7 @@ class Index:
                     f"index {self.path} has schema version {version}, newer than this ckptkeeper ({SCHEMA_VERSION})"
                 )
             for i in range(version, SCHEMA_VERSION):
-                for statement in _MIGRATIONS[i].split(";"):
+                for statement in MIGRATIONS[i].split(";"):
                     if statement.strip():
                         self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {i + 1}")
@@ -389,11 +210,11 @@ class Index:
 
     def runs(self) -> list[RunRow]:
         rows = self._exec("SELECT * FROM runs ORDER BY name").fetchall()
-        return [_run_row(r) for r in rows]
+        return [run_row(r) for r in rows]
 
     def run(self, name: str) -> RunRow | None:
         row = self._exec("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
-        return _run_row(row) if row else None
+        return run_row(row) if row else None
 
     def delete_run(self, name: str) -> None:
         self._exec("DELETE FROM runs WHERE name = ?", (name,))
@@ -463,7 +284,7 @@ class Index:
         by_id: dict[int, dict[str, str]] = {}
         for loc in locs:
             by_id.setdefault(loc[0], {})[loc[1]] = loc[2]
-        return [_checkpoint_row(r, by_id.get(r["id"], {})) for r in rows]
+        return [checkpoint_row(r, by_id.get(r["id"], {})) for r in rows]
 
     def count_verified(self, tier: str) -> int:
         """Complete checkpoints with their current version in ``tier`` (status lines: no rows built)."""
@@ -481,7 +302,7 @@ class Index:
         locs = self._exec(
             "SELECT tier, version FROM locations WHERE checkpoint_id = ?", (row["id"],)
         ).fetchall()
-        return _checkpoint_row(row, {loc[0]: loc[1] for loc in locs})
+        return checkpoint_row(row, {loc[0]: loc[1] for loc in locs})
 
     def checkpoints_at_step(self, run: str, step: int) -> list[CheckpointRow]:
         return [c for c in self.checkpoints(run) if c.step == step]
@@ -635,7 +456,21 @@ class Index:
                       committed, version FROM checkpoints ORDER BY run, step, name"""
         )
         out = []
-        for cid, run, name, step, layout, state, created, last_write, nbytes, metrics, pinned, committed, version in rows:
+        for (
+            cid,
+            run,
+            name,
+            step,
+            layout,
+            state,
+            created,
+            last_write,
+            nbytes,
+            metrics,
+            pinned,
+            committed,
+            version,
+        ) in rows:
             tiers = nowhere
             locations = by_id.get(cid)
             if locations:
@@ -747,38 +582,3 @@ class Index:
             )
             for r in rows
         }
-
-
-def _run_row(r: sqlite3.Row) -> RunRow:
-    parent = (r["parent_run"], int(r["parent_step"])) if r["parent_run"] is not None else None
-    return RunRow(
-        name=r["name"],
-        state=RunState(r["state"]),
-        state_reason=r["state_reason"],
-        last_seen=r["last_seen"],
-        parent=parent,
-        host=r["host"],
-        pid=r["pid"],
-        on_hot=bool(r["on_hot"]),
-    )
-
-
-def _checkpoint_row(r: sqlite3.Row, locations: Mapping[str, str]) -> CheckpointRow:
-    return CheckpointRow(
-        id=r["id"],
-        run=r["run"],
-        name=r["name"],
-        step=r["step"],
-        layout=r["layout"],
-        state=CheckpointState(r["state"]),
-        created_at=r["created_at"],
-        last_write=r["last_write"],
-        bytes=r["bytes"],
-        metrics=json.loads(r["metrics"]),
-        pinned=bool(r["pinned"]),
-        committed=bool(r["committed"]),
-        version=r["version"],
-        manifest_json=r["manifest"],
-        problem=r["problem"],
-        locations=dict(locations),
-    )

@@ -1,0 +1,22 @@
+"""The local catalog: the only package that speaks SQL.
+
+SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journal must survive
+``kill -9`` and power loss, because the journal is what lets a restart finish or undo a move.
+``schema`` holds the migrations, ``rows`` the typed rows it returns, ``db`` the queries.
+"""
+
+from ckptkeeper.index.db import Index
+from ckptkeeper.index.rows import CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
+from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
+
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "SCHEMA_VERSION",
+    "CheckpointRow",
+    "Index",
+    "IndexCorrupt",
+    "JobRun",
+    "JournalEntry",
+    "RunRow",
+    "TierStatus",
+]

@@ -1,0 +1,98 @@
+"""The index's SQL schema and its migrations.
+
+Kept apart from the queries so a reviewer sees every shipped migration in one place: each entry
+migrates version i to i+1, and a shipped one is never edited.
+"""
+
+from __future__ import annotations
+
+BUSY_TIMEOUT_MS = 10_000
+
+
+class IndexCorrupt(Exception):
+    """The database failed its integrity check; the caller rebuilds it from the tiers."""
+
+
+# Each entry migrates from version i to i+1. Never edit a shipped migration: append a new one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE runs (
+        name TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        state_reason TEXT NOT NULL DEFAULT '',
+        last_seen REAL NOT NULL DEFAULT 0,
+        parent_run TEXT,
+        parent_step INTEGER,
+        host TEXT NOT NULL DEFAULT '',
+        pid INTEGER,
+        on_hot INTEGER NOT NULL DEFAULT 1,
+        updated_at REAL NOT NULL DEFAULT 0
+    );
+    CREATE TABLE checkpoints (
+        id INTEGER PRIMARY KEY,
+        run TEXT NOT NULL,
+        name TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        layout TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        last_write REAL NOT NULL DEFAULT 0,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        metrics TEXT NOT NULL DEFAULT '{}',
+        pinned INTEGER NOT NULL DEFAULT 0,
+        committed INTEGER NOT NULL DEFAULT 0,
+        version TEXT,
+        manifest TEXT,
+        problem TEXT,
+        UNIQUE (run, name)
+    );
+    CREATE INDEX checkpoints_run_step ON checkpoints (run, step);
+    CREATE TABLE locations (
+        checkpoint_id INTEGER NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
+        tier TEXT NOT NULL,
+        version TEXT NOT NULL,
+        verified_at REAL NOT NULL,
+        PRIMARY KEY (checkpoint_id, tier)
+    );
+    CREATE TABLE artifacts (
+        tier TEXT NOT NULL,
+        path TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        last_write REAL NOT NULL,
+        run TEXT,
+        upload_id TEXT,
+        PRIMARY KEY (tier, path, upload_id)
+    );
+    CREATE TABLE tier_status (
+        tier TEXT PRIMARY KEY,
+        ok INTEGER NOT NULL,
+        error TEXT,
+        checked_at REAL NOT NULL
+    );
+    CREATE TABLE journal (
+        id INTEGER PRIMARY KEY,
+        action TEXT NOT NULL,
+        phase TEXT NOT NULL,
+        detail TEXT NOT NULL DEFAULT '{}',
+        started_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        done INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX journal_open ON journal (done);
+    CREATE TABLE reclaimed (
+        reason TEXT PRIMARY KEY,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        count INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE job_runs (
+        job TEXT PRIMARY KEY,
+        last_start REAL,
+        last_success REAL,
+        last_error TEXT,
+        last_error_at REAL
+    );
+    """,
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)
