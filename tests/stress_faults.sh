@@ -49,7 +49,7 @@ for ((n = 1; n <= runs; n++)); do
     started=$SECONDS
     if "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1; then
         passed=$((passed + 1))
-        echo "run $n/$runs: passed ($((SECONDS - started)) s, load $(cut -d' ' -f1 /proc/loadavg))"
+        echo "run $n/$runs: passed ($((SECONDS - started)) s, load $(cut -d' ' -f1 /proc/loadavg)): $(tail -n 1 "$log")"
         rm -f "$log"
     else
         failed=$((failed + 1))
