@@ -240,7 +240,7 @@ def test_a_warm_tier_that_cannot_be_listed_is_unknown_not_empty(
 
 
 def test_single_put_outlasting_botocore_retries_is_resent_whole(
-    tmp_path: Path, s3_bucket: str, s3_client: Any, proxy_factory: Any
+    tmp_path: Path, s3_bucket: str, s3_client: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A one-request object (up to a part size) whose PUT is cut off after the server took it, more
     times than botocore retries (3): the attempts after that are ours (the rewinding loop parts
@@ -269,9 +269,12 @@ def test_single_put_outlasting_botocore_retries_is_resent_whole(
     cold = TierStorage(tier("cold", f"s3://{s3_bucket}/cold", storage_options=options))
     manifest = cataloged(hot_root, "run1", "model.pt", 100)
 
-    cold.copy_from(hot, manifest)
+    with caplog.at_level("WARNING", logger="ckptkeeper.storage"):
+        cold.copy_from(hot, manifest)
 
     assert resets["left"] == 0, "the rule never fired: the test did not exercise the retry"
+    # botocore's attempts all met a reset; the one after them is ours, and it says so
+    assert any("resending it whole" in r.getMessage() for r in caplog.records), caplog.text[-2000:]
     stored = s3_client.get_object(Bucket=s3_bucket, Key="cold/run1/model.pt")["Body"].read()
     assert stored == payload
     assert cold.verify(manifest) == []
