@@ -313,11 +313,17 @@ class Daemon:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         assert self.index is not None
+        # misfire_grace_time=None: a run that starts late (waiting for the one worker behind the
+        # other job, or a scheduler thread woken late on a loaded machine) still runs; coalesce
+        # folds every run time missed meanwhile into that one. With a grace time, a pass queued
+        # behind a pass longer than the grace was dropped on dequeue ("missed by 3s"), and its next
+        # run time, due while it sat in the queue, was refused too ("maximum number of running
+        # instances"): with 1 s intervals on a loaded machine one job could starve indefinitely.
         scheduler = BackgroundScheduler(
             timezone=UTC,
             jobstores={"default": MemoryJobStore()},
             executors={"default": ThreadPoolExecutor(max_workers=1)},
-            job_defaults={"coalesce": True, "max_instances": 1},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         )
         now = datetime.now(UTC)
         pending = len(self.index.journal_open())
@@ -339,7 +345,6 @@ class Daemon:
                 id=job_id,
                 name=job_id,
                 next_run_time=first,
-                misfire_grace_time=max(1, int(interval)),
             )
         return scheduler
 
@@ -600,7 +605,6 @@ class Daemon:
             if before[job_id] == after[job_id]:
                 continue
             self.scheduler.reschedule_job(job_id, trigger="interval", seconds=after[job_id])
-            self.scheduler.modify_job(job_id, misfire_grace_time=max(1, int(after[job_id])))
             log.info("job rescheduled", job=job_id, interval=format_duration(after[job_id]))
 
     def _check_health(self) -> None:

@@ -125,7 +125,11 @@ class S3TierStorage(TierStorage):
             import s3fs
 
             opts = dict(self.spec.storage_options)
-            config = {**self.default_config, **dict(opts.pop("config_kwargs", None) or {})}
+            config = {
+                **self.default_config,
+                "http_session_cls": _http_session_without_silent_resend(),
+                **dict(opts.pop("config_kwargs", None) or {}),
+            }
             # private instance, no listing cache: a catalog listing must never be stale
             self._fs = s3fs.S3FileSystem(
                 **opts, config_kwargs=config, skip_instance_cache=True, use_listings_cache=False
@@ -508,6 +512,28 @@ class S3TierStorage(TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+def _http_session_without_silent_resend() -> type:
+    """aiobotocore's HTTP session, minus aiohttp's own resend of a request that failed.
+
+    aiohttp (3.11+) resends a GET/HEAD/PUT/DELETE once, silently, when its connection is reset or
+    closed (RFC 9112 §9.3.1). That attempt happens below botocore: no ``needs-retry`` event (so
+    no warning naming the cause), not counted against ``retries.max_attempts``. A store resetting
+    connections then looked healthy while a flaky POST (CreateMultipartUpload, DeleteObjects) was
+    logged: which faults showed depended on which requests they hit. With it off, every failed
+    attempt surfaces to botocore, which retries it within the configured bounds and logs it.
+    """
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    class _NoSilentResend(AIOHTTPSession):
+        async def _get_session(self, proxy_url: Any) -> Any:
+            session = await super()._get_session(proxy_url)
+            # aiohttp has no public switch; its own test client turns the resend off the same way.
+            session._retry_connection = False
+            return session
+
+    return _NoSilentResend
 
 
 class _GuardedReader:
