@@ -24,6 +24,7 @@ from ckptkeeper.core.model import (
     Snapshot,
 )
 from ckptkeeper.index.rows import (
+    DAMAGED,
     CheckpointRow,
     JobRun,
     JournalEntry,
@@ -334,6 +335,10 @@ class Index:
                  verified_at = excluded.verified_at""",
             (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at),
         )
+
+    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str) -> None:
+        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`)."""
+        self.set_location(checkpoint_id, tier, DAMAGED + " ".join(problem.split())[:500])
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
