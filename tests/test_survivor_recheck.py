@@ -53,7 +53,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 class Node:
-    def __init__(self, tmp: Path, slower: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, slower: dict[str, Any], **daemon: Any) -> None:
         self.tmp = tmp
         self.hot = tmp / "hot"
         self.hot.mkdir()
@@ -64,7 +64,7 @@ class Node:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s"},
+            daemon={"settle_seconds": "1s", **daemon},
             tiers=[local_tier("hot", self.hot, keep_last=2), slower],
         )
 

@@ -4,6 +4,7 @@ package docstring for its commit protocol and verification)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -51,6 +52,26 @@ _SECRET_NAMES = ("secret", "token", "password", "key", "credential", "username")
 _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
 
+_DEGRADED: set[tuple[str, str]] = set()
+"""(tier URL, feature) pairs already warned about in this process: one warning per missing feature."""
+
+
+def _not_implemented(exc: BaseException) -> bool:
+    """The store answered 501 / ``NotImplemented``: it lacks the feature, it is not failing."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSYS:  # s3fs's translation of 501
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, Mapping):
+            code = str((response.get("Error") or {}).get("Code") or "")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "NotImplemented" or status == 501:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _collect_secrets(options: Mapping[str, Any]) -> list[str]:
     """String values of credential-like options (recursively), longest first, for redaction."""
     found: list[str] = []
@@ -67,6 +88,16 @@ def _collect_secrets(options: Mapping[str, Any]) -> list[str]:
 
     walk(options, "")
     return sorted(set(found), key=len, reverse=True)
+
+
+_NO_UPLOAD_LISTING = (
+    "abandoned multipart uploads cannot be found or aborted by ckptkeeper on this tier: add a bucket "
+    "lifecycle rule AbortIncompleteMultipartUpload; copies go on"
+)
+_NO_CONDITIONAL_WRITE = (
+    "manifests are committed with a read-then-write (two nodes committing the same path at the same "
+    "instant are not detected); copies go on"
+)
 
 
 class S3TierStorage(TierStorage):
@@ -188,6 +219,26 @@ class S3TierStorage(TierStorage):
             text = text.replace(secret, "***")
         return _URL_USERINFO.sub(r"\1***@", text)
 
+    def _degraded(self, feature: str, exc: BaseException, consequence: str) -> bool:
+        """True if ``exc`` says the store lacks ``feature``; warns once per tier and feature.
+
+        A store without one optional feature (s3rver and some gateways answer NotImplemented to
+        ListMultipartUploads, older ones to conditional writes) stays usable for copies: only what
+        needs the feature is done without it, and the operator is told once, not on every call.
+        """
+        if not _not_implemented(exc):
+            return False
+        if (self.url, feature) not in _DEGRADED:
+            _DEGRADED.add((self.url, feature))
+            log.warning(
+                "%s: the store does not implement %s (%s); %s",
+                self.name,
+                feature,
+                self._redact(_describe(exc)),
+                consequence,
+            )
+        return True
+
     @contextlib.contextmanager
     def _errors(self, what: str, exc_type: type[StorageError] = StorageError) -> Iterator[None]:
         try:
@@ -289,7 +340,12 @@ class S3TierStorage(TierStorage):
         """
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": key}
         while True:
-            resp = self._call("list_multipart_uploads", **kw)
+            try:
+                resp = self._call("list_multipart_uploads", **kw)
+            except Exception as exc:
+                if self._degraded("ListMultipartUploads", exc, _NO_UPLOAD_LISTING):
+                    return
+                raise
             for upload in resp.get("Uploads", []):
                 if upload["Key"] == key or upload["Key"].startswith(key + "/"):
                     with contextlib.suppress(FileNotFoundError):  # completed or aborted meanwhile
@@ -315,13 +371,26 @@ class S3TierStorage(TierStorage):
                 IfNoneMatch="*",
                 ContentType="application/json",
             )
-        except Exception:
+        except Exception as exc:
+            if self._degraded("conditional writes (If-None-Match)", exc, _NO_CONDITIONAL_WRITE):
+                self._commit_manifest_unconditionally(key, body)
+                return
             try:
                 if self._get(key) == body:
                     return  # the first attempt landed; a retry then met If-None-Match
             except Exception:
                 pass
             raise
+
+    def _commit_manifest_unconditionally(self, key: str, body: bytes) -> None:
+        """The commit on a store without conditional writes: look, then PUT. Another writer of
+        the same path between the two is not detected (the staging marker makes that rare)."""
+        existing = self._get(key)
+        if existing == body:
+            return
+        if existing is not None:
+            raise StorageError(self._redact(f"tier {self.name!r}: {key} was committed by someone else"))
+        self._call("put_object", Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")
 
     # -- primitives -------------------------------------------------------------------------
 
@@ -528,7 +597,12 @@ class S3TierStorage(TierStorage):
             kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix}
             uploads: list[dict[str, Any]] = []
             while True:
-                resp = self._call("list_multipart_uploads", **kw)
+                try:
+                    resp = self._call("list_multipart_uploads", **kw)
+                except Exception as exc:
+                    if self._degraded("ListMultipartUploads", exc, _NO_UPLOAD_LISTING):
+                        return []
+                    raise
                 uploads.extend(resp.get("Uploads", []))
                 if not resp.get("IsTruncated"):
                     break
