@@ -2,7 +2,7 @@
 and the metrics.
 
 A tier whose listing failed is unknown, never empty: copies to it and deletes that depend on it
-are held (the planner says ``held: …`` / ``waiting: …`` in the keep reasons). ``prune`` then exits
+are held (the planner's keep reasons say ``held: …`` / ``waiting: …`` where they can). ``prune`` then exits
 :data:`~ckptkeeper.actions.errors.EXIT_POLICY_HELD`, and each non-dry pass records what it held in
 ``<index>.policy-held`` (removed by the first pass that holds nothing), so ``status`` and
 ``ckptkeeper_policy_held`` show it between passes, in the daemon as after a cron ``prune``. A file
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.keep_reasons import blocked_by
-from ckptkeeper.core.model import Plan
-from ckptkeeper.index import Index
+from ckptkeeper.core.model import ActionKind, CheckpointState, Plan, Snapshot
+from ckptkeeper.index import TierStatus
 
 HELD_POLICY_SUFFIX = ".policy-held"
 
@@ -40,21 +39,46 @@ class TierHeld:
         return f"{self.tier} unavailable ({self.error}); {self.checkpoints} checkpoint(s) wait on it"
 
 
-def held_by_tiers(plan: Plan, index: Index, tier_names: list[str]) -> dict[str, TierHeld]:
-    """Unavailable tiers that held back part of ``plan``, with how many checkpoints each held."""
-    statuses = index.tier_statuses()
-    keys: dict[str, set[tuple[str, int]]] = {}
+def held_by_tiers(plan: Plan, snapshot: Snapshot, statuses: Mapping[str, TierStatus]) -> dict[str, TierHeld]:
+    """Unavailable tiers that held back part of ``plan``, with how many checkpoints each held.
+
+    A complete checkpoint is held when, once the plan's copies and deletes are done, its copies
+    would still not be where the plan keeps it, and an unknown tier is involved (it holds a copy,
+    or the plan keeps it there): a copy to that tier waits, or a delete that depends on it (a move,
+    an expiry) does not happen. Computed from the plan and the snapshot it was made from, so the
+    planner needs no extra output; only called when some tier is unknown.
+    """
+    unknown = snapshot.unknown_tiers
+    if not unknown:
+        return {}
+    kept: dict[tuple[str, int], set[str]] = {}
     for keep in plan.keep:
-        for reason in keep.reasons:
-            for tier in blocked_by(reason):
-                keys.setdefault(tier, set()).add((keep.run, keep.step))
-    out: dict[str, TierHeld] = {}
-    for tier in tier_names:
-        if tier not in keys:
+        kept.setdefault((keep.run, keep.step), set()).add(keep.tier)
+    added: dict[tuple[str | None, int | None], set[str]] = {}
+    removed: dict[tuple[str | None, int | None], set[str]] = {}
+    for action in plan.actions:
+        key = (action.run, action.step)
+        if action.action is ActionKind.COPY and action.to_tier:
+            added.setdefault(key, set()).add(action.to_tier)
+        elif action.tier:
+            removed.setdefault(key, set()).add(action.tier)
+    counts: dict[str, int] = {}
+    for c in snapshot.checkpoints:
+        if c.state is not CheckpointState.COMPLETE:
             continue
+        key = (c.run, c.step)
+        wanted = kept.get(key, set())
+        blocking = (set(c.tiers) | wanted) & unknown
+        if not blocking:
+            continue
+        after = (set(c.tiers) | added.get(key, set())) - removed.get(key, set())
+        if after != wanted:
+            for tier in blocking:
+                counts[tier] = counts.get(tier, 0) + 1
+    out: dict[str, TierHeld] = {}
+    for tier, n in sorted(counts.items()):
         st = statuses.get(tier)
-        error = (st.error if st is not None else None) or "never listed"
-        out[tier] = TierHeld(tier, error, len(keys[tier]))
+        out[tier] = TierHeld(tier, (st.error if st is not None else None) or "never listed", n)
     return out
 
 

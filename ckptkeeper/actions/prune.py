@@ -129,7 +129,7 @@ def run_prune(
             if rescan:
                 damaged = Catalog(settings, scratch).reconcile().damaged
             plan = make_plan(settings, scratch, now=now(), force=force, run=run, kinds=kinds)
-            held = held_by_tiers(plan, scratch, names)
+            held = _held(plan, scratch, names, run)
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
@@ -149,7 +149,7 @@ def run_prune(
         if rescan:
             damaged = Catalog(settings, index).reconcile().damaged
         plan = make_plan(settings, index, now=now(), force=force, run=run, kinds=kinds)
-        held = held_by_tiers(plan, index, names)
+        held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
@@ -183,6 +183,19 @@ def run_prune(
         held=held,
         damaged=damaged,
     )
+
+
+def _held(plan: Plan, index: Index, names: list[str], run: str | None) -> dict[str, TierHeld]:
+    """What unavailable tiers held back (cheap when every tier is available: no second snapshot)."""
+    statuses = index.tier_statuses()
+    if all(statuses.get(n) is not None and statuses[n].ok for n in names):
+        return {}
+    snapshot, _ = one_per_step(index.snapshot(names))
+    if run is not None:
+        snapshot = dataclasses.replace(
+            snapshot, checkpoints=tuple(c for c in snapshot.checkpoints if c.run == run)
+        )
+    return held_by_tiers(plan, snapshot, statuses)
 
 
 def _exit_code(failed: Sequence[str], held: dict[str, TierHeld], plan: Plan) -> int:

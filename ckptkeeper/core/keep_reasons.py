@@ -11,25 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = [
-    "HELD",
-    "INCOMPLETE",
-    "REPLICATE",
-    "UNKNOWN_TIER",
-    "WAITING",
-    "KeepFacts",
-    "KeepReasons",
-    "TierReasons",
-    "blocked_by",
-    "keep_reasons",
-    "unique",
-]
+__all__ = ["INCOMPLETE", "REPLICATE", "KeepFacts", "KeepReasons", "TierReasons", "keep_reasons", "unique"]
 
 INCOMPLETE = "incomplete: never touched"
 REPLICATE = "replicate"
-HELD = "held: "
-WAITING = "waiting: "
-UNKNOWN_TIER = " unknown (listing failed)"
 
 TierReasons = tuple[tuple[str, tuple[str, ...]], ...]
 """(tier name, reasons) of each keep of one checkpoint, in tier order."""
@@ -81,7 +66,7 @@ def keep_reasons(facts: KeepFacts, names: Sequence[str]) -> TierReasons:
         return tuple((names[t], reasons) for t in facts.tiers)
     held = ""
     if facts.blocking:
-        held = f"{HELD}{', '.join(names[i] for i in facts.blocking)}{UNKNOWN_TIER}"
+        held = f"held: {', '.join(names[i] for i in facts.blocking)} unknown (listing failed)"
     sels, resident = facts.sels, facts.resident
     out: list[tuple[str, tuple[str, ...]]] = []
     for t in facts.tiers:
@@ -99,7 +84,7 @@ def keep_reasons(facts: KeepFacts, names: Sequence[str]) -> TierReasons:
         elif resident is not None:
             why.append(REPLICATE)
         if t in facts.waiting:
-            why.append(f"{WAITING}{names[t]}{UNKNOWN_TIER}")
+            why.append(f"waiting: {names[t]} unknown (listing failed)")
         out.append((names[t], unique((*why, *extra))))
     return tuple(out)
 
@@ -118,14 +103,6 @@ class KeepReasons:
         if reasons is None:
             reasons = self._cache[facts] = keep_reasons(facts, self.names)
         return reasons
-
-
-def blocked_by(reason: str) -> tuple[str, ...]:
-    """The unknown tiers a ``held: …`` or ``waiting: …`` keep reason names; () for any other."""
-    for prefix in (HELD, WAITING):
-        if reason.startswith(prefix) and reason.endswith(UNKNOWN_TIER):
-            return tuple(reason[len(prefix) : -len(UNKNOWN_TIER)].split(", "))
-    return ()
 
 
 def unique(reasons: Sequence[str]) -> tuple[str, ...]:

@@ -507,11 +507,18 @@ class S3TierStorage(TierStorage):
 
             async def committed() -> bytes | None:
                 async with sem:
-                    try:
-                        data: bytes = await self.fs._cat_file(f"{self.bucket}/{key}{MANIFEST_SUFFIX}")
-                        return data
+                    try:  # one GET (s3fs's _cat_file would HEAD first)
+                        resp = await self.fs._call_s3(
+                            "get_object", Bucket=self.bucket, Key=f"{key}{MANIFEST_SUFFIX}"
+                        )
                     except FileNotFoundError:
                         return None
+                    body = resp["Body"]
+                    try:
+                        data: bytes = await body.read()
+                    finally:
+                        body.close()
+                    return data
 
             return await asyncio.gather(committed(), *(head(k) for _, k in targets), return_exceptions=True)
 
