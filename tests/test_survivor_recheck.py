@@ -235,3 +235,36 @@ def test_local_replica_without_its_files_keeps_the_hot_original(
     warm.mkdir()
     node = Node(tmp_path, local_tier("warm", warm, replicate=True))
     scenario(node, _local_damage(warm, how))
+
+
+def test_a_checkpoint_whose_only_copy_is_damaged_is_not_planned(tmp_path: Path) -> None:
+    """It stays visible (ls: damaged) but the planner never sees it: it must not take the "newest
+    complete checkpoint of the run" protection away from a checkpoint that exists."""
+    from ckptkeeper.core.model import CheckpointState
+    from ckptkeeper.index import Index
+
+    with Index(tmp_path / "i.db") as ix:
+        ids = {}
+        for step in (1, 2):
+            ids[step] = ix.upsert_checkpoint(
+                run=RUN,
+                name=f"checkpoint-{step}",
+                step=step,
+                layout="hf",
+                state=CheckpointState.COMPLETE,
+                created_at=float(step),
+                last_write=float(step),
+                bytes=10,
+                metrics={},
+                committed=False,
+                version=f"v{step}",
+                manifest_json=None,
+                problem=None,
+            )
+        ix.set_location(ids[1], "hot", "v1")
+        ix.set_location(ids[2], "cold", "v2")
+        ix.mark_damaged(ids[2], "cold", "r/checkpoint-2/model.safetensors: missing")
+        assert [c.step for c in ix.snapshot(["hot", "cold"]).checkpoints] == [1]
+        row = ix.checkpoint(RUN, "checkpoint-2")
+        assert row is not None and row.verified_tiers == frozenset()
+        assert row.damaged == {"cold": "r/checkpoint-2/model.safetensors: missing"}

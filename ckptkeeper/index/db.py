@@ -480,6 +480,10 @@ class Index:
             locations = by_id.get(cid)
             if locations:
                 verified = frozenset(t for t, v in locations if v == version)
+                if not verified and any(v.startswith(DAMAGED) for _, v in locations):
+                    # Its only copies are damaged: nothing the planner can keep, move or count as
+                    # a run's newest (that protection belongs to a checkpoint that exists).
+                    continue
                 tiers = shared.setdefault(verified, verified)  # a handful of distinct sets
             out.append(
                 Checkpoint(
