@@ -37,6 +37,7 @@ def scan(app: Context, as_json: bool) -> None:
         "corrupt": report.corrupt,
         "hashed_bytes": report.hashed_bytes,
         "tiers_failed": report.tiers_failed,
+        "damaged": report.damaged,
     }
     if as_json:
         emit_json(doc)
@@ -49,6 +50,10 @@ def scan(app: Context, as_json: bool) -> None:
         for tier, error in report.tiers_failed.items():
             click.echo(
                 f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True
+            )
+        for where, error in sorted(report.damaged.items()):
+            click.echo(
+                f"damaged copy {where} not counted (the next prune copies it again): {error}", err=True
             )
     if report.tiers_failed:
         sys.exit(EXIT_ACTION_FAILED)
@@ -98,6 +103,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                         "version": c.version,
                         "created_at": c.created_at,
                         "problem": c.problem,
+                        "damaged": c.damaged,
                     }
                     for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
                 ],
@@ -119,7 +125,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                 c["step"],
                 c["state"],
                 c["layout"],
-                ",".join(c["tiers"]) or "-",
+                ",".join([*c["tiers"], *(f"{t}:DAMAGED" for t in sorted(c["damaged"]))]) or "-",
                 human_bytes(c["bytes"]),
                 format_metrics(c["metrics"]),
                 "pinned" if c["pinned"] else "",
@@ -130,6 +136,11 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         click.echo(
             table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
         )
+        for c in doc["checkpoints"]:
+            for tier, problem in sorted(c["damaged"].items()):
+                click.echo(
+                    f"damaged copy of step {c['step']} in {tier} (the next prune copies it again): {problem}"
+                )
 
 
 # -- status -------------------------------------------------------------------------------
@@ -173,6 +184,11 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "pending": {"journal": s.journal_open},
         "deletes_held": s.deletes_held,
+        "policy_held": {
+            t.tier: {"error": t.error, "checkpoints": t.checkpoints, "since": t.since}
+            for t in s.policy_held.values()
+        },
+        "damaged_copies": s.damaged,
     }
 
 
@@ -208,6 +224,11 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    for held in s.policy_held.values():
+        since = f" for {human_age(s.now - held.since)}" if held.since is not None else ""
+        click.echo(f"policy held{since}: {held.describe()}")
+    if s.damaged:
+        click.echo(f"damaged copies: {s.damaged} (see `ckptkeeper ls`; the next prune copies them again)")
 
 
 @click.command()

@@ -173,6 +173,10 @@ def prune(
             "total": summary.total,
         }
         doc["dry_run"] = dry_run
+        doc["policy_held"] = {
+            t.tier: {"error": t.error, "checkpoints": t.checkpoints} for t in outcome.held.values()
+        }
+        doc["damaged"] = outcome.damaged
         if outcome.result is not None:
             r = outcome.result
             doc["result"] = {
@@ -197,6 +201,10 @@ def prune(
                 click.echo(f"failed: {line}", err=True)
             for a, why in r.skipped:
                 click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
+        for where, problem in sorted(outcome.damaged.items()):
+            click.echo(f"damaged copy {where} not counted, copied again: {problem}", err=True)
+        for t in outcome.held.values():
+            click.echo(f"policy held: {t.describe()}", err=True)
     sys.exit(outcome.exit_code)
 
 

@@ -166,7 +166,20 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         tier_up.add_metric([tier.name], 1 if tier.ok else 0)
         if tier.usage is not None:
             used.add_metric([tier.name], tier.usage.fraction)
-    yield from (count, size, age, tier_up, used)
+    held = GaugeMetricFamily(
+        "ckptkeeper_policy_held",
+        "Checkpoints whose copies or deletes the last retention pass held because the tier was unavailable",
+        labels=["tier"],
+    )
+    damaged = GaugeMetricFamily(
+        "ckptkeeper_damaged_copies",
+        "Copies found not matching their manifest (files missing or of another size); copied again",
+    )
+    damaged.add_metric([], summary.damaged)
+    for tier in summary.tiers:
+        h = summary.policy_held.get(tier.name)
+        held.add_metric([tier.name], h.checkpoints if h is not None else 0)
+    yield from (count, size, age, tier_up, used, held, damaged)
 
     states = GaugeMetricFamily(
         "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]

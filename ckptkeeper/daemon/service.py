@@ -450,6 +450,8 @@ class Daemon:
             return None
         if outcome.failed:
             return f"{len(outcome.failed)} action(s) failed; first: {outcome.failed[0]}"
+        if outcome.held:
+            return "policy held: " + "; ".join(t.describe() for t in outcome.held.values())
         if outcome.plan.refused:
             return f"refused by a guard: {outcome.plan.refused}"
         return f"prune exited with code {outcome.exit_code}"

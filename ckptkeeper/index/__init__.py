@@ -6,11 +6,12 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 """
 
 from ckptkeeper.index.db import Index
-from ckptkeeper.index.rows import CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
+from ckptkeeper.index.rows import DAMAGED, CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
+    "DAMAGED",
     "SCHEMA_VERSION",
     "CheckpointRow",
     "Index",

@@ -24,6 +24,7 @@ from ckptkeeper.core.model import (
     Snapshot,
 )
 from ckptkeeper.index.rows import (
+    DAMAGED,
     CheckpointRow,
     JobRun,
     JournalEntry,
@@ -335,6 +336,10 @@ class Index:
             (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at),
         )
 
+    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str) -> None:
+        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`)."""
+        self.set_location(checkpoint_id, tier, DAMAGED + " ".join(problem.split())[:500])
+
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
 
@@ -475,6 +480,10 @@ class Index:
             locations = by_id.get(cid)
             if locations:
                 verified = frozenset(t for t, v in locations if v == version)
+                if not verified and any(v.startswith(DAMAGED) for _, v in locations):
+                    # Its only copies are damaged: nothing the planner can keep, move or count as
+                    # a run's newest (that protection belongs to a checkpoint that exists).
+                    continue
                 tiers = shared.setdefault(verified, verified)  # a handful of distinct sets
             out.append(
                 Checkpoint(

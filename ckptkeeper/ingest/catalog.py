@@ -44,6 +44,8 @@ class ReconcileReport:
     corrupt: int = 0
     hashed_bytes: int = 0
     tiers_failed: dict[str, str] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
+    """``tier:path`` -> what is wrong, for each copy whose data does not match its manifest."""
 
     def merge(self, other: ReconcileReport) -> None:
         for name in (
@@ -58,6 +60,7 @@ class ReconcileReport:
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)
+        self.damaged.update(other.damaged)
 
 
 class Catalog:
@@ -457,7 +460,7 @@ class Catalog:
             return self._reconcile_tier(tier_name)
 
     def _reconcile_tier(self, tier_name: str) -> ReconcileReport:
-        from ckptkeeper.storage import TierStorage, TierUnavailable
+        from ckptkeeper.storage import DAMAGED_COPY, TierStorage, TierUnavailable
 
         report = ReconcileReport()
         tier = next(t for t in self.settings.tiers if t.name == tier_name)
@@ -487,6 +490,11 @@ class Catalog:
                     continue
                 key = (manifest.run, manifest.name)
                 listed.add(key)
+                if error is not None:
+                    # A manifest over missing or changed data is no copy: recorded as damaged (so
+                    # the planner copies it again and `ls`/`verify` say so), never as a location.
+                    log.warning("damaged copy in tier: not counted", tier=tier_name, path=rel, error=error)
+                    report.damaged[f"{tier_name}:{rel}"] = error
                 row = self.index.checkpoint(*key)
                 if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
                     cid = self.index.upsert_checkpoint(
@@ -509,9 +517,12 @@ class Catalog:
                         self._mark_off_hot(manifest.run, manifest.created_at, None)
                 else:
                     cid = row.id
-                    if known.get(key, (0, ""))[1] == manifest.digest:
+                    if error is None and known.get(key, (0, ""))[1] == manifest.digest:
                         report.unchanged += 1
-                self.index.set_location(cid, tier_name, manifest.digest)
+                if error is not None:
+                    self.index.mark_damaged(cid, tier_name, error.removeprefix(DAMAGED_COPY))
+                else:
+                    self.index.set_location(cid, tier_name, manifest.digest)
             for key, (cid, _version) in known.items():
                 if key not in listed:
                     self.index.remove_location(cid, tier_name)

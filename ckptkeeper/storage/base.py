@@ -32,6 +32,10 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
 _MAX_MANIFEST_BYTES = 256 * 2**20
 
+DAMAGED_COPY = "damaged copy: "
+"""Start of the error :meth:`TierStorage.list_manifests` gives, beside a valid manifest, for a copy
+whose data does not match it (files missing, of another size or type)."""
+
 
 class StorageError(Exception):
     """A tier operation failed; nothing was committed by the failing call."""

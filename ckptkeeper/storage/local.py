@@ -20,6 +20,7 @@ from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import (
     _MAX_MANIFEST_BYTES,
     _O_CLOEXEC,
+    DAMAGED_COPY,
     StorageError,
     TierUnavailable,
     VerificationError,
@@ -32,6 +33,7 @@ from ckptkeeper.storage.base import (
     _split_rel,
     _staging_artifact,
     _token,
+    log,
 )
 from ckptkeeper.storage.localfs import (
     _exists_at,
@@ -41,7 +43,7 @@ from ckptkeeper.storage.localfs import (
     _scan_tree,
     _write_file_atomic,
 )
-from ckptkeeper.storage.tier import TierStorage
+from ckptkeeper.storage.tier import TierStorage, _compare_sizes
 
 
 class LocalTierStorage(TierStorage):
@@ -197,7 +199,9 @@ class LocalTierStorage(TierStorage):
                             fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
                             with os.fdopen(fd, "rb") as f:
                                 text = f.read(_MAX_MANIFEST_BYTES + 1)
-                            out.append((rel, _parse_manifest(rel, text), None))
+                            manifest = _parse_manifest(rel, text)
+                            damage = _damage_at(dfd, base, rel, manifest)
+                            out.append((rel, manifest, DAMAGED_COPY + "; ".join(damage) if damage else None))
                         except FileNotFoundError:
                             continue  # deleted while we listed
                         except OSError as exc:
@@ -272,7 +276,7 @@ class LocalTierStorage(TierStorage):
                     _fd(_open_dirs(d_root, parts[:-1], create=True, dev=dev)) as d_dir,
                 ):
                     name = parts[-1]
-                    if _exists_at(d_dir, name):
+                    if _exists_at(d_dir, name) and self._drop_damaged(manifest):
                         raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
                     if not self.hot:
                         _write_file_atomic(d_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
@@ -289,6 +293,27 @@ class LocalTierStorage(TierStorage):
             raise StorageError(
                 f"rename of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
+
+    def _drop_damaged(self, manifest: Manifest) -> bool:
+        """Before a rename onto ``manifest``'s path, which exists: remove it if it is a damaged
+        copy of this very version (a committed manifest over missing or changed files, issue #13),
+        as :meth:`copy_from` does; True if something else is there (the caller refuses)."""
+        rel = _rel_of(manifest)
+        existing = None if self.hot else self.read_manifest(rel)
+        if existing is None or existing.digest != manifest.digest:
+            return True
+        damage = self.recheck(manifest)
+        if not damage:
+            return True
+        log.warning(
+            "%s: %s holds a damaged copy of version %s (%s); replacing it",
+            self.name,
+            rel,
+            manifest.digest,
+            "; ".join(damage[:3]),
+        )
+        self.delete(rel)
+        return False
 
     def list_staging(self) -> list[Artifact]:
         out: list[Artifact] = []
@@ -347,6 +372,28 @@ class LocalTierStorage(TierStorage):
                     f"tier {self.name!r}: cannot remove {artifact.path}: {_describe(exc)}"
                 ) from exc
         raise StorageError(f"{artifact.path} is not a ckptkeeper staging artifact")
+
+
+def _damage_at(dir_fd: int, base: str, rel: str, manifest: Manifest) -> list[str]:
+    """What of ``manifest`` is not under ``base`` in ``dir_fd``: one ``lstat`` per file, the cost
+    of keeping a listing from reporting a copy whose data is gone (issue #13). A vanished file
+    is damage; any other error makes the listing fail (unknown, not damaged)."""
+    if manifest.is_dir and manifest.files:
+        try:
+            top = os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return [f"{rel}: missing"]
+        if not stat.S_ISDIR(top.st_mode):
+            return [f"{rel}: not a directory"]
+    present: dict[str, int | None] = {}
+    for entry in manifest.files:
+        path = f"{base}/{entry.path}" if entry.path else base
+        try:
+            st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        present[entry.path] = st.st_size if stat.S_ISREG(st.st_mode) else None
+    return _compare_sizes(rel, manifest, present)
 
 
 @contextlib.contextmanager
