@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import Index, JobRun
+from ckptkeeper.index import Index, JobRun, Quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,8 @@ class StatusSummary:
     journal_open: int
     """Interrupted executor steps the next prune (or daemon start) finishes or undoes."""
     deletes_held: str | None
+    quarantined: tuple[Quarantined, ...] = ()
+    """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -87,6 +89,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     reclaimed = index.reclaimed()
     jobs = index.job_runs()
     journal = index.journal_open()
+    quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     tiers = []
     for t in settings.tiers:
@@ -119,4 +122,5 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         jobs=jobs,
         journal_open=len(journal),
         deletes_held=held_text,
+        quarantined=quarantined,
     )

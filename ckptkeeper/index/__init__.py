@@ -6,7 +6,7 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 """
 
 from ckptkeeper.index.db import Index
-from ckptkeeper.index.rows import CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
+from ckptkeeper.index.rows import CheckpointRow, JobRun, JournalEntry, Quarantined, RunRow, TierStatus
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "IndexCorrupt",
     "JobRun",
     "JournalEntry",
+    "Quarantined",
     "RunRow",
     "TierStatus",
 ]
