@@ -100,10 +100,9 @@ class Manifest:
         else; callers quarantine the copy with that reason.
         """
         doc = schema.mapping(schema.parse_json(text, "manifest"), "manifest", max_len=64)
-        if doc.get("version") != MANIFEST_VERSION or isinstance(doc.get("version"), bool):
-            raise schema.SchemaError(
-                "version", f"unsupported manifest version {schema.describe(doc.get('version'))}"
-            )
+        version = doc.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != MANIFEST_VERSION:
+            raise schema.SchemaError("version", f"unsupported manifest version {schema.describe(version)}")
         raw_files = schema.array(doc.get("files"), "files", max_len=schema.MAX_FILES)
         files = []
         total = 0

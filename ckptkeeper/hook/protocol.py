@@ -189,6 +189,7 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
     path = _state_path(run_dir, RUN_FILE)
     errors: list[str] = []
     doc: Any = None
+    parsed = False
     try:
         with open(path, "rb") as f:
             raw = f.read(1 << 20)
@@ -200,11 +201,12 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
     if raw:
         try:
             doc = schema.parse_json(raw, RUN_FILE)
+            parsed = True
         except schema.SchemaError as exc:
             errors.append(str(exc))
     elif not errors:
         errors.append(f"{RUN_FILE} is empty")
-    if doc is not None and not isinstance(doc, dict):
+    if parsed and not isinstance(doc, dict):
         errors.append(f"{RUN_FILE} is not a JSON object")
         doc = None
     d: dict[str, Any] = doc or {}
