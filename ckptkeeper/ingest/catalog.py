@@ -175,7 +175,7 @@ class Catalog:
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
         commits, commit_errors = protocol.read_commits(run_dir)
-        for err in commit_errors[:10]:
+        for err in commit_errors:  # at most schema.MAX_ERRORS + 1 (read_commits caps them)
             log.warning("malformed hook commit line", run=run, error=err)
         hot = self.settings.hot.name
         held: list[Quarantined] = []
