@@ -455,3 +455,22 @@ def test_issue_13_manifests_are_quarantined(tree: Tree, field: str, raw: str) ->
 def test_render_replaces_exactly_one_field() -> None:
     text = render({"a": 1, "b": [{"c": 2}]}, "b.0.c", "1e400")
     assert text == '{"a": 1, "b": [{"c": 1e400}]}'
+
+
+def test_quarantined_documents_are_a_metric(tree: Tree) -> None:
+    from ckptkeeper.actions.status import summarize
+    from ckptkeeper.daemon.metrics import _summary_metrics
+
+    _write(tree.warm / "victim2" / f"checkpoint-9{MANIFEST_SUFFIX}", b'{"version": 1, "step": 1e400}')
+    _write(tree.hot / "victim" / ".ckptkeeper" / "run.json", f'{{"version": 1, "pid": {2**70}}}'.encode())
+    tree.check("manifest", f"victim2/checkpoint-9{MANIFEST_SUFFIX}", full=True)
+    families = {f.name: f for f in _summary_metrics(summarize(tree.settings, tree.index))}
+    samples = {
+        (s.labels["tier"], s.labels["kind"]): s.value for s in families["ckptkeeper_quarantined"].samples
+    }
+    assert samples == {("warm", "manifest"): 1, ("hot", "run.json"): 1}
+    _write(tree.warm / "victim2" / f"checkpoint-9{MANIFEST_SUFFIX}", b"{}")
+    (tree.hot / "victim" / ".ckptkeeper" / "run.json").unlink()
+    (tree.warm / "victim2" / f"checkpoint-9{MANIFEST_SUFFIX}").unlink()
+    tree.check("manifest", "-", must_quarantine=False)
+    assert tree.index.quarantined() == []  # fixed or removed: no longer listed
