@@ -99,7 +99,7 @@ class Manifest:
         without NUL, paths relative. Raises ValueError (a ``SchemaError`` naming the field) on anything
         else; callers quarantine the copy with that reason.
         """
-        doc = schema.mapping(schema.parse_json(text, "manifest"), "manifest", max_len=64)
+        doc = schema.mapping(schema.parse_json(text, "malformed manifest"), "malformed manifest", max_len=64)
         version = doc.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version != MANIFEST_VERSION:
             raise schema.SchemaError("version", f"unsupported manifest version {schema.describe(version)}")
