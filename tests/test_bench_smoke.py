@@ -14,18 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--tiny",
-            "--only",
-            "planning,campaign,hook_latency",
-            "--json",
-            str(out),
-            "--disk-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "bench", "--tiny", "--only", "planning,campaign,hook_latency",
+         "--json", str(out), "--disk-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,12 +26,7 @@ def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| metric"))
     assert [c.strip() for c in lines[header].split("|")[1:-1]] == [
-        "metric",
-        "baseline",
-        "ckptkeeper",
-        "ratio",
-        "target",
-        "result",
+        "metric", "baseline", "ckptkeeper", "ratio", "target", "result",
     ]
     body = [line for line in lines[header + 2 :] if line.startswith("|")]
     metrics = " ".join(body)
