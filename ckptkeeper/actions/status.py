@@ -17,7 +17,7 @@ from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import Index, JobRun
+from ckptkeeper.index import Index, JobRun, Quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,8 @@ class StatusSummary:
     depend on them), per tier."""
     damaged: int = 0
     """Copies the index marks damaged (found not matching their manifest; copied again)."""
+    quarantined: tuple[Quarantined, ...] = ()
+    """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -93,6 +95,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     reclaimed = index.reclaimed()
     jobs = index.job_runs()
     journal = index.journal_open()
+    quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     tiers = []
     for t in settings.tiers:
@@ -127,4 +130,5 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         deletes_held=held_text,
         policy_held=read_policy_held(settings),
         damaged=sum(len(c.damaged) for c in checkpoints),
+        quarantined=quarantined,
     )

@@ -38,6 +38,7 @@ def scan(app: Context, as_json: bool) -> None:
         "hashed_bytes": report.hashed_bytes,
         "tiers_failed": report.tiers_failed,
         "damaged": report.damaged,
+        "quarantined": report.quarantined,
     }
     if as_json:
         emit_json(doc)
@@ -47,6 +48,12 @@ def scan(app: Context, as_json: bool) -> None:
             f"{report.unchanged} unchanged, {report.removed} removed, {report.partial} partial, "
             f"{report.corrupt} corrupt; hashed {human_bytes(report.hashed_bytes)}"
         )
+        if report.quarantined:
+            click.echo(
+                f"{report.quarantined} document(s) quarantined (ignored, nothing deleted for them): "
+                "see `ckptkeeper ls` / `ckptkeeper status`",
+                err=True,
+            )
         for tier, error in report.tiers_failed.items():
             click.echo(
                 f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True
@@ -76,6 +83,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
     with app.index() as ix:
         runs = [r for r in ix.runs() if run is None or r.name == run]
         checkpoints = ix.checkpoints(run)
+        quarantined = [q for q in ix.quarantined() if run is None or q.run == run]
     if run is not None and not runs and not checkpoints:
         fail(f"no run named {run!r} in the index (try `ckptkeeper scan`)", EXIT_USAGE)
     by_run: dict[str, list[Any]] = {}
@@ -107,12 +115,13 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                     }
                     for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
                 ],
+                "quarantined": [q.to_dict() for q in quarantined if q.run == r.name],
             }
         )
     if as_json:
-        emit_json({"runs": doc_runs})
+        emit_json({"runs": doc_runs, "quarantined": [q.to_dict() for q in quarantined]})
         return
-    if not doc_runs:
+    if not doc_runs and not quarantined:
         click.echo("no runs cataloged (run `ckptkeeper scan`, or start the daemon)")
         return
     for i, doc in enumerate(doc_runs):
@@ -141,6 +150,15 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                 click.echo(
                     f"damaged copy of step {c['step']} in {tier} (the next prune copies it again): {problem}"
                 )
+        for q in doc["quarantined"]:
+            click.echo(f"quarantined {q['kind']} {q['tier']}:{q['path']}: {q['reason']}")
+    listed = {r["name"] for r in doc_runs}
+    others = [q for q in quarantined if q.run not in listed]
+    if others:
+        if doc_runs:
+            click.echo()
+        for q in others:
+            click.echo(f"quarantined {q.kind} {q.tier}:{q.path}: {q.reason}")
 
 
 # -- status -------------------------------------------------------------------------------
@@ -189,6 +207,7 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
             for t in s.policy_held.values()
         },
         "damaged_copies": s.damaged,
+        "quarantined": [q.to_dict() for q in s.quarantined],
     }
 
 
@@ -229,6 +248,14 @@ def _render_status(s: StatusSummary) -> None:
         click.echo(f"policy held{since}: {held.describe()}")
     if s.damaged:
         click.echo(f"damaged copies: {s.damaged} (see `ckptkeeper ls`; the next prune copies them again)")
+    if s.quarantined:
+        click.echo(
+            f"quarantined: {len(s.quarantined)} document(s) ignored (never trusted, never a reason to delete)"
+        )
+        for q in s.quarantined[:20]:
+            click.echo(f"  {q.kind} {q.tier}:{q.path}: {q.reason}")
+        if len(s.quarantined) > 20:
+            click.echo(f"  … and {len(s.quarantined) - 20} more (ckptkeeper status --json)")
 
 
 @click.command()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -213,6 +214,15 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
             last.add_metric([job.job], job.last_success)
     yield last
 
+    quarantined = GaugeMetricFamily(
+        "ckptkeeper_quarantined",
+        "Documents (manifests, run.json, commit logs, heartbeats, markers) that failed the schema and are "
+        "ignored, by tier and kind; `ckptkeeper status` lists them with their reasons",
+        labels=["tier", "kind"],
+    )
+    for (tier_name, kind), n in sorted(Counter((q.tier, q.kind) for q in summary.quarantined).items()):
+        quarantined.add_metric([tier_name, kind], n)
+    yield quarantined
     pending = GaugeMetricFamily(
         "ckptkeeper_journal_open_entries", "Interrupted executor steps waiting to be finished or undone"
     )

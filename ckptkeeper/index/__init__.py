@@ -6,7 +6,15 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 """
 
 from ckptkeeper.index.db import Index
-from ckptkeeper.index.rows import DAMAGED, CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
+from ckptkeeper.index.rows import (
+    DAMAGED,
+    CheckpointRow,
+    JobRun,
+    JournalEntry,
+    Quarantined,
+    RunRow,
+    TierStatus,
+)
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
 
 __all__ = [
@@ -18,6 +26,7 @@ __all__ = [
     "IndexCorrupt",
     "JobRun",
     "JournalEntry",
+    "Quarantined",
     "RunRow",
     "TierStatus",
 ]

@@ -28,6 +28,7 @@ from ckptkeeper.index.rows import (
     CheckpointRow,
     JobRun,
     JournalEntry,
+    Quarantined,
     RunRow,
     TierStatus,
     checkpoint_row,
@@ -163,6 +164,24 @@ class Index:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested atomic unit inside a transaction: on an exception only its own writes are undone
+        (one bad document must not leave half its rows behind, nor roll back everyone else's)."""
+        with self._lock:
+            if not self._db.in_transaction:
+                with self.transaction():
+                    yield
+                return
+            self._db.execute("SAVEPOINT one_document")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK TO one_document")
+                self._db.execute("RELEASE one_document")
+                raise
+            self._db.execute("RELEASE one_document")
 
     def _exec(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> _Result:
         """Run one statement and fetch all it returns while holding the lock.
@@ -408,6 +427,61 @@ class Index:
             for r in rows
         ]
 
+    def replace_quarantine(
+        self,
+        tier: str,
+        entries: Iterable[Quarantined],
+        *,
+        run: str | None = None,
+        kinds: Sequence[str] | None = None,
+    ) -> None:
+        """Replace what is quarantined in ``tier`` (optionally only for one run, or some kinds):
+        entries still present keep their ``first_seen``, the rest are forgotten (fixed or gone)."""
+        where, params = "tier = ?", [tier]
+        if run is not None:
+            where += " AND run = ?"
+            params.append(run)
+        if kinds is not None:
+            where += f" AND kind IN ({','.join('?' * len(kinds))})"
+            params.extend(kinds)
+        now = time.time()
+        with self.transaction():
+            first = {
+                (r["path"], r["kind"]): r["first_seen"]
+                for r in self._exec(f"SELECT path, kind, first_seen FROM quarantine WHERE {where}", params)
+            }
+            self._exec(f"DELETE FROM quarantine WHERE {where}", params)
+            for q in entries:
+                path, reason = _safe_text(q.path, 4096), _safe_text(q.reason, 2000)
+                self._exec(
+                    """INSERT OR REPLACE INTO quarantine (tier, path, kind, run, reason, first_seen, last_seen)
+                       VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                    (
+                        tier,
+                        path,
+                        q.kind,
+                        None if q.run is None else _safe_text(q.run, 4096),
+                        reason,
+                        first.get((path, q.kind), now),
+                        now,
+                    ),
+                )
+
+    def quarantined(self) -> list[Quarantined]:
+        rows = self._exec("SELECT * FROM quarantine ORDER BY tier, path, kind").fetchall()
+        return [
+            Quarantined(
+                tier=r["tier"],
+                path=r["path"],
+                kind=r["kind"],
+                reason=r["reason"],
+                run=r["run"],
+                first_seen=r["first_seen"],
+                last_seen=r["last_seen"],
+            )
+            for r in rows
+        ]
+
     def set_tier_status(self, tier: str, ok: bool, error: str | None = None) -> None:
         self._exec(
             """INSERT INTO tier_status (tier, ok, error, checked_at) VALUES (?, ?, ?, ?)
@@ -591,3 +665,9 @@ class Index:
             )
             for r in rows
         }
+
+
+def _safe_text(value: str, limit: int) -> str:
+    """Hostile text made storable: non-UTF-8 bytes escaped, NULs shown, length bounded."""
+    text = value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+    return text if len(text) <= limit else text[:limit] + "…"

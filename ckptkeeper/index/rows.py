@@ -20,6 +20,33 @@ Stored in the version column rather than a new one: the locations table stays as
 
 
 @dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A document that failed the schema: ignored (never trusted, never a reason to delete), and
+    shown with its reason until it is fixed or removed."""
+
+    tier: str
+    path: str
+    """Relative to the tier root (``<run>/.ckptkeeper/run.json``, ``<run>/<ckpt>.ckptkeeper-manifest.json``)."""
+    kind: str
+    """``manifest``, ``run.json``, ``commits.jsonl``, ``heartbeat``, ``marker`` or ``checkpoint``."""
+    reason: str
+    run: str | None = None
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "path": self.path,
+            "kind": self.kind,
+            "run": self.run,
+            "reason": self.reason,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointRow:
     """A checkpoint as stored, with its locations (tier -> version)."""
 

@@ -109,11 +109,13 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     problems: list[str] = []
     corrupt = False
     metrics: dict[str, float] = {}
+    rejected: list[str] = []
     for recognizer in reversed(claiming):  # higher precedence last: its metrics win on a clash
         verdict = _safe_check(recognizer, node)
         problems[:0] = verdict.problems
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
+        rejected[:0] = verdict.rejected
     if node.is_dir:
         try:
             files, total, newest = _tree(node.path, node.parent.dev)
@@ -134,6 +136,7 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         metrics=metrics,
         problem="; ".join(problems) or None,
         corrupt=corrupt,
+        rejected=tuple(rejected),
     )
 
 
