@@ -227,7 +227,11 @@ def test_another_process_can_write_the_index_while_the_catalog_hashes(
     for p in hot.rglob("*"):
         os.utime(p, (old, old))
     settings = settings_from_mapping(
-        {"index": str(tmp_path / "index.db"), "tiers": [{"name": "hot", "url": str(hot)}]}
+        {
+            "index": str(tmp_path / "index.db"),
+            "daemon": {"settle_trusts_mtime": True},  # back-dated above to mean "settled"
+            "tiers": [{"name": "hot", "url": str(hot)}],
+        }
     )
     real_hash = catalog_module.hash_file
     attempts: list[str] = []

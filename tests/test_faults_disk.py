@@ -73,7 +73,7 @@ class TwoTiers:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s"},
+            daemon={"settle_seconds": "1s", "settle_trusts_mtime": True},
             tiers=[
                 local_tier("hot", self.hot, keep_last=1),
                 local_tier("warm", warm, keep_last=5),

@@ -26,6 +26,7 @@ from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest import layouts
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.catalog")
 
@@ -77,6 +78,11 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
+        self.settles_at: dict[tuple[str, str], float] = {}
+        """(run, name) -> wall time a complete-looking checkpoint settles, by mtime and ctime (the
+        index keeps only the mtime): the watcher schedules its settle check from it."""
+        self.tier_pins: dict[str, set[tuple[str, str]]] = {}
+        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
 
     # -- the hot tier ----------------------------------------------------------------------
 
@@ -216,15 +222,23 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
-    def _state_of(self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float) -> CheckpointState:
-        if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
+    def _state_of(
+        self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
+    ) -> CheckpointState:
+        # Settled means untouched for settle_seconds by mtime AND ctime: `cp -a` / `rsync -a` copy
+        # old mtimes, and a copy in progress must not look settled (it would be moved half-done).
+        daemon = self.settings.daemon
+        changed = cand.last_write if daemon.settle_trusts_mtime else max(cand.last_write, cand.changed_at)
+        settle = daemon.settle_seconds
+        if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
-        if commit is not None or (
-            cand.complete and now - cand.last_write >= self.settings.daemon.settle_seconds
-        ):
+        if commit is not None or (cand.complete and now - changed >= settle):
+            self.settles_at.pop((cand.run, cand.name), None)
             return CheckpointState.COMPLETE
+        if cand.complete:
+            self.settles_at[(cand.run, cand.name)] = changed + settle
         return CheckpointState.WRITING
 
     def _try_hash(
@@ -312,7 +326,9 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(self, run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
+    def _committed_candidate(
+        self, run_dir: Path, run: str, commit: protocol.Commit
+    ) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
         path = run_dir / commit.path
         found = layouts.recognize(path, run_dir, run)
@@ -337,6 +353,7 @@ class Catalog:
                 complete=True,
                 files=("",),
                 last_write=st.st_mtime,
+                changed_at=max(st.st_mtime, st.st_ctime),
                 bytes=st.st_size,
                 metrics={},
                 problem=None,
@@ -344,8 +361,11 @@ class Catalog:
         if not stat.S_ISDIR(st.st_mode):
             return None
         files: list[str] = []
-        total, newest = 0, st.st_mtime
+        total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
+        mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            base = os.path.relpath(dirpath, path).replace(os.sep, "/")
+            dirnames[:] = [d for d in dirnames if (d if base == "." else f"{base}/{d}") not in mounts]
             for fname in filenames:
                 full = os.path.join(dirpath, fname)
                 fst = os.lstat(full)
@@ -353,8 +373,11 @@ class Catalog:
                     files.append(os.path.relpath(full, path).replace(os.sep, "/"))
                     total += fst.st_size
                     newest = max(newest, fst.st_mtime)
+                    changed = max(changed, fst.st_mtime, fst.st_ctime)
             for dname in dirnames:
-                newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
+                dst = os.lstat(os.path.join(dirpath, dname))
+                newest = max(newest, dst.st_mtime)
+                changed = max(changed, dst.st_mtime, dst.st_ctime)
         return layouts.Candidate(
             run=run,
             step=commit.step,
@@ -364,6 +387,7 @@ class Catalog:
             complete=True,
             files=tuple(sorted(files)),
             last_write=newest,
+            changed_at=changed,
             bytes=total,
             metrics={},
             problem=None,
@@ -466,6 +490,7 @@ class Catalog:
             listing = storage.list_manifests()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
+            pins = storage.list_pins()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",
@@ -518,6 +543,12 @@ class Catalog:
                     report.removed += 1
             self.index.prune_orphans()
             self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
+            # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
+            restored = self.index.pin_by_name(sorted(pins))
+            if restored:
+                log.warning("pins read back from the tier", tier=tier_name, pins=restored)
+            self.tier_pins[tier_name] = pins
             self.index.set_tier_status(tier_name, True)
         return report
 

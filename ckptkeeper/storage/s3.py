@@ -19,11 +19,15 @@ from ckptkeeper.core.model import (
 )
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import (
+    _MAX_PIN_BYTES,
     MULTIPART_KIND,
+    PIN_SUFFIX,
     StorageError,
     TierUnavailable,
     _describe,
     _parse_manifest,
+    _parse_pin,
+    _pin_doc,
     _Reader,
     _Sink,
     _split_rel,
@@ -409,6 +413,41 @@ class S3TierStorage(TierStorage):
             self._delete_keys([k for k, _, _ in objs])
             self._delete_keys([marker])
         return sum(size for _, size, _ in objs)
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        rel = f"{run}/{name}"
+        with self._errors(f"writing the pin of {rel}"):
+            self._call(
+                "put_object",
+                Bucket=self.bucket,
+                Key=self._key(rel) + PIN_SUFFIX,
+                Body=_pin_doc(run, name, step, node),
+                ContentType="application/json",
+            )
+
+    def remove_pin(self, run: str, name: str) -> None:
+        rel = f"{run}/{name}"
+        with self._errors(f"removing the pin of {rel}"):
+            self._delete_keys([self._key(rel) + PIN_SUFFIX])
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        out: set[tuple[str, str]] = set()
+        with self._errors(f"listing pins in {self.url}", TierUnavailable):
+            for obj in self._list_objects(self.prefix):
+                key = obj["Key"]
+                if not key.endswith(PIN_SUFFIX) or STAGING_MARK in key.rsplit("/", 1)[-1]:
+                    continue
+                if int(obj.get("Size", 0)) > _MAX_PIN_BYTES:
+                    continue  # no pin of ours is that big: never downloaded
+                data = self._get(key)
+                if data is None:
+                    continue  # unpinned since the listing
+                pin = _parse_pin(key[len(self.prefix) : -len(PIN_SUFFIX)], data)
+                if pin is not None:
+                    out.add(pin)
+        return out
 
     def list_staging(self) -> list[Artifact]:
         with self._errors(f"listing {self.url}", TierUnavailable):
