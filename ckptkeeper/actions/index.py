@@ -214,19 +214,18 @@ def _pins_read_from_tiers(settings: Settings, report: ReconcileReport) -> bool:
     return bool(slower) and not any(t in report.tiers_failed for t in slower)
 
 
-def _tiers_hold_copies(settings: Settings, index: Index, catalog: Catalog) -> bool:
-    """Copies or pins in a slower tier prove an index existed before: losing it is not a first start."""
-    hot = settings.hot.name
-    if any(catalog.tier_pins.values()):
-        return True
-    return any(set(c.locations) - {hot} for c in index.checkpoints())
+def _tiers_hold_copies(catalog: Catalog) -> bool:
+    """Copies this node wrote into a slower tier (their manifests name it) prove it had an index
+    before: a missing one was lost. Copies of other nodes only (a new node on a shared tier), or
+    none, are a first start."""
+    return any(catalog.own_copies.values())
 
 
 def _finish_loss(
     settings: Settings, index: Index, hold: dict[str, Any], catalog: Catalog, report: ReconcileReport
 ) -> None:
     """After a lost index was rebuilt into ``index``: keep, relax or drop the hold written first."""
-    if not report.tiers_failed and not _tiers_hold_copies(settings, index, catalog):
+    if not report.tiers_failed and not _tiers_hold_copies(catalog):
         deletes_held_path(settings).unlink(missing_ok=True)  # a first start: nothing was lost
         log.info("new index built from the tiers", index=str(settings.index))
         return

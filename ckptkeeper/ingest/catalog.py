@@ -82,6 +82,9 @@ class Catalog:
         """(run, name) -> wall time a complete-looking checkpoint settles, by mtime and ctime (the
         index keeps only the mtime): the watcher schedules its settle check from it."""
         self.tier_pins: dict[str, set[tuple[str, str]]] = {}
+        self.own_copies: dict[str, int] = {}
+        """Copies each slower tier held at its last listing whose manifest names this node: they
+        prove this node had an index before (a missing one was lost, not never made)."""
         """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
 
     # -- the hot tier ----------------------------------------------------------------------
@@ -502,6 +505,9 @@ class Catalog:
             return report
         known = self.index.locations_in_tier(tier_name)
         listed: set[tuple[str, str]] = set()
+        self.own_copies[tier_name] = sum(
+            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+        )
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if manifest is None:
