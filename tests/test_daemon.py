@@ -119,7 +119,7 @@ class Node:
             index=self.index_path,
             daemon={
                 "settle_seconds": f"{SETTLE}s",
-                "settle_trusts_mtime": True,
+                "trust_mtimes": True,
                 "metrics_addr": f"127.0.0.1:{self.port}",
                 **(daemon or {}),
             },

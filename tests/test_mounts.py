@@ -78,7 +78,7 @@ def test_bind_mount_inside_an_expiring_checkpoint_is_never_deleted_into(tmp_path
     config = write_config(
         tmp_path / "config.toml",
         index=tmp_path / "index.db",
-        daemon={"settle_seconds": "1s", "settle_trusts_mtime": True},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True},
         tiers=[local_tier("hot", hot, keep_last=1)],
     )
     cli = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config)]

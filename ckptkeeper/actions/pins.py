@@ -8,8 +8,10 @@ by every reconcile of that tier (``Catalog.reconcile_tier``), and by the rebuild
 
 Order, so that no failure leaves a checkpoint less protected than the user asked:
 
-* ``pin``: the tiers first, then the index. A tier that cannot be written still gets the pin in
-  the index (it protects now) and the command exits 1 naming the tier;
+* ``pin``: the index first — it protects at once, even from a prune already running (the
+  executor re-reads pins before each delete) — then the tiers. A tier that cannot be written
+  leaves the pin in the index and the command exits 1 naming the tier; a crash in between is
+  repaired by the next prune (:func:`store_missing_pins`);
 * ``unpin``: the tiers first; the index is unpinned only once every pin object is gone, since a
   pin object left in a tier would pin the checkpoint again at the next reconcile.
 """
@@ -44,6 +46,8 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
     outcome = PinOutcome(names=names)
     if not names:
         return outcome
+    if pinned:
+        outcome.changed = index.set_pinned(run, step, True)
     node = socket.gethostname()
     for tier in settings.tiers[1:]:
         try:
@@ -62,8 +66,8 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
                 step=step,
                 error=str(exc),
             )
-    if pinned or not outcome.failed:
-        outcome.changed = index.set_pinned(run, step, pinned)
+    if not pinned and not outcome.failed:
+        outcome.changed = index.set_pinned(run, step, False)
     return outcome
 
 

@@ -78,9 +78,6 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
-        self.settles_at: dict[tuple[str, str], float] = {}
-        """(run, name) -> wall time a complete-looking checkpoint settles, by mtime and ctime (the
-        index keeps only the mtime): the watcher schedules its settle check from it."""
         self.tier_pins: dict[str, set[tuple[str, str]]] = {}
         self.own_copies: dict[str, int] = {}
         """Copies each slower tier held at its last listing whose manifest names this node: they
@@ -170,7 +167,7 @@ class Catalog:
         hot = self.settings.hot.name
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
         managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
@@ -178,7 +175,7 @@ class Catalog:
             if cand.step > MAX_STEP:
                 log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
                 continue
-            newest_write = max(newest_write, cand.last_write)
+            newest_write = max(newest_write, self._written(cand))
             if _has_surrogates(name):
                 # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
                 # never moved or reaped either.
@@ -198,7 +195,7 @@ class Catalog:
             cand.name: self._try_hash(run_dir, cand, commit)
             for cand, commit in managed
             if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot)
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
         }
         with self.index.transaction():
             for cand, commit in managed:
@@ -225,23 +222,27 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
+    def _written(self, cand: layouts.Candidate) -> float:
+        """When a checkpoint was last written, for settling and for partial and run ages: by mtime
+        and ctime, because ``cp -a`` / ``rsync -a`` copy old mtimes (a copy in progress looked
+        settled, or long abandoned, and was moved half-done or reaped); ``daemon.trust_mtimes``
+        goes by mtimes alone."""
+        if self.settings.daemon.trust_mtimes:
+            return cand.last_write
+        return max(cand.last_write, cand.changed_at)
+
     def _state_of(
         self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
     ) -> CheckpointState:
-        # Settled means untouched for settle_seconds by mtime AND ctime: `cp -a` / `rsync -a` copy
-        # old mtimes, and a copy in progress must not look settled (it would be moved half-done).
-        daemon = self.settings.daemon
-        changed = cand.last_write if daemon.settle_trusts_mtime else max(cand.last_write, cand.changed_at)
-        settle = daemon.settle_seconds
+        # Settled means untouched for settle_seconds by mtime AND ctime (see _written).
+        changed = self._written(cand)
+        settle = self.settings.daemon.settle_seconds
         if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
         if commit is not None or (cand.complete and now - changed >= settle):
-            self.settles_at.pop((cand.run, cand.name), None)
             return CheckpointState.COMPLETE
-        if cand.complete:
-            self.settles_at[(cand.run, cand.name)] = changed + settle
         return CheckpointState.WRITING
 
     def _try_hash(
@@ -284,7 +285,7 @@ class Catalog:
                 layout=cand.layout,
                 state=state,
                 created_at=manifest.created_at if manifest else (row.created_at if row else cand.last_write),
-                last_write=cand.last_write,
+                last_write=self._written(cand),
                 bytes=manifest.total_bytes if manifest else cand.bytes,
                 metrics=metrics,
                 committed=commit is not None,
@@ -566,7 +567,7 @@ class Catalog:
         return report
 
 
-def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str) -> bool:
+def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str, written: float) -> bool:
     """The index holds a verified hot copy of exactly these bytes (same size and newest mtime):
     no need to read it again, which keeps ``scan`` idempotent and cheap."""
     return (
@@ -575,7 +576,7 @@ def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: s
         and row.manifest_json is not None
         and row.state is CheckpointState.COMPLETE
         and row.bytes == cand.bytes
-        and row.last_write == cand.last_write
+        and row.last_write == written
         and row.locations.get(hot) == row.version
     )
 
