@@ -208,3 +208,35 @@ def _passes(tmp: Path) -> int:
         if isinstance(doc, dict) and doc.get("event") == "prune done" and doc.get("job") == "retention":
             count += 1
     return count
+
+
+def test_a_lock_file_deleted_while_being_taken_is_not_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rm index.db*`` also removes the lock files: a lock taken on the deleted file would exclude
+    nobody who opens the path afterwards. The lock is on the file the path names when acquired."""
+    import fcntl
+
+    from ckptkeeper.util import lock as lock_module
+
+    path = tmp_path / "index.db.executor.lock"
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock_then_rm(fd: int, op: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            path.unlink()  # between our open() and our flock(), someone runs `rm index.db*`
+        real_flock(fd, op)
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock_then_rm)
+    held = lock_module.ExecutorLock(tmp_path / "index.db")
+    held.acquire(timeout=1)
+    try:
+        assert len(calls) == 2  # the first lock was on the deleted file: taken again on the new one
+        monkeypatch.setattr(lock_module.fcntl, "flock", real_flock)
+        other = lock_module.ExecutorLock(tmp_path / "index.db")
+        with pytest.raises(lock_module.LockHeld):
+            other.acquire(timeout=0)
+    finally:
+        held.release()
