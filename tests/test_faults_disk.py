@@ -236,7 +236,9 @@ def test_garbage_index_daemon_rebuilds_at_start_holds_one_pass_and_keeps_the_pin
     for suffix in ("-wal", "-shm"):
         Path(str(node.index) + suffix).unlink(missing_ok=True)
     node.index.write_bytes(os.urandom(64 * 1024))  # not a database at all
-    stricter(node)
+    # warm keeps only the newest; retention alone (a reap job each second competes with it for the
+    # one scheduler worker, and a held pass reconciles every tier, so misfires could starve it)
+    node.write_config(warm_keep_last=1, reap_interval="1h")
     pinned = node.warm / "old" / "checkpoint-400"
     expiring = node.warm / "train" / "checkpoint-500"  # no tier keeps it any more
     proc = node.popen("daemon", log="daemon")

@@ -121,6 +121,9 @@ class S3TierStorage(TierStorage):
         # credentials botocore would find on its own are just as secret as configured ones
         self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
         self._fs: S3FileSystem | None = None
+        self._listed_pins: list[dict[str, Any]] | None = None
+        """Pin objects seen by the last :meth:`list_manifests`, for the :meth:`list_pins` that a
+        reconcile makes right after it (one listing of the prefix instead of two)."""
 
     @property
     def fs(self) -> S3FileSystem:
@@ -362,6 +365,7 @@ class S3TierStorage(TierStorage):
 
         with self._errors(f"listing {self.url}", TierUnavailable):
             objs = self._list_objects(self.prefix)
+            self._listed_pins = [o for o in objs if o["Key"].endswith(PIN_SUFFIX)]
             keys = [
                 o["Key"]
                 for o in objs
@@ -434,8 +438,11 @@ class S3TierStorage(TierStorage):
 
     def list_pins(self) -> set[tuple[str, str]]:
         out: set[tuple[str, str]] = set()
+        listed, self._listed_pins = self._listed_pins, None
         with self._errors(f"listing pins in {self.url}", TierUnavailable):
-            for obj in self._list_objects(self.prefix):
+            # a pin written since that listing is read at the next one (pins are only ever added
+            # from a listing, so a late one costs nothing but a pass)
+            for obj in listed if listed is not None else self._list_objects(self.prefix):
                 key = obj["Key"]
                 if not key.endswith(PIN_SUFFIX) or STAGING_MARK in key.rsplit("/", 1)[-1]:
                     continue
