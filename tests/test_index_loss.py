@@ -240,3 +240,42 @@ def test_a_lock_file_deleted_while_being_taken_is_not_held(
             other.acquire(timeout=0)
     finally:
         held.release()
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_pin_objects_round_trip_and_hostile_ones_are_ignored(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from builders import tier
+
+    from ckptkeeper.storage import TierStorage
+
+    if backend == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        client = request.getfixturevalue("s3_client")
+        options = request.getfixturevalue("s3_storage_options")
+        storage = TierStorage(tier("cold", f"s3://{bucket}/ckpt", storage_options=options))
+
+        def plant(rel: str, body: bytes) -> None:
+            client.put_object(Bucket=bucket, Key=f"ckpt/{rel}", Body=body)
+    else:
+        (tmp_path / "warm").mkdir()
+        storage = TierStorage(tier("warm", str(tmp_path / "warm")))
+
+        def plant(rel: str, body: bytes) -> None:
+            (tmp_path / "warm" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "warm" / rel).write_bytes(body)
+
+    storage.write_pin("team/run", "checkpoint-1", 1, "node-a")  # no copy here yet: still stored
+    storage.write_pin("r", "sub/ckpt.pt", 7, "node-a")
+    # hostile or foreign: another checkpoint's pin at this path, not JSON, a list, a nesting bomb
+    plant(f"x/a{PIN}", json.dumps({"run": "y", "name": "b"}).encode())
+    plant(f"x/c{PIN}", b"\xff not json")
+    plant(f"x/d{PIN}", b"[1, 2]")
+    plant(f"x/e{PIN}", b"[" * 100_000)
+    assert storage.list_pins() == {("team/run", "checkpoint-1"), ("r", "sub/ckpt.pt")}
+    storage.remove_pin("r", "sub/ckpt.pt")
+    storage.remove_pin("r", "never-pinned")  # no error
+    assert storage.list_pins() == {("team/run", "checkpoint-1")}
+    assert storage.list_manifests() == []  # pin objects are not copies
+    assert storage.list_staging() == []  # nor leftovers for the reaper
