@@ -344,7 +344,8 @@ def after_held_pass(
             if failing:
                 log.warning("deletes stay held: tiers not listed since the rebuild", tiers=failing)
             return
-        if hold.get("pins_salvaged"):
+        # Every slower tier has now been listed, pin objects included: the pins are known again.
+        if hold.get("pins_salvaged") or len(settings.tiers) > 1:
             deletes_held_path(settings).unlink(missing_ok=True)
             log.warning(
                 "every tier reconciled since the index was rebuilt: deletes resume from the next pass"
