@@ -553,7 +553,7 @@ def test_prune_textfile_is_written_atomically_with_index_metrics(tmp_path: Path)
     settings = settings_from_mapping(
         {
             "index": str(tmp_path / "index.db"),
-            "daemon": {"textfile": str(prom)},
+            "daemon": {"textfile": str(prom), "trust_mtimes": True},  # `settled` back-dates
             "tiers": [{"name": "hot", "url": str(hot)}, {"name": "cold", "url": "s3://bucket/x"}],
         }
     )
