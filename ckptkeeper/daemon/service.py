@@ -455,7 +455,10 @@ class Daemon:
             self.watcher.request_full()
             raise
         self._resync_after(outcome)
-        store_missing_pins(self.settings, self.index, self.watcher.catalog.tier_pins)
+        try:
+            store_missing_pins(self.settings, self.index, self.watcher.catalog.tier_pins)
+        except Exception:  # best effort, retried next pass; the prune itself is done
+            log.exception("cannot store pin objects in the tiers", job=job)
         if self.metrics is not None:
             self.metrics.record_outcome(outcome)
         log.info(
