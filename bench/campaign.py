@@ -260,7 +260,7 @@ class Keeper:
             {
                 "index": str(node.root / "index.db"),
                 "max_delete": 10**6,
-                "daemon": {"metrics_addr": "", "settle_seconds": 30},
+                "daemon": {"metrics_addr": "", "settle_seconds": 30, "trust_mtimes": True},  # back-dated trees
                 "tiers": [
                     {
                         "name": "hot",
