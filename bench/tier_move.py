@@ -84,7 +84,7 @@ def _settings(hot: Path, warm: Path, index: Path) -> object:
                 {"name": "hot", "url": str(hot), "keep_last": 1},
                 {"name": "warm", "url": str(warm), "keep_last": 10},
             ],
-            "daemon": {"metrics_addr": ""},
+            "daemon": {"metrics_addr": "", "trust_mtimes": True},  # back-dated checkpoint
         }
     )
 

@@ -146,6 +146,7 @@ class Node:
             index=self.index_path,
             daemon={
                 "settle_seconds": f"{SETTLE}s",
+                "trust_mtimes": True,
                 "metrics_addr": f"127.0.0.1:{self.port}",
                 **(daemon or {}),
             },
@@ -579,7 +580,7 @@ def test_prune_textfile_is_written_atomically_with_index_metrics(tmp_path: Path)
     settings = settings_from_mapping(
         {
             "index": str(tmp_path / "index.db"),
-            "daemon": {"textfile": str(prom)},
+            "daemon": {"textfile": str(prom), "trust_mtimes": True},  # `settled` back-dates
             "tiers": [{"name": "hot", "url": str(hot)}, {"name": "cold", "url": "s3://bucket/x"}],
         }
     )

@@ -12,15 +12,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_POLICY_HELD, EXIT_REFUSED
+from ckptkeeper.actions.errors import (
+    EXIT_ACTION_FAILED,
+    EXIT_OK,
+    EXIT_POLICY_HELD,
+    EXIT_REFUSED,
+    IndexUnusable,
+)
 from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
 from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, read_hold
+from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot
 from ckptkeeper.executor import ExecResult, Executor, Progress
-from ckptkeeper.index import Index
+from ckptkeeper.index import Index, IndexReplaced
 from ckptkeeper.ingest.catalog import Catalog
 from ckptkeeper.util.gc import gc_paused
 from ckptkeeper.util.logs import get_logger
@@ -147,12 +154,23 @@ def run_prune(
         )
         recovered = executor.recover()
         if rescan:
-            damaged = Catalog(settings, index).reconcile().damaged
+            catalog = Catalog(settings, index)
+            damaged = catalog.reconcile().damaged
+            store_missing_pins(settings, index, catalog.tier_pins)
         plan = make_plan(settings, index, now=now(), force=force, run=run, kinds=kinds)
         held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
+        try:
+            # The plan was made from this connection's file: if the path now names another file
+            # (or none), its pins and its journal are not what we planned from.
+            index.check_identity()
+        except IndexReplaced as exc:
+            raise IndexUnusable(
+                f"{exc}: nothing was done; run the command again (a lost index is rebuilt from the "
+                "tiers with deletes held)"
+            ) from exc
         result = executor.apply(plan)
         result.recovered = recovered + result.recovered
         if rescan and (result.done or result.failed):

@@ -277,11 +277,30 @@ def status(app: Context, as_json: bool) -> None:
 
 
 def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
+    from ckptkeeper.actions.pins import set_pin  # storage backends: not for --help
+
     with app.index() as ix:
-        changed = ix.set_pinned(run, step, pinned)
-    if not changed:
+        outcome = set_pin(app.settings, ix, run, step, pinned)
+    if not outcome.names:
         fail(f"no checkpoint {run}@{step} in the index (try `ckptkeeper ls {run}`)", EXIT_USAGE)
-    click.echo(f"{'pinned' if pinned else 'unpinned'} {run}@{step}")
+    verb = "pin" if pinned else "unpin"
+    if outcome.failed and not pinned:
+        for tier, error in sorted(outcome.failed.items()):
+            click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
+        fail(
+            f"{run}@{step} stays pinned: its pin object could not be removed from "
+            f"{', '.join(sorted(outcome.failed))} (it would pin it again); run `ckptkeeper unpin` again",
+            EXIT_ACTION_FAILED,
+        )
+    click.echo(f"{verb}ned {run}@{step}")
+    if outcome.failed:
+        for tier, error in sorted(outcome.failed.items()):
+            click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
+        fail(
+            f"{run}@{step} is pinned in the index, but its pin object is missing from "
+            f"{', '.join(sorted(outcome.failed))}: a lost index would lose this pin; run `ckptkeeper pin` again",
+            EXIT_ACTION_FAILED,
+        )
 
 
 @click.command()

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.actions.errors import Locked
-from ckptkeeper.cli.context import EXIT_LOCKED, Context, fail, pass_ctx
+from ckptkeeper.actions.errors import IndexUnusable, Locked
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, Context, fail, pass_ctx
 from ckptkeeper.util.fmt import format_duration, human_bytes, table
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ def prune(
             )
         except Locked as exc:
             fail(f"{exc}; try again later", EXIT_LOCKED)
+        except IndexUnusable as exc:
+            fail(str(exc), EXIT_ACTION_FAILED)
         if settings.daemon.textfile and not dry_run:
             _write_textfile(settings, ix, outcome)
     plan = outcome.plan

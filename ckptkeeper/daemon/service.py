@@ -360,6 +360,8 @@ class Daemon:
         """Record start/finish in the index; a job error is logged and counted, never raised."""
         if self.stopping.is_set() or self.index is None:
             return
+        if not self._index_still_ours(job):
+            return
         started = time.monotonic()
         try:
             self.index.job_started(job)
@@ -386,6 +388,31 @@ class Daemon:
         _release_memory()
         notify(self._status_line())
 
+    def _index_still_ours(self, job: str) -> bool:
+        """Before each pass: is the index file the one we opened (one ``stat``)? A deleted or
+        replaced index is reopened and rebuilt from the tiers with deletes held; until then the
+        daemon would go on planning from a deleted file that no ``pin`` reaches."""
+        from ckptkeeper.actions.index import reopen_after_loss
+
+        assert self.index is not None
+        problem = self.index.identity_problem()
+        if problem is None:
+            return True
+        try:
+            with self._reconcile_lock:  # no watcher reconcile while the connection is swapped
+                reopen_after_loss(self.settings, self.index, problem)
+        except Locked as exc:
+            log.warning("index lost; rebuild waits for the executor lock", job=job, detail=str(exc))
+            return False
+        except Exception:
+            log.exception("index lost and could not be rebuilt; this pass is skipped", job=job)
+            if self.metrics is not None:
+                self.metrics.record_error("job")
+            return False
+        if self.watcher is not None:
+            self.watcher.request_full()
+        return True
+
     def _rescan(self) -> str | None:
         if self.watcher is None:
             return "the hot tier is not being watched (see the watcher errors above)"
@@ -400,6 +427,7 @@ class Daemon:
         return None
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
+        from ckptkeeper.actions.pins import store_missing_pins
         from ckptkeeper.actions.prune import run_prune
 
         if self.watcher is None or self.index is None:
@@ -432,6 +460,10 @@ class Daemon:
             self.watcher.request_full()
             raise
         self._resync_after(outcome)
+        try:
+            store_missing_pins(self.settings, self.index, self.watcher.catalog.tier_pins)
+        except Exception:  # best effort, retried next pass; the prune itself is done
+            log.exception("cannot store pin objects in the tiers", job=job)
         if self.metrics is not None:
             self.metrics.record_outcome(outcome)
         log.info(

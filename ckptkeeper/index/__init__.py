@@ -5,7 +5,7 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 ``schema`` holds the migrations, ``rows`` the typed rows it returns, ``db`` the queries.
 """
 
-from ckptkeeper.index.db import Index
+from ckptkeeper.index.db import Index, IndexReplaced
 from ckptkeeper.index.rows import (
     DAMAGED,
     CheckpointRow,
@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointRow",
     "Index",
     "IndexCorrupt",
+    "IndexReplaced",
     "JobRun",
     "JournalEntry",
     "Quarantined",

@@ -7,7 +7,9 @@ Readers (``ls``, the metrics endpoint) never block the daemon's writer in WAL mo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -35,6 +37,16 @@ from ckptkeeper.index.rows import (
     run_row,
 )
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, MIGRATIONS, SCHEMA_VERSION, IndexCorrupt
+
+
+class IndexReplaced(Exception):
+    """The index file at the configured path is gone or is another file than the one this
+    connection opened (``rm index.db*``, a restore from backup): its writes would land in a
+    deleted file that nobody reads, and its reads miss what others wrote (pins). The caller
+    reopens the path and rebuilds with deletes held (``actions.index.reopen_after_loss``)."""
+
+
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 class _Result:
@@ -68,6 +80,7 @@ class Index:
         self._lock = threading.RLock()
         self.reconcile_lock = threading.RLock()
         """Serialises catalog reconciles that share this connection (watcher vs scheduled jobs)."""
+        self._identity: tuple[int, int] | None = None
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
@@ -81,6 +94,51 @@ class Index:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             self._migrate()
+        self._identity = self._file_identity()
+        """(st_dev, st_ino) of the file this connection opened; None: not a file (``:memory:``),
+        or not known yet (migrations run before it is taken)."""
+
+    # -- identity --------------------------------------------------------------------------
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def identity_problem(self) -> str | None:
+        """Why the file at ``path`` is not the one this connection uses (None: it is).
+
+        One ``stat``: cheap enough before every pass and every write.
+        """
+        if self._identity is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return f"index {self.path} was deleted while open"
+        except OSError as exc:
+            return f"index {self.path} cannot be checked: {exc.strerror or exc}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"index {self.path} was replaced by another file while open"
+        return None
+
+    def check_identity(self) -> None:
+        """Raise :class:`IndexReplaced` unless the path still names this connection's file."""
+        problem = self.identity_problem()
+        if problem is not None:
+            raise IndexReplaced(problem)
+
+    def reopen(self) -> None:
+        """Close this connection and open the file now at ``path`` (created if missing), in place:
+        the watcher, the catalog and the jobs keep their reference to this object."""
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            fresh = Index(self.path)
+            self._db = fresh._db
+            self._identity = fresh._identity
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -132,6 +190,7 @@ class Index:
         clone._lock = threading.RLock()
         clone.reconcile_lock = threading.RLock()
         clone._db = mem
+        clone._identity = None
         mem.row_factory = sqlite3.Row
         mem.execute("PRAGMA foreign_keys = ON")
         try:
@@ -150,6 +209,7 @@ class Index:
             if self._db.in_transaction:
                 yield
                 return
+            self.check_identity()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield
@@ -191,6 +251,8 @@ class Index:
         - SQL statements in progress").
         """
         with self._lock:
+            if not self._db.in_transaction and sql.lstrip()[:7].upper().startswith(_WRITES):
+                self.check_identity()  # a write into a deleted or replaced file is lost
             return _Result(self._db.execute(sql, params))
 
     # -- runs ------------------------------------------------------------------------------
@@ -342,6 +404,21 @@ class Index:
             "UPDATE checkpoints SET pinned = ? WHERE run = ? AND step = ?", (int(pinned), run, step)
         )
         return cur.rowcount
+
+    def pin_by_name(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Pin the checkpoints ``(run, name)`` that exist and are not pinned yet (pins read back
+        from the tiers; never unpins). Returns how many rows changed."""
+        changed = 0
+        with self.transaction():
+            for run, name in keys:
+                changed += self._exec(
+                    "UPDATE checkpoints SET pinned = 1 WHERE run = ? AND name = ? AND pinned = 0", (run, name)
+                ).rowcount
+        return changed
+
+    def pinned_names(self) -> set[tuple[str, str]]:
+        """(run, name) of every pinned checkpoint."""
+        return {(r[0], r[1]) for r in self._exec("SELECT run, name FROM checkpoints WHERE pinned = 1")}
 
     # -- locations -------------------------------------------------------------------------
 

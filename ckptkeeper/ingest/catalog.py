@@ -27,6 +27,7 @@ from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import layouts
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.catalog")
 
@@ -95,6 +96,11 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
+        self.tier_pins: dict[str, set[tuple[str, str]]] = {}
+        self.own_copies: dict[str, int] = {}
+        """Copies each slower tier held at its last listing whose manifest names this node: they
+        prove this node had an index before (a missing one was lost, not never made)."""
+        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
 
     # -- the hot tier ----------------------------------------------------------------------
 
@@ -203,7 +209,7 @@ class Catalog:
         existing = {row.name: row for row in self.index.checkpoints(run)}
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
         managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
@@ -220,7 +226,7 @@ class Catalog:
                     )
                 )
                 continue
-            newest_write = max(newest_write, cand.last_write)
+            newest_write = max(newest_write, self._written(cand))
             if _has_surrogates(name):
                 # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
                 # never moved or reaped either.
@@ -242,7 +248,7 @@ class Catalog:
             cand.name: self._try_hash(run_dir, cand, commit)
             for cand, commit in managed
             if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot)
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
         }
         with self.index.transaction():
             for cand, commit in managed:
@@ -271,16 +277,26 @@ class Catalog:
         report.quarantined += len(held)
         return report
 
+    def _written(self, cand: layouts.Candidate) -> float:
+        """When a checkpoint was last written, for settling and for partial and run ages: by mtime
+        and ctime, because ``cp -a`` / ``rsync -a`` copy old mtimes (a copy in progress looked
+        settled, or long abandoned, and was moved half-done or reaped); ``daemon.trust_mtimes``
+        goes by mtimes alone."""
+        if self.settings.daemon.trust_mtimes:
+            return cand.last_write
+        return max(cand.last_write, cand.changed_at)
+
     def _state_of(
         self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
     ) -> CheckpointState:
-        if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
+        # Settled means untouched for settle_seconds by mtime AND ctime (see _written).
+        changed = self._written(cand)
+        settle = self.settings.daemon.settle_seconds
+        if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
-        if commit is not None or (
-            cand.complete and now - cand.last_write >= self.settings.daemon.settle_seconds
-        ):
+        if commit is not None or (cand.complete and now - changed >= settle):
             return CheckpointState.COMPLETE
         return CheckpointState.WRITING
 
@@ -326,7 +342,7 @@ class Catalog:
                 created_at=manifest.created_at
                 if manifest
                 else (row.created_at if row else _sane_time(cand.last_write)),
-                last_write=cand.last_write,
+                last_write=self._written(cand),
                 bytes=manifest.total_bytes if manifest else cand.bytes,
                 metrics=metrics,
                 committed=commit is not None,
@@ -398,6 +414,7 @@ class Catalog:
                 complete=True,
                 files=("",),
                 last_write=st.st_mtime,
+                changed_at=max(st.st_mtime, st.st_ctime),
                 bytes=st.st_size,
                 metrics={},
                 problem=None,
@@ -405,8 +422,11 @@ class Catalog:
         if not stat.S_ISDIR(st.st_mode):
             return None
         files: list[str] = []
-        total, newest = 0, st.st_mtime
+        total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
+        mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            base = os.path.relpath(dirpath, path).replace(os.sep, "/")
+            dirnames[:] = [d for d in dirnames if (d if base == "." else f"{base}/{d}") not in mounts]
             for fname in filenames:
                 full = os.path.join(dirpath, fname)
                 fst = os.lstat(full)
@@ -414,8 +434,11 @@ class Catalog:
                     files.append(os.path.relpath(full, path).replace(os.sep, "/"))
                     total += fst.st_size
                     newest = max(newest, fst.st_mtime)
+                    changed = max(changed, fst.st_mtime, fst.st_ctime)
             for dname in dirnames:
-                newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
+                dst = os.lstat(os.path.join(dirpath, dname))
+                newest = max(newest, dst.st_mtime)
+                changed = max(changed, dst.st_mtime, dst.st_ctime)
         return layouts.Candidate(
             run=run,
             step=commit.step,
@@ -425,6 +448,7 @@ class Catalog:
             complete=True,
             files=tuple(sorted(files)),
             last_write=newest,
+            changed_at=changed,
             bytes=total,
             metrics={},
             problem=None,
@@ -550,6 +574,7 @@ class Catalog:
             listing = storage.list_manifests()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
+            pins = storage.list_pins()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",
@@ -569,6 +594,9 @@ class Catalog:
             held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
             report.corrupt += 1
 
+        self.own_copies[tier_name] = sum(
+            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+        )
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if manifest is None:
@@ -595,6 +623,12 @@ class Catalog:
             self.index.prune_orphans()
             self.index.replace_artifacts(tier_name, [*staging, *uploads])
             self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
+            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
+            # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
+            restored = self.index.pin_by_name(sorted(pins))
+            if restored:
+                log.warning("pins read back from the tier", tier=tier_name, pins=restored)
+            self.tier_pins[tier_name] = pins
             self.index.set_tier_status(tier_name, True)
         report.quarantined += len(held)
         return report
@@ -647,7 +681,7 @@ class Catalog:
         return report
 
 
-def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str) -> bool:
+def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str, written: float) -> bool:
     """The index holds a verified hot copy of exactly these bytes (same size and newest mtime):
     no need to read it again, which keeps ``scan`` idempotent and cheap."""
     return (
@@ -656,7 +690,7 @@ def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: s
         and row.manifest_json is not None
         and row.state is CheckpointState.COMPLETE
         and row.bytes == cand.bytes
-        and row.last_write == cand.last_write
+        and row.last_write == written
         and row.locations.get(hot) == row.version
     )
 

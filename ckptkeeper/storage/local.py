@@ -19,14 +19,18 @@ from ckptkeeper.core.model import (
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import (
     _MAX_MANIFEST_BYTES,
+    _MAX_PIN_BYTES,
     _O_CLOEXEC,
     DAMAGED_COPY,
+    PIN_SUFFIX,
     StorageError,
     TierUnavailable,
     VerificationError,
     _check_manifest,
     _describe,
     _parse_manifest,
+    _parse_pin,
+    _pin_doc,
     _Reader,
     _rel_of,
     _Sink,
@@ -44,6 +48,7 @@ from ckptkeeper.storage.localfs import (
     _write_file_atomic,
 )
 from ckptkeeper.storage.tier import TierStorage, _compare_sizes
+from ckptkeeper.util.mounts import mounts_crossed, mounts_under
 
 
 class LocalTierStorage(TierStorage):
@@ -81,6 +86,18 @@ class LocalTierStorage(TierStorage):
             yield fd
         finally:
             os.close(fd)
+
+    def _mounts_under(self) -> frozenset[str]:
+        """Mount points below the root (relative paths): never walked, copied or deleted into."""
+        return mounts_under(self.root)
+
+    def _refuse_mounts(self, rel: str, what: str) -> None:
+        crossed = mounts_crossed(self.root, rel)
+        if crossed:
+            raise StorageError(
+                f"tier {self.name!r}: refusing to {what} {rel}: mount point {', '.join(crossed)} "
+                "(mount points under a tier root, bind mounts included, are never crossed; unmount it)"
+            )
 
     def usage(self) -> TierUsage | None:
         try:
@@ -129,6 +146,7 @@ class LocalTierStorage(TierStorage):
                 if not stat.S_ISDIR(st.st_mode):
                     return None
                 out: dict[str, int | None] = {}
+                mounts = self._mounts_under()
 
                 def fail(exc: OSError) -> None:
                     raise exc
@@ -137,6 +155,9 @@ class LocalTierStorage(TierStorage):
                     parts[-1], dir_fd=dir_fd, follow_symlinks=False, onerror=fail
                 ):
                     base = dirpath[len(parts[-1]) + 1 :]
+                    inside = f"{rel}/{base}" if base else rel
+                    if mounts:  # a bind mount is not part of the copy: neither listed nor entered
+                        dirnames[:] = [d for d in dirnames if f"{inside}/{d}" not in mounts]
                     # fwalk lists a symlink to a directory among dirnames (without descending)
                     for fname in filenames + dirnames:
                         fst = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
@@ -175,6 +196,7 @@ class LocalTierStorage(TierStorage):
         if self.hot:
             raise StorageError(f"tier {self.name!r} is the hot tier: it holds no manifests")
         out: list[tuple[str, Manifest | None, str | None]] = []
+        mounts = self._mounts_under()
 
         def fail(exc: OSError) -> None:
             raise exc
@@ -185,6 +207,7 @@ class LocalTierStorage(TierStorage):
                     ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
                 ):
                     reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
                     present = set(dirnames) | set(filenames)
                     committed_dirs: set[str] = set()
                     for fname in filenames:
@@ -227,6 +250,7 @@ class LocalTierStorage(TierStorage):
         filesystem makes the whole delete refuse before anything is removed.
         """
         parts = _split_rel(rel_path)
+        self._refuse_mounts(rel_path, "delete")
         try:
             with self._root_fd() as root_fd:
                 dev = os.fstat(root_fd).st_dev
@@ -265,6 +289,8 @@ class LocalTierStorage(TierStorage):
         _check_manifest(manifest)
         rel = _rel_of(manifest)
         parts = _split_rel(rel)
+        src._refuse_mounts(rel, "move")
+        self._refuse_mounts(rel, "move")
         problems = src.verify(manifest, deep=rehash)
         if problems:
             raise VerificationError(f"{src.name}:{rel} does not match its manifest: " + "; ".join(problems))
@@ -315,8 +341,87 @@ class LocalTierStorage(TierStorage):
         self.delete(rel)
         return False
 
+    # -- pins ------------------------------------------------------------------------------
+
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        rel = f"{run}/{name}"
+        parts = _split_rel(rel)
+        if len(parts) > 1:
+            self._refuse_mounts("/".join(parts[:-1]), "pin")
+        try:
+            with self._root_fd() as root_fd:
+                dev = os.fstat(root_fd).st_dev
+                with _fd(_open_dirs(root_fd, parts[:-1], create=True, dev=dev)) as dir_fd:
+                    _write_file_atomic(dir_fd, parts[-1] + PIN_SUFFIX, _pin_doc(run, name, step, node))
+                    os.fsync(dir_fd)
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot write the pin of {rel}: {_describe(exc)}"
+            ) from exc
+
+    def remove_pin(self, run: str, name: str) -> None:
+        rel = f"{run}/{name}"
+        parts = _split_rel(rel)
+        try:
+            with self._parent_fd(parts) as dir_fd:
+                try:
+                    os.unlink(parts[-1] + PIN_SUFFIX, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    return
+                os.fsync(dir_fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot remove the pin of {rel}: {_describe(exc)}"
+            ) from exc
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        out: set[tuple[str, str]] = set()
+        mounts = self._mounts_under()
+
+        def fail(exc: OSError) -> None:
+            raise exc
+
+        with self._root_fd(TierUnavailable) as root_fd:
+            try:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
+                ):
+                    reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
+                    present = set(dirnames) | set(filenames)
+                    committed = set()
+                    for fname in filenames:
+                        if fname.endswith(MANIFEST_SUFFIX) and fname[: -len(MANIFEST_SUFFIX)] in present:
+                            committed.add(fname[: -len(MANIFEST_SUFFIX)])
+                        if not fname.endswith(PIN_SUFFIX) or STAGING_MARK in fname:
+                            continue
+                        base = fname[: -len(PIN_SUFFIX)]
+                        rel = base if reldir == "." else f"{reldir}/{base}"
+                        try:
+                            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+                            with os.fdopen(fd, "rb") as f:
+                                data = f.read(_MAX_PIN_BYTES + 1)
+                        except FileNotFoundError:
+                            continue  # unpinned while we listed
+                        except OSError as exc:
+                            if exc.errno != errno.ELOOP:
+                                raise
+                            continue  # a symlink is no pin of ours
+                        pin = _parse_pin(rel, data)
+                        if pin is not None:
+                            out.add(pin)
+                    dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed]
+            except OSError as exc:
+                raise TierUnavailable(
+                    f"tier {self.name!r}: listing pins under {self.root} failed: {_describe(exc)}"
+                ) from exc
+        return out
+
     def list_staging(self) -> list[Artifact]:
         out: list[Artifact] = []
+        mounts = self._mounts_under()
 
         def fail(exc: OSError) -> None:
             raise exc
@@ -328,6 +433,7 @@ class LocalTierStorage(TierStorage):
                     ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
                 ):
                     reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
                     present = set(dirnames) | set(filenames)
                     committed: set[str] = set()
                     for entry in sorted(present):
@@ -394,6 +500,12 @@ def _damage_at(dir_fd: int, base: str, rel: str, manifest: Manifest) -> list[str
             continue
         present[entry.path] = st.st_size if stat.S_ISREG(st.st_mode) else None
     return _compare_sizes(rel, manifest, present)
+
+
+def _skip_mounts(dirnames: list[str], reldir: str, mounts: frozenset[str]) -> None:
+    """Drop mount points from an ``fwalk`` listing (in place): they are never entered."""
+    if mounts:
+        dirnames[:] = [d for d in dirnames if (d if reldir == "." else f"{reldir}/{d}") not in mounts]
 
 
 @contextlib.contextmanager

@@ -20,13 +20,17 @@ from ckptkeeper.core.model import (
 )
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import (
+    _MAX_PIN_BYTES,
     DAMAGED_COPY,
     MULTIPART_KIND,
+    PIN_SUFFIX,
     StorageError,
     TierUnavailable,
     _check_manifest,
     _describe,
     _parse_manifest,
+    _parse_pin,
+    _pin_doc,
     _Reader,
     _rel_of,
     _Sink,
@@ -153,6 +157,9 @@ class S3TierStorage(TierStorage):
         # credentials botocore would find on its own are just as secret as configured ones
         self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
         self._fs: S3FileSystem | None = None
+        self._listed_pins: list[dict[str, Any]] | None = None
+        """Pin objects seen by the last :meth:`list_manifests`, for the :meth:`list_pins` that a
+        reconcile makes right after it (one listing of the prefix instead of two)."""
 
     @property
     def fs(self) -> S3FileSystem:
@@ -437,6 +444,7 @@ class S3TierStorage(TierStorage):
         with self._errors(f"listing {self.url}", TierUnavailable):
             objs = self._list_objects(self.prefix)
             sizes = {o["Key"]: int(o["Size"]) for o in objs}
+            self._listed_pins = [o for o in objs if o["Key"].endswith(PIN_SUFFIX)]
             keys = [
                 o["Key"]
                 for o in objs
@@ -558,6 +566,44 @@ class S3TierStorage(TierStorage):
             self._delete_keys([k for k, _, _ in objs])
             self._delete_keys([marker])
         return sum(size for _, size, _ in objs)
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        rel = f"{run}/{name}"
+        with self._errors(f"writing the pin of {rel}"):
+            self._call(
+                "put_object",
+                Bucket=self.bucket,
+                Key=self._key(rel) + PIN_SUFFIX,
+                Body=_pin_doc(run, name, step, node),
+                ContentType="application/json",
+            )
+
+    def remove_pin(self, run: str, name: str) -> None:
+        rel = f"{run}/{name}"
+        with self._errors(f"removing the pin of {rel}"):
+            self._delete_keys([self._key(rel) + PIN_SUFFIX])
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        out: set[tuple[str, str]] = set()
+        listed, self._listed_pins = self._listed_pins, None
+        with self._errors(f"listing pins in {self.url}", TierUnavailable):
+            # a pin written since that listing is read at the next one (pins are only ever added
+            # from a listing, so a late one costs nothing but a pass)
+            for obj in listed if listed is not None else self._list_objects(self.prefix):
+                key = obj["Key"]
+                if not key.endswith(PIN_SUFFIX) or STAGING_MARK in key.rsplit("/", 1)[-1]:
+                    continue
+                if int(obj.get("Size", 0)) > _MAX_PIN_BYTES:
+                    continue  # no pin of ours is that big: never downloaded
+                data = self._get(key)
+                if data is None:
+                    continue  # unpinned since the listing
+                pin = _parse_pin(key[len(self.prefix) : -len(PIN_SUFFIX)], data)
+                if pin is not None:
+                    out.add(pin)
+        return out
 
     def list_staging(self) -> list[Artifact]:
         with self._errors(f"listing {self.url}", TierUnavailable):

@@ -111,6 +111,19 @@ class TierStorage:
         """Remove one artifact reported by :meth:`list_staging`; return bytes freed."""
         raise NotImplementedError
 
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        """Store a pin object for checkpoint ``run/name`` (idempotent; the copy need not be here)."""
+        raise NotImplementedError
+
+    def remove_pin(self, run: str, name: str) -> None:
+        """Remove the pin object of ``run/name``; no error if there is none."""
+        raise NotImplementedError
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        """(run, name) of every valid pin object. Raises :class:`TierUnavailable` if the listing
+        is incomplete: pins of a tier we could not list are unknown, not absent."""
+        raise NotImplementedError
+
     def list_multipart_uploads(self) -> list[Artifact]:
         return []
 

@@ -46,11 +46,14 @@ class Candidate:
     """Regular files relative to the checkpoint path, sorted; ``("",)`` for a single-file checkpoint.
     Symlinks inside a checkpoint are not listed (never followed, never copied)."""
     last_write: float
-    """Newest ``st_mtime`` of the checkpoint path and everything under it (for settle/partial age)."""
+    """Newest ``st_mtime`` of the checkpoint path and everything under it (for partial age)."""
     bytes: int
     metrics: Mapping[str, float]
     problem: str | None
     """Why it is not complete; ``None`` when complete."""
+    changed_at: float = 0.0
+    """Newest ``max(st_mtime, st_ctime)`` under the checkpoint: what settling waits on. ``cp -a``
+    and ``rsync -a`` back-date mtimes of what they copy; ctime cannot be set back."""
     corrupt: bool = False
     """A per-checkpoint marker is present but unparseable. Like ``complete``, only a verdict once
     the checkpoint has settled: a marker being written looks malformed for a moment."""
@@ -153,6 +156,8 @@ class _Dir:
         self.parent = parent
         self.dev = dev
         self.is_root = is_root
+        self.mounts: frozenset[str] = frozenset()
+        """On the run's root: mount points below it (relative paths), never walked."""
 
     @cached_property
     def entries(self) -> dict[str, os.stat_result]:
