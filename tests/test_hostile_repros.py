@@ -106,7 +106,7 @@ def test_hostile_manifests_in_a_shared_bucket_are_quarantined_and_hot_is_still_p
     config = write_config(
         tmp_path / "config.toml",
         index=tmp_path / "index.db",
-        daemon={"settle_seconds": "1s", "metrics_addr": ""},
+        daemon={"settle_seconds": "1s", "metrics_addr": "", "trust_mtimes": True},
         tiers=[local_tier("hot", hot, keep_last=1), s3_tier("cold", s3_bucket, s3_server, keep_last=5)],
     )
     evil = hostile_manifests(s3_client, s3_bucket)
@@ -149,7 +149,7 @@ def test_out_of_range_run_json_is_quarantined_and_other_runs_are_pruned(tmp_path
     config = write_config(
         tmp_path / "config.toml",
         index=tmp_path / "index.db",
-        daemon={"settle_seconds": "1s", "metrics_addr": ""},
+        daemon={"settle_seconds": "1s", "metrics_addr": "", "trust_mtimes": True},
         tiers=[local_tier("hot", hot, keep_last=1), local_tier("warm", warm, keep_last=5)],
     )
     for args in (("scan",), ("prune",), ("ls", "--json"), ("status", "--json")):

@@ -64,7 +64,7 @@ class Node:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s", **daemon},
+            daemon={"settle_seconds": "1s", "trust_mtimes": True, **daemon},
             tiers=[local_tier("hot", self.hot, keep_last=2), slower],
         )
 

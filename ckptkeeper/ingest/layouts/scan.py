@@ -202,11 +202,12 @@ def _tree(
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if stat.S_ISDIR(st.st_mode) and (st.st_dev != dev or f"{prefix}{entry.name}" in mounts):
+                    continue  # another filesystem or a mount point: not ours, its times are not our writes
                 newest = max(newest, st.st_mtime)
                 changed = max(changed, st.st_ctime, st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
-                    if st.st_dev == dev and f"{prefix}{entry.name}" not in mounts:
-                        stack.append((entry.path, f"{prefix}{entry.name}/"))
+                    stack.append((entry.path, f"{prefix}{entry.name}/"))
                 elif stat.S_ISREG(st.st_mode):
                     files.append(prefix + entry.name)
                     total += st.st_size
