@@ -13,6 +13,10 @@ EXIT_USAGE = 2
 """Bad arguments or configuration."""
 EXIT_REFUSED = 3
 """Refused by a guard (``max_delete``, an empty policy)."""
+EXIT_PREFLIGHT_WARNINGS = 5
+"""``preflight``: every check passed or warned, at least one warned."""
+EXIT_PREFLIGHT_FAILED = 6
+"""``preflight``: at least one check failed (this node will not sustain the job's checkpoints)."""
 EXIT_LOCKED = 11
 """Another process holds the executor lock."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_REFUSED
 from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, read_hold
+from ckptkeeper.actions.preflight import sweep_scratch
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
@@ -138,6 +139,8 @@ def run_prune(
             clock=now,
         )
         recovered = executor.recover()
+        # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
+        sweep_scratch(settings)
         if rescan:
             Catalog(settings, index).reconcile()
         plan = make_plan(settings, index, now=now(), force=force, run=run, kinds=kinds)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.core.preflight import is_scratch_run
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
@@ -216,7 +217,9 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
-    def _state_of(self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float) -> CheckpointState:
+    def _state_of(
+        self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
+    ) -> CheckpointState:
         if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
@@ -312,7 +315,9 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(self, run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
+    def _committed_candidate(
+        self, run_dir: Path, run: str, commit: protocol.Commit
+    ) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
         path = run_dir / commit.path
         found = layouts.recognize(path, run_dir, run)
@@ -485,6 +490,8 @@ class Catalog:
                     )
                     report.corrupt += 1
                     continue
+                if is_scratch_run(manifest.run):
+                    continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
                 key = (manifest.run, manifest.name)
                 listed.add(key)
                 row = self.index.checkpoint(*key)
@@ -517,7 +524,9 @@ class Catalog:
                     self.index.remove_location(cid, tier_name)
                     report.removed += 1
             self.index.prune_orphans()
-            self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            self.index.replace_artifacts(
+                tier_name, [a for a in (*staging, *uploads) if not is_scratch_run(a.path)]
+            )
             self.index.set_tier_status(tier_name, True)
         return report
 
