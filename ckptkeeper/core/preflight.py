@@ -225,7 +225,9 @@ def check_hot_capacity(
         return Check(
             "hot_capacity",
             "fail",
-            f"{found}: lower tiers[0].keep_last (or keep_best), raise tiers[0].high_watermark, or free/add hot disk",
+            f"{found}: lower tiers[0].keep_last (or keep_best), "
+            + ("raise tiers[0].high_watermark, " if high_watermark is not None else "")
+            + "or free/add hot disk",
         )
     if need > room * CAPACITY_WARN_FRACTION:
         return Check(
