@@ -425,3 +425,30 @@ def test_a_later_preflight_sweeps_a_dead_ones_scratch(tmp_path: Path) -> None:
     assert code == 0, doc["checks"]
     assert _scratch_on_disk(node.hot, cold) == []
     node.assert_untouched()
+
+
+def test_size_and_interval_default_from_the_newest_run(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    node = Node(tmp_path, slower=[local_tier("cold", cold, keep_last=8)])
+    ls = json.loads(_cli(node.config, "ls", "--json").stdout)
+    newest = ls["runs"][0]["checkpoints"][-1]["bytes"]
+    code, doc = node.preflight("--quick")
+    assert (doc["size"], doc["every"]) == (newest, pf.DEFAULT_EVERY)  # one save: no interval yet
+    assert doc["sample_bytes"] == newest
+    assert code == 0, doc["checks"]
+    assert _scratch_on_disk(node.hot, cold) == []
+
+
+def test_duration_repeats_the_pipeline_and_watches_throughput(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    node = Node(tmp_path, slower=[local_tier("cold", cold, keep_last=8)])
+    code, doc = node.preflight("--size", "1MiB", "--every", "1h", "--duration", "2s")
+    assert len(doc["rounds"]) >= 2
+    assert all(r["hot_write"] > 0 and r["cold_upload"] > 0 and r["restore"] > 0 for r in doc["rounds"])
+    stability = _checks(doc)["throughput_stability"]
+    assert f"{len(doc['rounds'])} rounds" in stability["detail"]
+    assert code in (0, 5)  # a drop on a loaded box is a warning, never a failure
+    assert _scratch_on_disk(node.hot, cold) == []
+    node.assert_untouched()

@@ -44,7 +44,7 @@ def _parse_duration(_ctx: Any, _param: Any, value: str | None) -> float | None:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.1f}s" if value < 120 else format_duration(value)
+    return f"{value:.1f}s" if value < 120 else format_duration(round(value))
 
 
 def _rate(value: float | None) -> str:

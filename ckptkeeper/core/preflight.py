@@ -321,7 +321,11 @@ def check_clock_skew(tier: str, skew: float | None) -> Check:
     name = f"{tier}_clock_skew"
     if skew is None:
         return Check(name, "warn", "the store sent no Date header: clock skew unknown")
-    found = f"node clock {abs(skew):.0f}s {'behind' if skew > 0 else 'ahead of'} the store"
+    found = (
+        f"node clock {abs(skew):.0f}s {'behind' if skew > 0 else 'ahead of'} the store"
+        if abs(skew) >= 1
+        else "node clock within 1s of the store"
+    )
     if abs(skew) > SKEW_FAIL_SECONDS:
         return Check(
             name, "fail", f"{found}: requests will be refused and ages misjudged; fix NTP (chrony/timesyncd)"
@@ -350,7 +354,7 @@ def check_throughput_drop(series: Mapping[str, Sequence[float]], threshold: floa
         return Check(
             "throughput_stability",
             "pass",
-            "one round measured (use --duration to watch throughput over time)",
+            "one round measured (a --duration longer than a round watches throughput over time)",
         )
     worst: tuple[float, str] = (0.0, "")
     for stage, rates in series.items():
