@@ -165,25 +165,38 @@ def _purge_s3(tier: TierConfig, wanted: Callable[[str], bool]) -> list[str]:
 
 
 def _purge(settings: Settings, wanted: Callable[[str], bool]) -> list[str]:
+    """Remove wanted scratch runs from the slower tiers, then — only if all of them succeeded —
+    from the hot tier. The hot scratch directory is made first and removed last, so while
+    anything of a scratch run is left anywhere, its hot directory says so (:func:`sweep_scratch`
+    looks there, and nowhere else, before it lists a store)."""
     removed: list[str] = []
-    for tier in settings.tiers:
+    clean = True
+    for tier in settings.tiers[1:]:
         try:
-            if tier.is_local:
-                removed += _purge_local(tier.local_path, wanted)
-            else:
-                removed += _purge_s3(tier, wanted)
+            removed += _purge_local(tier.local_path, wanted) if tier.is_local else _purge_s3(tier, wanted)
         except Exception as exc:  # a failing tier must not stop a prune; the next one retries
+            clean = False
             log.warning("preflight scratch not swept from tier", tier=tier.name, error=str(exc))
+    if clean:
+        removed += _purge_local(settings.hot.local_path, wanted)
     return removed
 
 
 def sweep_scratch(settings: Settings, *, own_pid: int | None = None) -> list[str]:
     """Remove this node's scratch of dead preflights from every tier. Call with the executor lock
-    held (``prune`` and ``preflight`` do): then no other preflight of this node is running."""
+    held (``prune`` and ``preflight`` do): then no other preflight of this node is running.
+
+    Costs one listing of the hot root when there is nothing to sweep: a store is only listed for a
+    scratch run whose hot directory is still there (see :func:`_purge`)."""
     node, pid = _node(), os.getpid() if own_pid is None else own_pid
-    removed = _purge(settings, lambda run: pf.stale_scratch(run, node, pid))
-    if removed:
-        log.warning("removed the scratch of an interrupted preflight", paths=len(removed))
+    try:
+        stale = {e.name for e in os.scandir(settings.hot.local_path) if pf.stale_scratch(e.name, node, pid)}
+    except OSError:
+        return []
+    if not stale:
+        return []
+    removed = _purge(settings, lambda run: run in stale)
+    log.warning("removed the scratch of an interrupted preflight", runs=sorted(stale), paths=len(removed))
     return removed
 
 
