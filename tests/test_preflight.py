@@ -454,3 +454,38 @@ def test_duration_repeats_the_pipeline_and_watches_throughput(tmp_path: Path) ->
     assert code in (0, 5)  # a drop on a loaded box is a warning, never a failure
     assert _scratch_on_disk(node.hot, cold) == []
     node.assert_untouched()
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("120", 120.0),
+        ("5min", 300.0),
+        ("1h 30s", 3630.0),
+        ("90s", 90.0),
+        ("500ms", 0.5),
+        ("infinity", None),
+        ("", None),
+        ("soon", None),
+    ],
+)
+def test_parse_timespan(text: str, seconds: float | None) -> None:
+    assert pf.parse_timespan(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("stop", "step", "status"),
+    [(120.0, 60.0, "pass"), (120.0, 600.0, "warn"), (None, 1e6, "pass"), (120.0, None, "pass")],
+)
+def test_systemd_stop_timeout_vs_the_longest_step(
+    stop: float | None, step: float | None, status: str
+) -> None:
+    check = pf.check_service({"WatchdogSec": 60.0, "TimeoutStopSec": stop}, True, step)
+    assert check.status == status, check.detail
+    if status == "warn":
+        assert "TimeoutStopSec=" in check.detail and "10.0m" in check.detail
+
+
+def test_throughput_drop_says_when_stages_were_too_quick_to_watch() -> None:
+    check = pf.check_throughput_drop({}, 0.3, rounds=5)
+    assert check.status == "pass" and "5 rounds" in check.detail and "too quick" in check.detail

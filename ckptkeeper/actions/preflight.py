@@ -460,6 +460,26 @@ def _count_dirs(root: Path, limit: int = 1_000_000) -> int:
     return count
 
 
+UNIT_PATHS = ("/etc/systemd/system/ckptkeeper.service", "/usr/lib/systemd/system/ckptkeeper.service")
+
+
+def _systemd_unit() -> tuple[dict[str, float | None], bool]:
+    """WatchdogSec and TimeoutStopSec of the installed unit (the last assignment wins, as in
+    systemd; drop-ins are not read), else the shipped unit's values; and whether one was found."""
+    for path in UNIT_PATHS:
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            continue
+        found: dict[str, float | None] = dict(pf.SHIPPED_UNIT)
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key.strip() in found:
+                found[key.strip()] = pf.parse_timespan(value)
+        return found, True
+    return dict(pf.SHIPPED_UNIT), False
+
+
 def _hot_checkpoint_bytes(index: Index, hot: str) -> int:
     return sum(c.bytes for c in index.checkpoints() if hot in c.locations)
 
@@ -582,7 +602,11 @@ def run_preflight(
             settings.daemon.polling,
         )
     )
-    checks.append(pf.check_throughput_drop(series, drop_threshold))
+    # A stage done in a fraction of a second (a same-filesystem rename) is all timer noise.
+    timed = {k: v for k, v in series.items() if v and sample / max(v) >= pf.MIN_TIMED_SECONDS}
+    checks.append(pf.check_throughput_drop(timed, drop_threshold, len(rounds)))
+    stage_rates = [r for k in ("warm_move", "cold_upload") if (r := throughput[k])]  # the daemon's steps
+    checks.append(pf.check_service(*_systemd_unit(), size / min(stage_rates) if stage_rates else None))
     return PreflightReport(
         checks=checks,
         throughput=throughput,

@@ -36,6 +36,8 @@ FULL_SAMPLE = 1 << 30
 """Without ``--quick``, at most this much per synthetic save."""
 DROP_THRESHOLD = 0.3
 """A stage whose throughput falls by more than this fraction over ``--duration`` is flagged."""
+MIN_TIMED_SECONDS = 0.25
+"""A stage is watched for drops only if its fastest round took at least this long."""
 
 RPO_WARN_FRACTION = 0.8
 CAPACITY_WARN_FRACTION = 0.9
@@ -346,15 +348,25 @@ def check_credentials(tier: str, index: int, denied: Sequence[str]) -> Check:
     )
 
 
-def check_throughput_drop(series: Mapping[str, Sequence[float]], threshold: float = DROP_THRESHOLD) -> Check:
+def check_throughput_drop(
+    series: Mapping[str, Sequence[float]], threshold: float = DROP_THRESHOLD, rounds: int | None = None
+) -> Check:
     """Over ``--duration``, a stage whose later rounds run more than ``threshold`` slower than its
-    first (thermal throttling, a noisy neighbour, a filling SLC cache) is flagged."""
-    rounds = max((len(v) for v in series.values()), default=0)
+    first (thermal throttling, a noisy neighbour, a filling SLC cache) is flagged. ``series`` holds
+    the stages worth timing; ``rounds`` is how many rounds ran (default: the longest series)."""
+    timed = max((len(v) for v in series.values()), default=0)
+    rounds = timed if rounds is None else rounds
     if rounds < 2:
         return Check(
             "throughput_stability",
             "pass",
             "one round measured (a --duration longer than a round watches throughput over time)",
+        )
+    if timed < 2:
+        return Check(
+            "throughput_stability",
+            "pass",
+            f"{rounds} rounds, but every stage took under {MIN_TIMED_SECONDS}s: too quick to watch (use a larger --size)",
         )
     worst: tuple[float, str] = (0.0, "")
     for stage, rates in series.items():
@@ -376,3 +388,65 @@ def check_throughput_drop(series: Mapping[str, Sequence[float]], threshold: floa
 def verdict(checks: Sequence[Check]) -> Status:
     statuses = {c.status for c in checks}
     return "fail" if "fail" in statuses else "warn" if "warn" in statuses else "pass"
+
+
+SHIPPED_UNIT = {"WatchdogSec": 60.0, "TimeoutStopSec": 120.0}
+"""What ``deploy/ckptkeeper.service`` sets, assumed when no installed unit is found."""
+
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(us|ms|sec|min|hr|s|m|h|d)?", re.IGNORECASE)
+_SPAN_SECONDS = {
+    "us": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "d": 86400.0,
+}
+
+
+def parse_timespan(text: str) -> float | None:
+    """Seconds of a systemd time span (``"120"``, ``"5min"``, ``"1h 30s"``); None for
+    ``infinity``, empty or unparsable values."""
+    text = text.strip().lower()
+    if not text or text == "infinity":
+        return None
+    total, pos = 0.0, 0
+    for m in _SPAN.finditer(text):
+        if text[pos : m.start()].strip():
+            return None
+        total += float(m.group(1)) * _SPAN_SECONDS[(m.group(2) or "s").lower()]
+        pos = m.end()
+    return total if pos and not text[pos:].strip() else None
+
+
+def check_service(unit: dict[str, float | None], installed: bool, longest_step: float | None) -> Check:
+    """The systemd unit against the longest blocking step measured (one save's slowest copy).
+
+    The watchdog is fed from its own thread while the observer and the scheduler live, so no step
+    starves it; but ``systemctl stop`` lets the step in flight finish and kills it after
+    ``TimeoutStopSec=``: a copy longer than that is killed on every stop and starts over."""
+    where = (
+        "the installed unit" if installed else "the shipped unit (deploy/ckptkeeper.service; none installed)"
+    )
+    watchdog = unit.get("WatchdogSec")
+    stop = unit.get("TimeoutStopSec")
+    if longest_step is None:
+        return Check(
+            "systemd", "pass", f"no step measured; {where}: WatchdogSec={watchdog}, TimeoutStopSec={stop}"
+        )
+    found = (
+        f"longest step (one save's slowest copy) {_fmt_s(longest_step)}; {where}: WatchdogSec="
+        f"{'off' if watchdog is None else _fmt_s(watchdog)} (fed by its own thread, not blocked by a copy), "
+        f"TimeoutStopSec={'infinity' if stop is None else _fmt_s(stop)}"
+    )
+    if stop is not None and longest_step > stop:
+        return Check(
+            "systemd",
+            "warn",
+            f"{found}: a stop or restart kills the copy in flight (the journal undoes it, the copy starts "
+            f"over); raise TimeoutStopSec= in the unit above {_fmt_s(longest_step)}",
+        )
+    return Check("systemd", "pass", found)
