@@ -489,3 +489,23 @@ def test_systemd_stop_timeout_vs_the_longest_step(
 def test_throughput_drop_says_when_stages_were_too_quick_to_watch() -> None:
     check = pf.check_throughput_drop({}, 0.3, rounds=5)
     assert check.status == "pass" and "5 rounds" in check.detail and "too quick" in check.detail
+
+
+def test_a_dead_preflights_committed_copy_is_never_cataloged(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    node = Node(tmp_path, slower=[local_tier("cold", cold, keep_last=8)])
+    # one 1 KiB file: crash points 1 journaled, 2 progress, 3 committed -> killed with the cold copy
+    # committed (manifest beside it) but not yet recorded or removed
+    killed = _cli(
+        node.config, "preflight", "--quick", "--size", "1KiB", extra_env={"CKPTKEEPER_TEST_CRASH_AFTER": "3"}
+    )
+    assert killed.returncode == -9
+    manifests = [p for p in cold.rglob("*.ckptkeeper-manifest.json") if pf.SCRATCH_PREFIX in str(p)]
+    assert manifests, "expected a committed scratch copy in the cold tier"
+    assert _cli(node.config, "scan").returncode == 0
+    node.assert_untouched()  # ls shows the user's run only
+    status = json.loads(_cli(node.config, "status", "--json").stdout)
+    assert {t["name"]: t["checkpoints"] for t in status["tiers"]}["cold"] == 0
+    assert _cli(node.config, "prune").returncode == 0
+    assert _scratch_on_disk(node.hot, cold) == []
