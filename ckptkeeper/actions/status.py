@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core import cost
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import CheckpointRow, Index, JobRun
+from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,13 @@ class StatusSummary:
     """Tier -> monthly storage cost of its verified copies (tiers with ``cost_per_gib_month`` only)."""
     run_cost_per_month: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Run -> tier -> monthly storage cost, from the same copies as ``cost_per_month``."""
+    policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
+    """Unavailable tiers that held back the last retention pass (copies to them, deletes that
+    depend on them), per tier."""
+    damaged: int = 0
+    """Copies the index marks damaged (found not matching their manifest; copied again)."""
+    quarantined: tuple[Quarantined, ...] = ()
+    """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -93,6 +101,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     reclaimed = index.reclaimed()
     jobs = index.job_runs()
     journal = index.journal_open()
+    quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     tiers = []
     for t in settings.tiers:
@@ -125,6 +134,9 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         jobs=jobs,
         journal_open=len(journal),
         deletes_held=held_text,
+        policy_held=read_policy_held(settings),
+        damaged=sum(len(c.damaged) for c in checkpoints),
+        quarantined=quarantined,
         **_costs(settings, checkpoints, tiers),
     )
 
