@@ -509,3 +509,25 @@ def test_a_dead_preflights_committed_copy_is_never_cataloged(tmp_path: Path) -> 
     assert {t["name"]: t["checkpoints"] for t in status["tiers"]}["cold"] == 0
     assert _cli(node.config, "prune").returncode == 0
     assert _scratch_on_disk(node.hot, cold) == []
+
+
+def test_a_dead_preflights_copy_is_no_proof_of_a_lost_index(tmp_path: Path) -> None:
+    """A missing index over tiers holding this node's copies is rebuilt with deletes held; a dead
+    preflight's scratch copy is not such a copy (it is swept), so a first start stays a first start."""
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    node = Node(tmp_path, slower=[local_tier("cold", cold, keep_last=8)])
+    killed = _cli(
+        node.config, "preflight", "--quick", "--size", "1KiB", extra_env={"CKPTKEEPER_TEST_CRASH_AFTER": "3"}
+    )
+    assert killed.returncode == -9
+    assert [p for p in cold.rglob("*.ckptkeeper-manifest.json") if pf.SCRATCH_PREFIX in str(p)]
+    for p in tmp_path.glob("index.db*"):
+        p.unlink()
+    result = _cli(node.config, "prune")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "new index built from the tiers" in result.stderr  # a first start: nothing was lost
+    assert "deletes held" not in result.stderr
+    assert not list(tmp_path.glob("index.db*.deletes-held"))
+    assert _scratch_on_disk(node.hot, cold) == []
+    node.assert_untouched()

@@ -595,16 +595,19 @@ class Catalog:
             held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
             report.corrupt += 1
 
+        # A dead preflight's scratch copy is no proof this node had an index (it is swept, not kept).
         self.own_copies[tier_name] = sum(
-            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+            1
+            for _, m, _ in listing
+            if m is not None and m.node == self.hostname and not is_scratch_run(m.run)
         )
         with self.index.transaction():
             for rel, manifest, error in listing:
+                if is_scratch_run(rel) or (manifest is not None and is_scratch_run(manifest.run)):
+                    continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
                 if manifest is None:
                     quarantine(rel, error or "unreadable")
                     continue
-                if is_scratch_run(manifest.run):
-                    continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
                 if error is not None:
                     # A manifest over missing or changed data is no copy: recorded as damaged (so
                     # the planner copies it again and `ls`/`verify` say so), never as a location.
