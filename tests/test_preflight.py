@@ -268,7 +268,9 @@ def test_quick_on_local_tiers_passes_and_leaves_nothing(tmp_path: Path) -> None:
     assert doc["sustainable"] is True
     assert set(doc["throughput"]) >= {"hot_write", "warm_move", "cold_upload", "restore"}
     assert all(doc["throughput"][k] > 0 for k in ("hot_write", "warm_move", "cold_upload", "restore"))
-    assert doc["rpo_seconds"] == pytest.approx((8 << 20) / doc["throughput"]["cold_upload"], rel=0.01)
+    # rpo_seconds is rounded to the millisecond in the JSON: a fast disk makes it a few ms
+    expected_rpo = (8 << 20) / doc["throughput"]["cold_upload"]
+    assert doc["rpo_seconds"] == pytest.approx(expected_rpo, rel=0.01, abs=0.0005)
     assert {"pipeline", "rpo", "hot_capacity", "warm_room", "cold_room", "inotify"} <= set(_checks(doc))
     assert all(c["status"] == "pass" for c in doc["checks"])
     assert _scratch_on_disk(node.hot, warm, cold) == []
