@@ -75,6 +75,16 @@ Count = Annotated[int, Field(ge=0, le=10**12)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
+def _price(value: object) -> object:
+    """TOML ``true`` would pass as 1.0 and a string as a number: a price is a plain number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("expected a number (price per GiB-month, e.g. 0.023)")
+    return value
+
+
+Price = Annotated[float, BeforeValidator(_price), Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+
+
 def parse_addr(addr: str) -> tuple[str, int] | None:
     """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` -> (host, port); ``""`` -> None (endpoint disabled).
 
@@ -123,6 +133,8 @@ class TierConfig(_Strict):
     keep_weekly: Count | None = None
     keep_monthly: Count | None = None
     replicate: bool = False
+    cost_per_gib_month: Price | None = None
+    """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
 
     @field_validator("url")
     @classmethod

@@ -121,6 +121,7 @@ class FaultProxy:
         max_latency: float = 0.25,
         timeout: float = 60.0,
         rules: list[Rule] | None = None,
+        drop_headers: tuple[str, ...] = (),
     ) -> None:
         parts = urlsplit(upstream)
         assert parts.hostname in ("127.0.0.1", "localhost"), "the proxy only fronts a local server"
@@ -133,6 +134,8 @@ class FaultProxy:
         self.max_latency = max_latency
         self.timeout = timeout
         self.rules = list(rules or [])
+        self.drop_headers = frozenset(h.lower() for h in drop_headers)
+        """Request headers never forwarded (``If-None-Match``: a store that ignores conditional writes)."""
         self.faults: list[Fault] = []
         self.requests = 0
         self._seen: dict[tuple[str, str], int] = {}
@@ -245,6 +248,12 @@ class FaultProxy:
                     return
                 if action == "latency":
                     time.sleep(self._latency(request))
+                if self.drop_headers:
+                    request = Request(
+                        request.method,
+                        request.target,
+                        tuple((k, v) for k, v in request.headers if k.lower() not in self.drop_headers),
+                    )
                 status, reason, headers, data = _forward(upstream, request, body)
                 if callable(action):
                     data = action(data)

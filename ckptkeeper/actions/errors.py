@@ -16,6 +16,10 @@ EXIT_REFUSED = 3
 EXIT_POLICY_HELD = 4
 """The policy could not be fully applied: a tier it needs is unavailable (its listing failed), so
 copies to it and deletes that depend on it are held. Nothing was lost; the rest was done."""
+EXIT_PREFLIGHT_WARNINGS = 5
+"""``preflight``: every check passed or warned, at least one warned."""
+EXIT_PREFLIGHT_FAILED = 6
+"""``preflight``: at least one check failed (this node will not sustain the job's checkpoints)."""
 EXIT_LOCKED = 11
 """Another process holds the executor lock."""
 

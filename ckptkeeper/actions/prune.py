@@ -22,6 +22,7 @@ from ckptkeeper.actions.errors import (
 from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
 from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, read_hold
 from ckptkeeper.actions.pins import store_missing_pins
+from ckptkeeper.actions.preflight import sweep_scratch
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
@@ -153,6 +154,8 @@ def run_prune(
             clock=now,
         )
         recovered = executor.recover()
+        # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
+        sweep_scratch(settings)
         if rescan:
             catalog = Catalog(settings, index)
             damaged = catalog.reconcile().damaged

@@ -12,12 +12,14 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
+from ckptkeeper.core import cost
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import Index, JobRun, Quarantined
+from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,10 @@ class StatusSummary:
     journal_open: int
     """Interrupted executor steps the next prune (or daemon start) finishes or undoes."""
     deletes_held: str | None
+    cost_per_month: Mapping[str, float] = field(default_factory=dict)
+    """Tier -> monthly storage cost of its verified copies (tiers with ``cost_per_gib_month`` only)."""
+    run_cost_per_month: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Run -> tier -> monthly storage cost, from the same copies as ``cost_per_month``."""
     policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
     """Unavailable tiers that held back the last retention pass (copies to them, deletes that
     depend on them), per tier."""
@@ -131,4 +137,22 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         policy_held=read_policy_held(settings),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,
+        **_costs(settings, checkpoints, tiers),
     )
+
+
+def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[TierSummary]) -> dict[str, Any]:
+    """Storage cost per tier and per run, from the very copies the tier rows count."""
+    prices = {t.name: t.cost_per_gib_month for t in settings.tiers}
+    if all(p is None for p in prices.values()):
+        return {}
+    copies = [
+        (c.run, tier, c.bytes)
+        for c in checkpoints
+        if c.state is CheckpointState.COMPLETE
+        for tier in c.verified_tiers
+    ]
+    return {
+        "cost_per_month": cost.by_tier({t.name: t.bytes for t in tiers}, prices),
+        "run_cost_per_month": cost.by_run(copies, prices),
+    }

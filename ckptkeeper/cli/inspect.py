@@ -208,6 +208,21 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "damaged_copies": s.damaged,
         "quarantined": [q.to_dict() for q in s.quarantined],
+        "cost_per_month": _cost_doc(s),
+    }
+
+
+def _cost_doc(s: StatusSummary) -> dict[str, Any] | None:
+    """Storage cost per tier and per run (None: no tier has ``cost_per_gib_month``)."""
+    if not s.cost_per_month:
+        return None
+    return {
+        "tiers": dict(s.cost_per_month),
+        "total": round(sum(s.cost_per_month.values()), 4),
+        "runs": {
+            run: {**tiers, "total": round(sum(tiers.values()), 4)}
+            for run, tiers in s.run_cost_per_month.items()
+        },
     }
 
 
@@ -256,6 +271,18 @@ def _render_status(s: StatusSummary) -> None:
             click.echo(f"  {q.kind} {q.tier}:{q.path}: {q.reason}")
         if len(s.quarantined) > 20:
             click.echo(f"  … and {len(s.quarantined) - 20} more (ckptkeeper status --json)")
+    if s.cost_per_month:
+        click.echo(
+            f"storage cost per month: {sum(s.cost_per_month.values()):.2f} ("
+            + ", ".join(f"{t} {c:.2f}" for t, c in s.cost_per_month.items())
+            + ")"
+        )
+        for run, tiers in sorted(s.run_cost_per_month.items()):
+            click.echo(
+                f"  run {run}: {sum(tiers.values()):.2f} ("
+                + ", ".join(f"{t} {c:.2f}" for t, c in tiers.items())
+                + ")"
+            )
 
 
 @click.command()

@@ -95,6 +95,12 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     verb = "would reclaim" if dry_run else "reclaiming"
     per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in reclaim.items()) or "nothing"
     click.echo(f"{verb} {human_bytes(total)}: {per_tier}")
+    change = _cost_change(plan, settings)
+    if change:
+        net = sum(change.values())
+        word = "saves" if net <= 0 else "adds"
+        per = ", ".join(f"{t} {c:+.2f}" for t, c in change.items())
+        click.echo(f"this plan {word} {abs(net):.2f} per month in storage ({per})")
     reaps = [a for a in plan.actions if a.action.value == "reap"]
     if reaps:
         summary = summarize_reclaim(reaps)
@@ -106,6 +112,13 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
         click.echo(f"note: {note}")
     if plan.refused:
         click.echo(f"refused: {plan.refused}", err=True)
+
+
+def _cost_change(plan: Plan, settings: Settings) -> dict[str, float]:
+    """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
+    from ckptkeeper.core import cost
+
+    return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers})
 
 
 def _progress_printer() -> Callable[..., None] | None:
@@ -179,6 +192,12 @@ def prune(
             t.tier: {"error": t.error, "checkpoints": t.checkpoints} for t in outcome.held.values()
         }
         doc["damaged"] = outcome.damaged
+        change = _cost_change(plan, settings)
+        doc["cost_saving_per_month"] = (
+            {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}
+            if change
+            else None
+        )
         if outcome.result is not None:
             r = outcome.result
             doc["result"] = {

@@ -181,6 +181,23 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         h = summary.policy_held.get(tier.name)
         held.add_metric([tier.name], h.checkpoints if h is not None else 0)
     yield from (count, size, age, tier_up, used, held, damaged)
+    if summary.cost_per_month:
+        tier_cost = GaugeMetricFamily(
+            "ckptkeeper_tier_cost_per_month",
+            "Monthly storage cost of the tier's verified copies (cost_per_gib_month x GiB)",
+            labels=["tier"],
+        )
+        for name, value in summary.cost_per_month.items():
+            tier_cost.add_metric([name], value)
+        run_cost = GaugeMetricFamily(
+            "ckptkeeper_run_cost_per_month",
+            "Monthly storage cost of a run's copies in a tier",
+            labels=["run", "tier"],
+        )
+        for run, tiers in summary.run_cost_per_month.items():
+            for name, value in tiers.items():
+                run_cost.add_metric([run, name], value)
+        yield from (tier_cost, run_cost)
 
     states = GaugeMetricFamily(
         "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.core.preflight import is_scratch_run
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
@@ -594,11 +595,16 @@ class Catalog:
             held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
             report.corrupt += 1
 
+        # A dead preflight's scratch copy is no proof this node had an index (it is swept, not kept).
         self.own_copies[tier_name] = sum(
-            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+            1
+            for _, m, _ in listing
+            if m is not None and m.node == self.hostname and not is_scratch_run(m.run)
         )
         with self.index.transaction():
             for rel, manifest, error in listing:
+                if is_scratch_run(rel) or (manifest is not None and is_scratch_run(manifest.run)):
+                    continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
                 if manifest is None:
                     quarantine(rel, error or "unreadable")
                     continue
@@ -621,7 +627,9 @@ class Catalog:
                     self.index.remove_location(cid, tier_name)
                     report.removed += 1
             self.index.prune_orphans()
-            self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            self.index.replace_artifacts(
+                tier_name, [a for a in (*staging, *uploads) if not is_scratch_run(a.path)]
+            )
             self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
             # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
             # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.

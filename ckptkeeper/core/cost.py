@@ -1,0 +1,59 @@
+"""What checkpoints cost: storage per tier and per run, and what a plan saves, per month.
+
+Pure arithmetic over bytes and the optional per-tier ``cost_per_gib_month`` (in whatever currency
+the user prices in). ``status``, ``status --json``, the metrics and ``prune --dry-run`` all call
+these functions, so their figures agree by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ckptkeeper.core.model import Action, ActionKind
+
+GIB = float(1 << 30)
+
+
+def monthly(nbytes: int, price_per_gib_month: float) -> float:
+    """The monthly cost of ``nbytes`` at a price per GiB-month, rounded to 1/10000 (stable JSON)."""
+    return round(nbytes / GIB * price_per_gib_month, 4)
+
+
+def by_tier(bytes_by_tier: Mapping[str, int], prices: Mapping[str, float | None]) -> dict[str, float]:
+    """Tier -> monthly cost, for priced tiers only."""
+    return {t: monthly(b, p) for t, b in bytes_by_tier.items() if (p := prices.get(t)) is not None}
+
+
+def by_run(
+    copies: Iterable[tuple[str, str, int]], prices: Mapping[str, float | None]
+) -> dict[str, dict[str, float]]:
+    """``(run, tier, bytes)`` per stored copy -> run -> tier -> monthly cost (priced tiers only).
+
+    Bytes are summed per (run, tier) before pricing, so a tier's runs add up to the tier's cost
+    up to the rounding of each figure.
+    """
+    sums: dict[tuple[str, str], int] = {}
+    for run, tier, nbytes in copies:
+        if prices.get(tier) is not None:
+            sums[(run, tier)] = sums.get((run, tier), 0) + nbytes
+    out: dict[str, dict[str, float]] = {}
+    for (run, tier), nbytes in sorted(sums.items()):
+        price = prices[tier]
+        assert price is not None
+        out.setdefault(run, {})[tier] = monthly(nbytes, price)
+    return out
+
+
+def plan_change(actions: Iterable[Action], prices: Mapping[str, float | None]) -> dict[str, float]:
+    """Tier -> change of the monthly bill if the plan is carried out (negative: a saving).
+
+    A copy adds its bytes to its destination tier; a delete or a reap of stored bytes removes them
+    from its tier (a multipart upload being aborted counts too: stores bill for its parts).
+    """
+    delta: dict[str, int] = {}
+    for a in actions:
+        if a.action is ActionKind.COPY and a.to_tier:
+            delta[a.to_tier] = delta.get(a.to_tier, 0) + a.bytes
+        elif a.action in (ActionKind.DELETE, ActionKind.REAP) and a.tier:
+            delta[a.tier] = delta.get(a.tier, 0) - a.bytes
+    return {t: monthly(b, p) for t, b in sorted(delta.items()) if (p := prices.get(t)) is not None}
