@@ -114,6 +114,33 @@ def test_pin_survives_a_deleted_index_and_the_first_prune_holds_deletes(tmp_path
     assert not (node.warm / "r" / "checkpoint-1").exists()  # unpinned: the policy expires it
 
 
+def test_a_dry_run_after_a_lost_index_shows_the_hold_the_real_run_applies(tmp_path: Path) -> None:
+    """`prune --dry-run` on a node whose index is gone used to plan from a stand-in index without
+    the hold a real run writes first, so it promised deletes the real run would not do."""
+    node = Node(tmp_path)
+    for step in (1, 2):
+        node.checkpoint(step)
+    assert node.cli("prune").returncode == 0
+    node.lose_index()
+    node.checkpoint(3)
+
+    dry = node.cli("prune", "--dry-run", "--json")
+    assert dry.returncode == 3, dry.stdout + dry.stderr  # the hold refuses the deletes, as for real
+    doc = json.loads(dry.stdout)
+    assert "deletes held" in doc["refused"]
+    assert "is missing" in doc["refused"]
+    planned = {(a["action"], a["run"], a["step"], a["tier"]) for a in doc["actions"]}
+    assert all(kind == "copy" for kind, *_ in planned), planned
+    assert not node.index.exists()  # a dry run creates nothing
+    assert not Path(str(node.index) + ".deletes-held").exists()
+
+    real = node.cli("prune", "--json")
+    assert real.returncode == 3, real.stdout + real.stderr
+    done = {(a["action"], a["run"], a["step"], a["tier"]) for a in json.loads(real.stdout)["actions"]}
+    assert done == planned  # what the dry run showed is what ran
+    assert (node.hot / "r" / "checkpoint-2").is_dir() and (node.warm / "r" / "checkpoint-1").is_dir()
+
+
 def test_a_first_start_on_fresh_tiers_holds_nothing_and_reads_only_commands_create_no_index(
     tmp_path: Path,
 ) -> None:

@@ -221,6 +221,19 @@ def _tiers_hold_copies(catalog: Catalog) -> bool:
     return any(catalog.own_copies.values())
 
 
+def hold_after_loss(settings: Settings, catalog: Catalog, report: ReconcileReport) -> dict[str, Any] | None:
+    """The hold a real run would write for a missing index, for a dry run that must not write it:
+    ``catalog`` reconciled a stand-in (in-memory) index. None when the index exists, or when
+    rebuilding it would hold nothing (a first start, every tier listed)."""
+    if _index_exists(settings) or (not report.tiers_failed and not _tiers_hold_copies(catalog)):
+        return None
+    return {
+        "reason": f"index {settings.index} is missing: a real run rebuilds it from the tiers",
+        "pins_salvaged": _pins_read_from_tiers(settings, report),
+        "first_pass_done": False,
+    }
+
+
 def _finish_loss(
     settings: Settings, index: Index, hold: dict[str, Any], catalog: Catalog, report: ReconcileReport
 ) -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptkeeper.actions.errors import (
     EXIT_ACTION_FAILED,
@@ -20,7 +21,7 @@ from ckptkeeper.actions.errors import (
     IndexUnusable,
 )
 from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
-from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, read_hold
+from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, hold_after_loss, read_hold
 from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.preflight import sweep_scratch
 from ckptkeeper.actions.status import tier_usage
@@ -133,12 +134,17 @@ def run_prune(
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
     if dry_run:
+        lost: dict[str, Any] | None = None
         with index.in_memory_copy() as scratch:
             if rescan:
-                damaged = Catalog(settings, scratch).reconcile().damaged
+                catalog = Catalog(settings, scratch)
+                report = catalog.reconcile()
+                damaged = report.damaged
+                lost = hold_after_loss(settings, catalog, report)
             plan = make_plan(settings, scratch, now=now(), force=force, run=run, kinds=kinds)
             held = _held(plan, scratch, names, run)
-        hold = read_hold(settings)
+        # A missing index is rebuilt by the real run with deletes held: the dry run shows that hold.
+        hold = read_hold(settings) or lost
         if hold is not None:
             plan = apply_hold(plan, hold, force)
         code = _exit_code([], held, plan)
