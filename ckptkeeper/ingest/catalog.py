@@ -24,6 +24,7 @@ from ckptkeeper.hook import protocol
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest.layouts import temps
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
 
@@ -216,7 +217,9 @@ class Catalog:
             self._update_run_state(run, run_dir, newest_write, now)
         return report
 
-    def _state_of(self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float) -> CheckpointState:
+    def _state_of(
+        self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
+    ) -> CheckpointState:
         if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
@@ -312,7 +315,9 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(self, run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
+    def _committed_candidate(
+        self, run_dir: Path, run: str, commit: protocol.Commit
+    ) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
         path = run_dir / commit.path
         found = layouts.recognize(path, run_dir, run)
@@ -346,7 +351,11 @@ class Catalog:
         files: list[str] = []
         total, newest = 0, st.st_mtime
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
+            dirnames[:] = [d for d in dirnames if temps.dir_kind(d) is None]
             for fname in filenames:
+                if temps.file_kind(fname, in_candidate=True) is not None:
+                    continue
                 full = os.path.join(dirpath, fname)
                 fst = os.lstat(full)
                 if stat.S_ISREG(fst.st_mode):

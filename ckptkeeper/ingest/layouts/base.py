@@ -54,6 +54,10 @@ class Candidate:
     corrupt: bool = False
     """A per-checkpoint marker is present but unparseable. Like ``complete``, only a verdict once
     the checkpoint has settled: a marker being written looks malformed for a moment."""
+    temps: tuple[tuple[str, str, int, float], ...] = ()
+    """Framework temp artifacts inside the checkpoint dir (``layouts.temps``): (path relative to
+    the checkpoint, kind, bytes, newest mtime). Not in ``files`` and not in ``bytes``: they are not
+    part of the checkpoint, ``scan_run`` reports them as artifacts to reap on their own."""
 
 
 @dataclass(frozen=True, slots=True)

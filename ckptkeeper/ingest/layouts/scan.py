@@ -12,15 +12,16 @@ from pathlib import Path
 from typing import Final, Literal
 
 from ckptkeeper.core import model
-from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
+from ckptkeeper.hook.protocol import STATE_DIR
 from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
-from ckptkeeper.ingest.layouts.dcp import DCP_METADATA_TMP, _Dcp
+from ckptkeeper.ingest.layouts.dcp import _Dcp
 from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
 from ckptkeeper.ingest.layouts.hf import _Hf
 from ckptkeeper.ingest.layouts.megatron import MEGATRON_TRACKER, _Megatron
 from ckptkeeper.ingest.layouts.nemo import NEMO_UNFINISHED, _NeMo
-from ckptkeeper.ingest.layouts.orbax import ORBAX_TMP, _Orbax
+from ckptkeeper.ingest.layouts.orbax import _Orbax
 from ckptkeeper.ingest.layouts.safetensors import _Safetensors
+from ckptkeeper.ingest.layouts.temps import dir_kind, file_kind
 from ckptkeeper.ingest.layouts.torch import _File, _Torch
 
 RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
@@ -64,13 +65,10 @@ _Outcome = Candidate | _Art | Literal["skip", "descend"]
 
 
 def _artifact_kind(node: _Node) -> str | None:
-    name = node.name
-    if STAGING_MARK in name:
-        return "ckptkeeper-staging"
-    if ORBAX_TMP in name:
-        return "orbax-tmp"
-    if name.startswith("tmp-checkpoint-"):
-        return "tmp-checkpoint"
+    if stat.S_ISDIR(node.st.st_mode):
+        return dir_kind(node.name)
+    if stat.S_ISREG(node.st.st_mode):
+        return file_kind(node.name, in_candidate=False)
     return None
 
 
@@ -90,12 +88,8 @@ def _classify(node: _Node, run: str) -> _Outcome:
     cand = _candidate(node, run)
     if cand is not None:
         return cand
-    if node.name == DCP_METADATA_TMP:
-        return _Art("metadata-tmp")
     if node.name.endswith(NEMO_UNFINISHED):
         return _Art("nemo-unfinished") if _NEMO.orphan(node.parent, node.name) else "skip"
-    if node.name.endswith((".tmp", ".part")):
-        return _Art("tmp-file")
     return "skip"
 
 
@@ -114,9 +108,10 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         problems[:0] = verdict.problems
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
+    temps: list[tuple[str, str, int, float]] = []
     if node.is_dir:
         try:
-            files, total, newest = _tree(node.path, node.parent.dev)
+            files, total, newest = _tree(node.path, node.parent.dev, temps=temps)
         except FileNotFoundError:
             return None
     else:
@@ -134,6 +129,7 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         metrics=metrics,
         problem="; ".join(problems) or None,
         corrupt=corrupt,
+        temps=tuple(sorted(temps)),
     )
 
 
@@ -149,8 +145,16 @@ def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
         raise _Unreadable(f"{node.rel}: {exc.strerror or exc}") from exc
 
 
-def _tree(root: str, dev: int) -> tuple[tuple[str, ...], int, float]:
-    """(regular files relative to root, their total size, newest mtime) without following links."""
+def _tree(
+    root: str, dev: int, *, temps: list[tuple[str, str, int, float]] | None = None
+) -> tuple[tuple[str, ...], int, float]:
+    """(regular files relative to root, their total size, newest mtime) without following links.
+
+    With ``temps`` (a list to fill), the framework temp artifacts inside (``temps.file_kind`` /
+    ``dir_kind``) are not files of the checkpoint: they are appended as (relative path, kind,
+    bytes, newest mtime) instead — reaped on their own, never copied or hashed. Their writes still
+    count towards the newest mtime: a temp being written means a save in progress.
+    """
     newest = os.lstat(root).st_mtime
     files: list[str] = []
     total = 0
@@ -173,9 +177,20 @@ def _tree(root: str, dev: int) -> tuple[tuple[str, ...], int, float]:
                     continue
                 newest = max(newest, st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
-                    if st.st_dev == dev:
-                        stack.append((entry.path, f"{prefix}{entry.name}/"))
+                    if st.st_dev != dev:
+                        continue
+                    kind = dir_kind(entry.name) if temps is not None else None
+                    if kind is not None and temps is not None:
+                        size, when = _dir_bytes(entry.path, st)
+                        newest = max(newest, when)
+                        temps.append((prefix + entry.name, kind, size, when))
+                        continue
+                    stack.append((entry.path, f"{prefix}{entry.name}/"))
                 elif stat.S_ISREG(st.st_mode):
+                    kind = file_kind(entry.name, in_candidate=True) if temps is not None else None
+                    if kind is not None and temps is not None:
+                        temps.append((prefix + entry.name, kind, st.st_size, st.st_mtime))
+                        continue
                     files.append(prefix + entry.name)
                     total += st.st_size
     return tuple(sorted(files)), total, newest
@@ -243,6 +258,17 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                 continue
             if isinstance(outcome, Candidate):
                 candidates.append(outcome)
+                artifacts.extend(
+                    model.Artifact(
+                        tier="hot",
+                        path=f"{run}/{node.rel}/{rel}",
+                        kind=kind,
+                        bytes=size,
+                        last_write=when,
+                        run=run,
+                    )
+                    for rel, kind, size, when in outcome.temps
+                )
             elif isinstance(outcome, _Art):
                 artifacts.append(
                     model.Artifact(
