@@ -14,7 +14,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
@@ -147,7 +147,7 @@ class Catalog:
             # An unlistable run is unknown, not empty: keep what the index knew.
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
-        commits, commit_errors = protocol.read_commits(run_dir)
+        commits, commit_errors = _read_hook_commits(run_dir, scan.hook_dirs)
         for err in commit_errors:
             log.warning("malformed hook commit line", run=run, error=err)
         committed = {c.path: c for c in commits}
@@ -183,6 +183,9 @@ class Catalog:
             commit = committed.get(name) or next(
                 (c for p, c in committed.items() if p.startswith(name + "/")), None
             )
+            if commit is not None and cand.layout == "accelerate" and commit.step != cand.step:
+                # checkpoint_N counts saves; the step the training script committed is the real one.
+                cand = replace(cand, step=commit.step)
             managed.append((cand, commit))
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
@@ -214,7 +217,7 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            self._update_run_state(run, run_dir, newest_write, now)
+            self._update_run_state(run, run_dir, newest_write, now, scan)
         return report
 
     def _state_of(
@@ -398,9 +401,10 @@ class Catalog:
             node=self.hostname,
         )
 
-    def _update_run_state(self, run: str, run_dir: Path, newest_write: float, now: float) -> None:
-        info = protocol.read_run_dir(run_dir)
-        heartbeat = protocol.heartbeat_mtime(run_dir)
+    def _update_run_state(
+        self, run: str, run_dir: Path, newest_write: float, now: float, scan: layouts.RunScan
+    ) -> None:
+        info, heartbeat, warning = _hook_state(run_dir, scan)
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None
@@ -415,6 +419,8 @@ class Catalog:
         state, reason = derive_run_state(
             facts, this_host=self.hostname, now=now, failed_after=self.settings.reaper.failed_after
         )
+        if warning:
+            reason = f"{reason}; WARNING: {warning}"
         last_seen = max(newest_write, heartbeat or 0.0)
         self.index.upsert_run(
             run,
@@ -571,3 +577,69 @@ def _has_surrogates(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+# -- the hook's files, wherever in the run the callback put them ------------------------------
+
+_STATE_RANK = {protocol.ACTIVE: 3, protocol.FAILED: 2, protocol.FINISHED: 1}
+_HOOKED_LAYOUTS = frozenset({"hf", "torch"})
+"""Layouts our framework callbacks commit (HF Trainer, Lightning): without a hook in such a run the
+state is a guess from write times, and after ``failed_after`` a finished run reads as stale."""
+
+
+def _hook_root(run_dir: Path, rel: str) -> Path:
+    return run_dir / rel if rel else run_dir
+
+
+def _read_hook_commits(run_dir: Path, hook_dirs: tuple[str, ...]) -> tuple[list[protocol.Commit], list[str]]:
+    """Commits of every ``.ckptkeeper/`` in the run, paths made relative to the run dir.
+
+    A callback whose checkpoint dir is below the run dir (``ModelCheckpoint(dirpath=<run>/checkpoints)``)
+    writes its hook files there, with paths relative to that dir: they still describe this run.
+    """
+    commits: list[protocol.Commit] = []
+    errors: list[str] = []
+    for rel in hook_dirs or ("",):
+        found, errs = protocol.read_commits(_hook_root(run_dir, rel))
+        commits.extend(replace(c, path=f"{rel}/{c.path}") if rel else c for c in found)
+        errors.extend(f"{rel}/{protocol.STATE_DIR}: {e}" if rel else e for e in errs)
+    return commits, errors
+
+
+def _hook_state(
+    run_dir: Path, scan: layouts.RunScan
+) -> tuple[protocol.RunInfo | None, float | None, str | None]:
+    """(the run.json that speaks for the run, newest heartbeat, a warning or None).
+
+    Several hook dirs (one per ``ModelCheckpoint`` dirpath under the run): the liveliest state wins
+    — active over failed over finished — so one callback still training keeps the run active.
+    """
+    infos: list[protocol.RunInfo] = []
+    heartbeats: list[float] = []
+    for rel in scan.hook_dirs or ("",):
+        root = _hook_root(run_dir, rel)
+        info = protocol.read_run_dir(root)
+        if info is not None:
+            infos.append(info)
+        beat = protocol.heartbeat_mtime(root)
+        if beat is not None:
+            heartbeats.append(beat)
+    info = max(infos, key=lambda i: (_STATE_RANK.get(i.state or "", 0), i.started or 0.0), default=None)
+    return info, max(heartbeats, default=None), _hook_warning(scan, info)
+
+
+def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str | None:
+    """Why the hook looks missing from a run that should have it, or None."""
+    if scan.hook_dirs and (info is None or info.state is None):
+        where = ", ".join(f"{r}/{protocol.STATE_DIR}" if r else protocol.STATE_DIR for r in scan.hook_dirs)
+        return f"{where} has no readable run.json: run state is guessed from write times"
+    if not scan.hook_dirs and any(
+        c.layout in _HOOKED_LAYOUTS and (c.layout == "hf" or c.name.endswith(".ckpt"))
+        for c in scan.candidates
+    ):
+        return (
+            f"no {protocol.STATE_DIR}/ hook in this run of Lightning/HF checkpoints (KeeperCallback not "
+            "installed, or it writes outside the run dir): its state is guessed from write times, and "
+            "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
+        )
+    return None

@@ -15,7 +15,7 @@ is one too). It still yields ONE candidate: the layout is the first applicable o
 ``RECOGNIZERS`` and the candidate is complete only when *every* applicable recognizer says so; its
 ``problem`` lists every failure. The order, most specific first::
 
-    hf > megatron > deepspeed > nemo > orbax > dcp > safetensors > torch > file
+    hf > accelerate > megatron > deepspeed > nemo > orbax > dcp > safetensors > torch > file
 
 Framework conventions (a name pattern plus a framework-level marker or tracker) come before the
 container formats they are built on (DCP, safetensors, torch zip), and the generic single-file

@@ -13,6 +13,7 @@ from typing import Final, Literal
 
 from ckptkeeper.core import model
 from ckptkeeper.hook.protocol import STATE_DIR
+from ckptkeeper.ingest.layouts.accelerate import _Accelerate
 from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
 from ckptkeeper.ingest.layouts.dcp import _Dcp
 from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
@@ -26,6 +27,7 @@ from ckptkeeper.ingest.layouts.torch import _File, _Torch
 
 RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
     _Hf(),
+    _Accelerate(),
     _Megatron(),
     _DeepSpeed(),
     _NeMo(),
@@ -239,6 +241,7 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
     candidates: list[Candidate] = []
     artifacts: list[model.Artifact] = []
     errors: list[str] = []
+    hooks: list[str] = []
     stack: list[tuple[_Dir, str]] = [(root, "")]
     while stack:
         directory, prefix = stack.pop()
@@ -248,6 +251,8 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
             errors.append(f"{prefix.rstrip('/') or '.'}: {exc}")
             continue
         for name, st in entries:
+            if name == STATE_DIR and stat.S_ISDIR(st.st_mode) and st.st_dev == directory.dev:
+                hooks.append(prefix.rstrip("/"))
             node = _Node(directory, name, st, prefix + name)
             try:
                 outcome = _classify(node, run)
@@ -284,7 +289,12 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                 stack.append((node.children, f"{node.rel}/"))
     candidates.sort(key=lambda c: (c.step, c.name))
     artifacts.sort(key=lambda a: a.path)
-    return RunScan(candidates=tuple(candidates), artifacts=tuple(artifacts), errors=tuple(errors))
+    return RunScan(
+        candidates=tuple(candidates),
+        artifacts=tuple(artifacts),
+        errors=tuple(errors),
+        hook_dirs=tuple(sorted(hooks)),
+    )
 
 
 def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:

@@ -16,7 +16,7 @@ save, ``tests/fixtures/generate.py``), never guessed:
 * torch DCP ``FileSystemWriter.finish``: ``.metadata.tmp`` (or ``__<rank>.metadata.tmp`` without
   collectives) renamed to ``.metadata``. Inside a DCP dir it is that checkpoint's own marker (a
   save in progress), so it is only an artifact where no candidate owns it.
-* transformers 4.36–4.37 staged HF checkpoints as ``tmp-checkpoint-N/`` (renamed when done).
+* transformers 4.36-4.37 staged HF checkpoints as ``tmp-checkpoint-N/`` (renamed when done).
 * NeMo ``<name>-unfinished`` markers (handled by the NeMo recognizer: orphan ones are artifacts).
 * DeepSpeed, Megatron (legacy ``torch`` format) and Lightning write their final names directly
   (Lightning's ``_atomic_save`` stages through fsspec in the system temp dir, not in the run), so
