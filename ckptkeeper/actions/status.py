@@ -18,6 +18,9 @@ from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, TierUsage
 from ckptkeeper.index import Index, JobRun
 
+WARNING_MARK = "WARNING: "
+"""What the catalog puts before a warning in a run's ``state_reason`` (``ingest.catalog``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierSummary:
@@ -51,6 +54,8 @@ class StatusSummary:
     journal_open: int
     """Interrupted executor steps the next prune (or daemon start) finishes or undoes."""
     deletes_held: str | None
+    warnings: tuple[str, ...] = ()
+    """``"<run>: <why>"`` for runs the catalog flagged (a hook that should be there and is not)."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -119,4 +124,9 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         jobs=jobs,
         journal_open=len(journal),
         deletes_held=held_text,
+        warnings=tuple(
+            f"{r.name}: {r.state_reason.split(WARNING_MARK, 1)[1]}"
+            for r in runs
+            if r.state_reason and WARNING_MARK in r.state_reason
+        ),
     )

@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from ckptkeeper.config import Settings
 
 
+ACCELERATE_STEP_NOTE = (
+    "note: accelerate checkpoint_N: N counts saves (metric accelerate_save); STEP is the step the "
+    "hook committed, else the step accelerate recorded in random_states_0.pkl (its accumulate() "
+    "counter), else N when accelerate recorded 0"
+)
+
+
 # -- scan ---------------------------------------------------------------------------------
 
 
@@ -130,6 +137,8 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         click.echo(
             table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
         )
+        if any(c["layout"] == "accelerate" for c in doc["checkpoints"]):
+            click.echo(ACCELERATE_STEP_NOTE)
 
 
 # -- status -------------------------------------------------------------------------------
@@ -173,6 +182,7 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "pending": {"journal": s.journal_open},
         "deletes_held": s.deletes_held,
+        "warnings": list(s.warnings),
     }
 
 
@@ -208,6 +218,8 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    for warning in s.warnings:
+        click.echo(f"WARNING run {warning}")
 
 
 @click.command()

@@ -420,7 +420,7 @@ class Catalog:
             facts, this_host=self.hostname, now=now, failed_after=self.settings.reaper.failed_after
         )
         if warning:
-            reason = f"{reason}; WARNING: {warning}"
+            reason = f"{reason}; WARNING: {warning}"  # actions.status.WARNING_MARK
         last_seen = max(newest_write, heartbeat or 0.0)
         self.index.upsert_run(
             run,
