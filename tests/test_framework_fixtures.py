@@ -205,7 +205,7 @@ def test_hf_best_without_tier_metric_uses_trainer_state(tmp_path: Path) -> None:
 
 
 def test_cli_restore_best_metric_and_mode(tmp_path: Path) -> None:
-    config, hot = load("hf", "complete", tmp_path)
+    config, _hot = load("hf", "complete", tmp_path)
     cli(config, "scan", "--json")
     out = cli(
         config,
