@@ -171,3 +171,25 @@ def test_pickle_reader_does_not_execute_reduce(tmp_path: Path) -> None:
         zf.writestr("rs/data.pkl", evil)
     torch_pickle_values(str(path), "step")
     assert not marker.exists()
+
+
+def test_parent_named_by_its_run_when_hook_dirs_are_nested(tmp_path: Path) -> None:
+    """``ModelCheckpoint(dirpath=<run>/checkpoints)`` resumed from another run's checkpoint: the hook
+    can only name the parent's checkpoint dir; the catalog names the parent run from its path."""
+    import ckptkeeper
+
+    hot = tmp_path / "hot"
+    parent_ckpt = hot / "base" / "checkpoints" / "epoch=0-step=100.ckpt"
+    parent_ckpt.parent.mkdir(parents=True)
+    parent_ckpt.write_bytes(b"x")
+    child = ckptkeeper.track_run(
+        hot / "finetune" / "checkpoints", parent=str(parent_ckpt), heartbeat_interval=60
+    )
+    child.finish()
+    catalog, index = _catalog(tmp_path, hot)
+    try:
+        catalog.reconcile_hot()
+        row = next(r for r in index.runs() if r.name == "finetune")
+        assert row.parent == ("base", 100)
+    finally:
+        index.close()

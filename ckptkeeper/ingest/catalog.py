@@ -427,11 +427,25 @@ class Catalog:
             state=state,
             state_reason=reason,
             last_seen=last_seen,
-            parent=info.parent if info else None,
+            parent=self._parent_of(info),
             host=host or "",
             pid=pid,
             on_hot=True,
         )
+
+    def _parent_of(self, info: protocol.RunInfo | None) -> tuple[str, int] | None:
+        """The parent (run, step) the hook recorded; when it also recorded the parent checkpoint's
+        path inside the hot root, the run is named from that path (``run_depth`` components), which
+        stays right when the hook dirs sit below the run dirs (``<run>/checkpoints/.ckptkeeper``), where
+        the hook itself can only name the parent's checkpoint dir."""
+        if info is None or info.parent is None:
+            return None
+        if info.parent_path:
+            rel = os.path.relpath(os.path.realpath(info.parent_path), os.path.realpath(self.hot_root))
+            parts = rel.split(os.sep)
+            if rel != "." and parts[0] != ".." and len(parts) > self.settings.run_depth:
+                return "/".join(parts[: self.settings.run_depth]), info.parent[1]
+        return info.parent
 
     def _run_gone_from_hot(self, run: str) -> None:
         """The run directory disappeared: its hot copies are gone; copies elsewhere stay cataloged."""
