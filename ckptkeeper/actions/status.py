@@ -11,12 +11,13 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import Index, JobRun
+from ckptkeeper.index import Index, JobRun, Quarantined
 
 WARNING_MARK = "WARNING: "
 """What the catalog puts before a warning in a run's ``state_reason`` (``ingest.catalog``)."""
@@ -56,6 +57,13 @@ class StatusSummary:
     deletes_held: str | None
     warnings: tuple[str, ...] = ()
     """``"<run>: <why>"`` for runs the catalog flagged (a hook that should be there and is not)."""
+    policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
+    """Unavailable tiers that held back the last retention pass (copies to them, deletes that
+    depend on them), per tier."""
+    damaged: int = 0
+    """Copies the index marks damaged (found not matching their manifest; copied again)."""
+    quarantined: tuple[Quarantined, ...] = ()
+    """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -92,6 +100,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     reclaimed = index.reclaimed()
     jobs = index.job_runs()
     journal = index.journal_open()
+    quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     tiers = []
     for t in settings.tiers:
@@ -129,4 +138,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
             for r in runs
             if r.state_reason and WARNING_MARK in r.state_reason
         ),
+        policy_held=read_policy_held(settings),
+        damaged=sum(len(c.damaged) for c in checkpoints),
+        quarantined=quarantined,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,20 +19,33 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, FileEntry, Manifest, RunState
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
-from ckptkeeper.hook import protocol
+from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
-from ckptkeeper.index import CheckpointRow, Index
+from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import layouts
 from ckptkeeper.ingest.layouts import temps
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.catalog")
 
-MAX_STEP = 2**63 - 1
+MAX_STEP = schema.MAX_STEP
 """SQLite integers are 64-bit; a larger "step" is not a step anyone trains to."""
+
+_HOSTILE = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    UnicodeError,
+    sqlite3.IntegrityError,
+    sqlite3.InterfaceError,
+)
+"""What a document the schema let through could still raise on its way into the index. Caught per
+document (never per pass) as a last line of defence: that document is quarantined, the others go on.
+Never ``sqlite3.DatabaseError`` as such: a damaged index must reach the rebuild."""
 
 
 @dataclass
@@ -45,6 +59,9 @@ class ReconcileReport:
     corrupt: int = 0
     hashed_bytes: int = 0
     tiers_failed: dict[str, str] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
+    """``tier:path`` -> what is wrong, for each copy whose data does not match its manifest."""
+    quarantined: int = 0
 
     def merge(self, other: ReconcileReport) -> None:
         for name in (
@@ -56,9 +73,11 @@ class ReconcileReport:
             "partial",
             "corrupt",
             "hashed_bytes",
+            "quarantined",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)
+        self.damaged.update(other.damaged)
 
 
 class Catalog:
@@ -78,6 +97,11 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
+        self.tier_pins: dict[str, set[tuple[str, str]]] = {}
+        self.own_copies: dict[str, int] = {}
+        """Copies each slower tier held at its last listing whose manifest names this node: they
+        prove this node had an index before (a missing one was lost, not never made)."""
+        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
 
     # -- the hot tier ----------------------------------------------------------------------
 
@@ -128,7 +152,20 @@ class Catalog:
         # Two reconciles of one run (watcher + a prune job) must not interleave: the slower one
         # would write an older view over a newer one.
         with self.index.reconcile_lock:
-            return self._reconcile_run(run, run_dir)
+            try:
+                return self._reconcile_run(run, run_dir)
+            except _HOSTILE as exc:
+                # One run's hostile files must not stop the pass over the others (nor the daemon).
+                log.error(
+                    "run could not be reconciled; quarantined", run=run, error=f"{type(exc).__name__}: {exc}"
+                )
+                reason = f"could not be cataloged: {type(exc).__name__}: {str(exc)[:500]}"
+                self.index.replace_quarantine(
+                    self.settings.hot.name,
+                    [Quarantined(self.settings.hot.name, run, "run", reason, run=run)],
+                    run=run,
+                )
+                return ReconcileReport(runs=1, quarantined=1)
 
     def _reconcile_run(self, run: str, run_dir: Path | None) -> ReconcileReport:
         run_dir = run_dir or self.hot_root / run
@@ -148,8 +185,22 @@ class Catalog:
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
         commits, commit_errors = _read_hook_commits(run_dir, scan.hook_dirs)
-        for err in commit_errors:
+        for _rel, errs in commit_errors:
+            for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
+                log.warning("malformed hook commit line", run=run, error=err)
             log.warning("malformed hook commit line", run=run, error=err)
+        hot = self.settings.hot.name
+        held: list[Quarantined] = []
+        for rel, errs in commit_errors:
+            held.append(
+                Quarantined(
+                    hot,
+                    f"{run}/{_hook_rel(rel, protocol.COMMITS_FILE)}",
+                    protocol.COMMITS_FILE,
+                    f"{len(errs)} line(s) ignored: " + "; ".join(errs[:5]),
+                    run=run,
+                )
+            )
         committed = {c.path: c for c in commits}
         candidates = {c.name: c for c in scan.candidates}
         for c in commits:
@@ -159,18 +210,26 @@ class Catalog:
                     candidates[extra.name] = extra
 
         existing = {row.name: row for row in self.index.checkpoints(run)}
-        hot = self.settings.hot.name
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
         managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
         for name, cand in sorted(candidates.items()):
             if cand.step > MAX_STEP:
-                log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
+                log.warning("step out of range, ignored", run=run, name=name, step=schema.describe(cand.step))
+                held.append(
+                    Quarantined(
+                        hot,
+                        f"{run}/{name}",
+                        "checkpoint",
+                        f"step {schema.describe(cand.step)} is out of range [0, {MAX_STEP}]: never managed",
+                        run=run,
+                    )
+                )
                 continue
-            newest_write = max(newest_write, cand.last_write)
+            newest_write = max(newest_write, self._written(cand))
             if _has_surrogates(name):
                 # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
                 # never moved or reaped either.
@@ -183,6 +242,8 @@ class Catalog:
             commit = committed.get(name) or next(
                 (c for p, c in committed.items() if p.startswith(name + "/")), None
             )
+            if cand.rejected:
+                held.append(Quarantined(hot, f"{run}/{name}", "marker", "; ".join(cand.rejected), run=run))
             if commit is not None and cand.layout == "accelerate" and commit.step != cand.step:
                 # checkpoint_N counts saves; the step the training script committed is the real one.
                 cand = replace(cand, step=commit.step)
@@ -193,7 +254,7 @@ class Catalog:
             cand.name: self._try_hash(run_dir, cand, commit)
             for cand, commit in managed
             if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot)
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
         }
         with self.index.transaction():
             for cand, commit in managed:
@@ -217,19 +278,31 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            self._update_run_state(run, run_dir, newest_write, now, scan)
+            held.extend(self._update_run_state(run, run_dir, newest_write, now, scan))
+            self.index.replace_quarantine(hot, held, run=run)
+        report.quarantined += len(held)
         return report
+
+    def _written(self, cand: layouts.Candidate) -> float:
+        """When a checkpoint was last written, for settling and for partial and run ages: by mtime
+        and ctime, because ``cp -a`` / ``rsync -a`` copy old mtimes (a copy in progress looked
+        settled, or long abandoned, and was moved half-done or reaped); ``daemon.trust_mtimes``
+        goes by mtimes alone."""
+        if self.settings.daemon.trust_mtimes:
+            return cand.last_write
+        return max(cand.last_write, cand.changed_at)
 
     def _state_of(
         self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
     ) -> CheckpointState:
-        if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
+        # Settled means untouched for settle_seconds by mtime AND ctime (see _written).
+        changed = self._written(cand)
+        settle = self.settings.daemon.settle_seconds
+        if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
-        if commit is not None or (
-            cand.complete and now - cand.last_write >= self.settings.daemon.settle_seconds
-        ):
+        if commit is not None or (cand.complete and now - changed >= settle):
             return CheckpointState.COMPLETE
         return CheckpointState.WRITING
 
@@ -239,7 +312,7 @@ class Catalog:
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         try:
             return self._hash_candidate(
-                run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
+                run_dir, cand, metrics, created_at=commit.time if commit else _sane_time(cand.last_write)
             )
         except OSError as exc:
             return exc
@@ -272,8 +345,10 @@ class Catalog:
                 step=cand.step,
                 layout=cand.layout,
                 state=state,
-                created_at=manifest.created_at if manifest else (row.created_at if row else cand.last_write),
-                last_write=cand.last_write,
+                created_at=manifest.created_at
+                if manifest
+                else (row.created_at if row else _sane_time(cand.last_write)),
+                last_write=self._written(cand),
                 bytes=manifest.total_bytes if manifest else cand.bytes,
                 metrics=metrics,
                 committed=commit is not None,
@@ -345,6 +420,7 @@ class Catalog:
                 complete=True,
                 files=("",),
                 last_write=st.st_mtime,
+                changed_at=max(st.st_mtime, st.st_ctime),
                 bytes=st.st_size,
                 metrics={},
                 problem=None,
@@ -352,10 +428,17 @@ class Catalog:
         if not stat.S_ISDIR(st.st_mode):
             return None
         files: list[str] = []
-        total, newest = 0, st.st_mtime
+        total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
+        mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            base = os.path.relpath(dirpath, path).replace(os.sep, "/")
             # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
-            dirnames[:] = [d for d in dirnames if temps.dir_kind(d) is None]
+            # Mount points are not ours: never walked.
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if temps.dir_kind(d) is None and (d if base == "." else f"{base}/{d}") not in mounts
+            ]
             for fname in filenames:
                 if temps.file_kind(fname, in_candidate=True) is not None:
                     continue
@@ -365,8 +448,11 @@ class Catalog:
                     files.append(os.path.relpath(full, path).replace(os.sep, "/"))
                     total += fst.st_size
                     newest = max(newest, fst.st_mtime)
+                    changed = max(changed, fst.st_mtime, fst.st_ctime)
             for dname in dirnames:
-                newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
+                dst = os.lstat(os.path.join(dirpath, dname))
+                newest = max(newest, dst.st_mtime)
+                changed = max(changed, dst.st_mtime, dst.st_ctime)
         return layouts.Candidate(
             run=run,
             step=commit.step,
@@ -376,6 +462,7 @@ class Catalog:
             complete=True,
             files=tuple(sorted(files)),
             last_write=newest,
+            changed_at=changed,
             bytes=total,
             metrics={},
             problem=None,
@@ -403,8 +490,10 @@ class Catalog:
 
     def _update_run_state(
         self, run: str, run_dir: Path, newest_write: float, now: float, scan: layouts.RunScan
-    ) -> None:
-        info, heartbeat, warning = _hook_state(run_dir, scan)
+    ) -> list[Quarantined]:
+        """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run); return
+        those that failed the schema."""
+        info, heartbeat, warning, held = _hook_state(run_dir, run, self.settings.hot.name, scan)
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None
@@ -432,6 +521,7 @@ class Catalog:
             pid=pid,
             on_hot=True,
         )
+        return held
 
     def _parent_of(self, info: protocol.RunInfo | None) -> tuple[str, int] | None:
         """The parent (run, step) the hook recorded; when it also recorded the parent checkpoint's
@@ -456,6 +546,7 @@ class Catalog:
                 if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
                     self.index.delete_checkpoint(row.id)
             self.index.replace_artifacts(hot, [], run=run)
+            self.index.replace_quarantine(hot, [], run=run)
             prev = self.index.run(run)
             if not self.index.checkpoints(run):
                 self.index.delete_run(run)
@@ -486,7 +577,7 @@ class Catalog:
             return self._reconcile_tier(tier_name)
 
     def _reconcile_tier(self, tier_name: str) -> ReconcileReport:
-        from ckptkeeper.storage import TierStorage, TierUnavailable
+        from ckptkeeper.storage import DAMAGED_COPY, TierStorage, TierUnavailable
 
         report = ReconcileReport()
         tier = next(t for t in self.settings.tiers if t.name == tier_name)
@@ -495,6 +586,7 @@ class Catalog:
             listing = storage.list_manifests()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
+            pins = storage.list_pins()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",
@@ -506,49 +598,92 @@ class Catalog:
             return report
         known = self.index.locations_in_tier(tier_name)
         listed: set[tuple[str, str]] = set()
+        held: list[Quarantined] = []
+
+        def quarantine(rel: str, why: str) -> None:
+            log.warning("manifest in tier quarantined, copy ignored", tier=tier_name, path=rel, error=why)
+            where = rel + MANIFEST_SUFFIX
+            held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
+            report.corrupt += 1
+
+        self.own_copies[tier_name] = sum(
+            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+        )
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if manifest is None:
-                    log.warning(
-                        "unreadable manifest in tier, copy ignored", tier=tier_name, path=rel, error=error
-                    )
-                    report.corrupt += 1
+                    quarantine(rel, error or "unreadable")
                     continue
-                key = (manifest.run, manifest.name)
-                listed.add(key)
-                row = self.index.checkpoint(*key)
-                if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
-                    cid = self.index.upsert_checkpoint(
-                        run=manifest.run,
-                        name=manifest.name,
-                        step=manifest.step,
-                        layout=manifest.layout,
-                        state=CheckpointState.COMPLETE,
-                        created_at=manifest.created_at,
-                        last_write=manifest.created_at,
-                        bytes=manifest.total_bytes,
-                        metrics=manifest.metrics,
-                        committed=False,
-                        version=manifest.digest,
-                        manifest_json=manifest.to_json(),
-                        problem=None,
-                    )
-                    report.new += 1
-                    if self.index.run(manifest.run) is None:
-                        self._mark_off_hot(manifest.run, manifest.created_at, None)
-                else:
-                    cid = row.id
-                    if known.get(key, (0, ""))[1] == manifest.digest:
-                        report.unchanged += 1
-                self.index.set_location(cid, tier_name, manifest.digest)
+                if error is not None:
+                    # A manifest over missing or changed data is no copy: recorded as damaged (so
+                    # the planner copies it again and `ls`/`verify` say so), never as a location.
+                    log.warning("damaged copy in tier: not counted", tier=tier_name, path=rel, error=error)
+                    report.damaged[f"{tier_name}:{rel}"] = error
+                try:
+                    with self.index.savepoint():
+                        self._apply_manifest(
+                            tier_name, manifest, known, report, error and error.removeprefix(DAMAGED_COPY)
+                        )
+                except _HOSTILE as exc:
+                    quarantine(rel, f"could not be cataloged: {type(exc).__name__}: {str(exc)[:500]}")
+                    continue
+                listed.add((manifest.run, manifest.name))
             for key, (cid, _version) in known.items():
                 if key not in listed:
                     self.index.remove_location(cid, tier_name)
                     report.removed += 1
             self.index.prune_orphans()
             self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
+            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
+            # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
+            restored = self.index.pin_by_name(sorted(pins))
+            if restored:
+                log.warning("pins read back from the tier", tier=tier_name, pins=restored)
+            self.tier_pins[tier_name] = pins
             self.index.set_tier_status(tier_name, True)
+        report.quarantined += len(held)
         return report
+
+    def _apply_manifest(
+        self,
+        tier_name: str,
+        manifest: Manifest,
+        known: dict[tuple[str, str], tuple[int, str]],
+        report: ReconcileReport,
+        error: str | None = None,
+    ) -> None:
+        """Record one copy a slower tier holds, from its (validated) manifest; ``error``: its data
+        does not match the manifest (the copy is marked damaged, never a location)."""
+        key = (manifest.run, manifest.name)
+        row = self.index.checkpoint(*key)
+        if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
+            cid = self.index.upsert_checkpoint(
+                run=manifest.run,
+                name=manifest.name,
+                step=manifest.step,
+                layout=manifest.layout,
+                state=CheckpointState.COMPLETE,
+                created_at=manifest.created_at,
+                last_write=manifest.created_at,
+                bytes=manifest.total_bytes,
+                metrics=manifest.metrics,
+                committed=False,
+                version=manifest.digest,
+                manifest_json=manifest.to_json(),
+                problem=None,
+            )
+            report.new += 1
+            if self.index.run(manifest.run) is None:
+                self._mark_off_hot(manifest.run, manifest.created_at, None)
+        else:
+            cid = row.id
+            if error is None and known.get(key, (0, ""))[1] == manifest.digest:
+                report.unchanged += 1
+        if error is not None:
+            self.index.mark_damaged(cid, tier_name, error)
+        else:
+            self.index.set_location(cid, tier_name, manifest.digest)
 
     def reconcile(self, *, slower_tiers: bool = True) -> ReconcileReport:
         report = self.reconcile_hot()
@@ -558,7 +693,7 @@ class Catalog:
         return report
 
 
-def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str) -> bool:
+def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str, written: float) -> bool:
     """The index holds a verified hot copy of exactly these bytes (same size and newest mtime):
     no need to read it again, which keeps ``scan`` idempotent and cheap."""
     return (
@@ -567,7 +702,7 @@ def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: s
         and row.manifest_json is not None
         and row.state is CheckpointState.COMPLETE
         and row.bytes == cand.bytes
-        and row.last_write == cand.last_write
+        and row.last_write == written
         and row.locations.get(hot) == row.version
     )
 
@@ -605,41 +740,67 @@ def _hook_root(run_dir: Path, rel: str) -> Path:
     return run_dir / rel if rel else run_dir
 
 
-def _read_hook_commits(run_dir: Path, hook_dirs: tuple[str, ...]) -> tuple[list[protocol.Commit], list[str]]:
-    """Commits of every ``.ckptkeeper/`` in the run, paths made relative to the run dir.
+def _hook_rel(rel: str, name: str) -> str:
+    """``<rel>/.ckptkeeper/<name>`` relative to the run dir (the quarantine's path, after the run)."""
+    return f"{rel}/{STATE_DIR}/{name}" if rel else f"{STATE_DIR}/{name}"
+
+
+def _read_hook_commits(
+    run_dir: Path, hook_dirs: tuple[str, ...]
+) -> tuple[list[protocol.Commit], list[tuple[str, list[str]]]]:
+    """Commits of every ``.ckptkeeper/`` in the run, paths made relative to the run dir, and the
+    malformed lines per hook dir that had any (``(rel, problems)``: each file is quarantined on its
+    own).
 
     A callback whose checkpoint dir is below the run dir (``ModelCheckpoint(dirpath=<run>/checkpoints)``)
     writes its hook files there, with paths relative to that dir: they still describe this run.
     """
     commits: list[protocol.Commit] = []
-    errors: list[str] = []
+    errors: list[tuple[str, list[str]]] = []
     for rel in hook_dirs or ("",):
         found, errs = protocol.read_commits(_hook_root(run_dir, rel))
         commits.extend(replace(c, path=f"{rel}/{c.path}") if rel else c for c in found)
-        errors.extend(f"{rel}/{protocol.STATE_DIR}: {e}" if rel else e for e in errs)
+        if errs:
+            errors.append((rel, [f"{rel}/{STATE_DIR}: {e}" if rel else e for e in errs]))
     return commits, errors
 
 
 def _hook_state(
-    run_dir: Path, scan: layouts.RunScan
-) -> tuple[protocol.RunInfo | None, float | None, str | None]:
-    """(the run.json that speaks for the run, newest heartbeat, a warning or None).
+    run_dir: Path, run: str, hot: str, scan: layouts.RunScan
+) -> tuple[protocol.RunInfo | None, float | None, str | None, list[Quarantined]]:
+    """(the run.json that speaks for the run, newest heartbeat, a warning or None, the hook files
+    that failed the schema).
 
     Several hook dirs (one per ``ModelCheckpoint`` dirpath under the run): the liveliest state wins
-    — active over failed over finished — so one callback still training keeps the run active.
+    — active over failed over finished — so one callback still training keeps the run active. A
+    run.json or heartbeat that fails the schema is quarantined with its reason, whichever dir it is in.
     """
     infos: list[protocol.RunInfo] = []
     heartbeats: list[float] = []
+    held: list[Quarantined] = []
     for rel in scan.hook_dirs or ("",):
         root = _hook_root(run_dir, rel)
         info = protocol.read_run_dir(root)
         if info is not None:
             infos.append(info)
-        beat = protocol.heartbeat_mtime(root)
+            if info.error:
+                path = f"{run}/{_hook_rel(rel, protocol.RUN_FILE)}"
+                held.append(Quarantined(hot, path, protocol.RUN_FILE, info.error, run=run))
+        beat, problem = protocol.read_heartbeat(root)
         if beat is not None:
             heartbeats.append(beat)
+        if problem is not None:
+            held.append(
+                Quarantined(
+                    hot,
+                    f"{run}/{_hook_rel(rel, protocol.HEARTBEAT_FILE)}",
+                    protocol.HEARTBEAT_FILE,
+                    f"{problem}: ignored as a sign of life",
+                    run=run,
+                )
+            )
     info = max(infos, key=lambda i: (_STATE_RANK.get(i.state or "", 0), i.started or 0.0), default=None)
-    return info, max(heartbeats, default=None), _hook_warning(scan, info)
+    return info, max(heartbeats, default=None), _hook_warning(scan, info), held
 
 
 def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str | None:
@@ -657,3 +818,9 @@ def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str |
             "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
         )
     return None
+
+
+def _sane_time(when: float) -> float:
+    """A file's mtime as a creation time: any clock (``touch -d``, ``cp -a``) can set it to 1901 or
+    2400, but a time the retention rules turn into a date must lie between 1970 and 3000."""
+    return min(max(when, 0.0), schema.MAX_TIME)

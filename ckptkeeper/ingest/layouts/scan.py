@@ -24,6 +24,7 @@ from ckptkeeper.ingest.layouts.orbax import _Orbax
 from ckptkeeper.ingest.layouts.safetensors import _Safetensors
 from ckptkeeper.ingest.layouts.temps import dir_kind, file_kind
 from ckptkeeper.ingest.layouts.torch import _File, _Torch
+from ckptkeeper.util.mounts import mounts_under
 
 RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
     _Hf(),
@@ -105,19 +106,23 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     problems: list[str] = []
     corrupt = False
     metrics: dict[str, float] = {}
+    rejected: list[str] = []
     for recognizer in reversed(claiming):  # higher precedence last: its metrics win on a clash
         verdict = _safe_check(recognizer, node)
         problems[:0] = verdict.problems
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
+        rejected[:0] = verdict.rejected
     temps: list[tuple[str, str, int, float]] = []
     if node.is_dir:
         try:
-            files, total, newest = _tree(node.path, node.parent.dev, temps=temps)
+            files, total, newest, changed = _tree(
+                node.path, node.parent.dev, _mounts_inside(node), temps=temps
+            )
         except FileNotFoundError:
             return None
     else:
-        files, total, newest = ("",), node.st.st_size, node.st.st_mtime
+        files, total, newest, changed = ("",), node.st.st_size, node.st.st_mtime, _changed(node.st)
     return Candidate(
         run=run,
         step=step,
@@ -127,11 +132,13 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         complete=not problems and not corrupt,
         files=files,
         last_write=newest,
+        changed_at=changed,
         bytes=total,
         metrics=metrics,
         problem="; ".join(problems) or None,
         corrupt=corrupt,
         temps=tuple(sorted(temps)),
+        rejected=tuple(rejected),
     )
 
 
@@ -147,17 +154,45 @@ def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
         raise _Unreadable(f"{node.rel}: {exc.strerror or exc}") from exc
 
 
+def _changed(st: os.stat_result) -> float:
+    """When a path last changed: the later of mtime and ctime. ``cp -a`` and ``rsync -a`` set old
+    mtimes on what they copy, so mtime alone calls a tree settled while it is still being copied;
+    ctime cannot be set back (``utime`` itself moves it to now)."""
+    return max(st.st_mtime, st.st_ctime)
+
+
+def _mounts_inside(node: _Node) -> frozenset[str]:
+    """Mount points under ``node`` (relative to it), from the mount table the run's root read."""
+    directory: _Dir | None = node.parent
+    while directory is not None and not directory.is_root:
+        directory = directory.parent
+    if directory is None or not directory.mounts:
+        return frozenset()
+    prefix = node.rel + "/"
+    return frozenset(m[len(prefix) :] for m in directory.mounts if m.startswith(prefix))
+
+
 def _tree(
-    root: str, dev: int, *, temps: list[tuple[str, str, int, float]] | None = None
-) -> tuple[tuple[str, ...], int, float]:
-    """(regular files relative to root, their total size, newest mtime) without following links.
+    root: str,
+    dev: int,
+    mounts: frozenset[str] = frozenset(),
+    *,
+    temps: list[tuple[str, str, int, float]] | None = None,
+) -> tuple[tuple[str, ...], int, float, float]:
+    """(regular files relative to root, their total size, newest mtime, newest change — ctime
+    included, see :func:`_changed`) without following links.
+
+    Neither another filesystem (``st_dev``) nor a mount point of this one (``mounts``: paths
+    relative to ``root``, a bind mount shares ``st_dev``) is entered: not listed, so never copied
+    or hashed.
 
     With ``temps`` (a list to fill), the framework temp artifacts inside (``temps.file_kind`` /
     ``dir_kind``) are not files of the checkpoint: they are appended as (relative path, kind,
     bytes, newest mtime) instead — reaped on their own, never copied or hashed. Their writes still
-    count towards the newest mtime: a temp being written means a save in progress.
+    count towards the newest mtime and change: a temp being written means a save in progress.
     """
-    newest = os.lstat(root).st_mtime
+    top = os.lstat(root)
+    newest, changed = top.st_mtime, _changed(top)
     files: list[str] = []
     total = 0
     stack = [(root, "")]
@@ -177,14 +212,24 @@ def _tree(
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if stat.S_ISDIR(st.st_mode) and (st.st_dev != dev or f"{prefix}{entry.name}" in mounts):
+                    continue  # another filesystem or a mount point: not ours, its times are not our writes
                 newest = max(newest, st.st_mtime)
+                changed = max(changed, st.st_ctime, st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
-                    if st.st_dev != dev:
-                        continue
                     kind = dir_kind(entry.name) if temps is not None else None
                     if kind is not None and temps is not None:
-                        size, when = _dir_bytes(entry.path, st)
+                        inner = f"{prefix}{entry.name}/"
+                        try:
+                            _, size, when, when_changed = _tree(
+                                entry.path,
+                                dev,
+                                frozenset(m[len(inner) :] for m in mounts if m.startswith(inner)),
+                            )
+                        except FileNotFoundError:
+                            continue  # the save finished (renamed) or was cleaned up meanwhile
                         newest = max(newest, when)
+                        changed = max(changed, when_changed)
                         temps.append((prefix + entry.name, kind, size, when))
                         continue
                     stack.append((entry.path, f"{prefix}{entry.name}/"))
@@ -195,7 +240,7 @@ def _tree(
                         continue
                     files.append(prefix + entry.name)
                     total += st.st_size
-    return tuple(sorted(files)), total, newest
+    return tuple(sorted(files)), total, newest, changed
 
 
 def _dir_bytes(path: str, st: os.stat_result) -> tuple[int, float]:
@@ -203,7 +248,7 @@ def _dir_bytes(path: str, st: os.stat_result) -> tuple[int, float]:
     if not stat.S_ISDIR(st.st_mode):
         return st.st_size, st.st_mtime
     try:
-        _, total, newest = _tree(path, st.st_dev)
+        _, total, newest, _changed_at = _tree(path, st.st_dev)
     except FileNotFoundError:
         return 0, st.st_mtime
     return total, newest
@@ -222,6 +267,7 @@ def _root(run_dir: Path | str) -> _Dir:
             errno.ENOTDIR, "run dir is not a directory (symlinks are not followed)", path
         )
     root = _Dir(path, None, dev=st.st_dev, is_root=True)
+    root.mounts = mounts_under(path)
     try:
         with os.scandir(path):
             pass
@@ -254,6 +300,8 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
             if name == STATE_DIR and stat.S_ISDIR(st.st_mode) and st.st_dev == directory.dev:
                 hooks.append(prefix.rstrip("/"))
             node = _Node(directory, name, st, prefix + name)
+            if node.rel in root.mounts:
+                continue  # a mount point (bind mounts included) is never walked, copied or deleted
             try:
                 outcome = _classify(node, run)
                 if isinstance(outcome, _Art):
@@ -285,7 +333,7 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                         run=run,
                     )
                 )
-            elif outcome == "descend":
+            elif outcome == "descend" and node.rel not in root.mounts:  # bind mounts are not walked
                 stack.append((node.children, f"{node.rel}/"))
     candidates.sort(key=lambda c: (c.step, c.name))
     artifacts.sort(key=lambda a: a.path)
@@ -310,6 +358,7 @@ def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:
         directory = _root(run_dir)
     except FileNotFoundError:
         return None
+    directory_root = directory
     rel = os.path.relpath(os.path.abspath(os.fsdecode(path)), directory.path)
     if rel == "." or rel == ".." or rel.startswith(".." + os.sep) or os.path.isabs(rel):
         return None
@@ -321,10 +370,12 @@ def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:
             except (FileNotFoundError, NotADirectoryError):
                 return None
             node = _Node(directory, name, st, "/".join(parts[: depth + 1]))
+            if node.rel in directory_root.mounts:
+                return None
             outcome = _classify(node, run)
             if isinstance(outcome, Candidate):
                 return outcome
-            if outcome != "descend":
+            if outcome != "descend" or node.rel in directory_root.mounts:
                 return None
             directory = node.children
     except _Unreadable as exc:
