@@ -84,7 +84,7 @@ def load(framework: str, variant: str, tmp_path: Path) -> tuple[Path, Path]:
     config = write_config(
         tmp_path / "config.toml",
         index=tmp_path / "index.db",
-        daemon={"settle_seconds": "1s"},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True},  # the tree is back-dated with utime
         tiers=[local_tier("hot", hot)],
         reaper={"partial_after": "1h", "failed_after": "30d", "keep_last_of_failed": 1},
     )

@@ -79,7 +79,7 @@ def _catalog(tmp_path: Path, hot: Path) -> tuple[Catalog, Index]:
     config = write_config(
         tmp_path / "config.toml",
         index=tmp_path / "index.db",
-        daemon={"settle_seconds": "1h"},
+        daemon={"settle_seconds": "1h", "trust_mtimes": True},  # _age back-dates with utime
         tiers=[local_tier("hot", hot)],
     )
     settings_ = load_settings(config)
