@@ -118,6 +118,39 @@ def test_two_nested_hook_dirs_liveliest_state_wins_and_commits_bind(tmp_path: Pa
         index.close()
 
 
+def test_bad_hook_files_in_a_nested_hook_dir_are_quarantined_under_their_own_path(tmp_path: Path) -> None:
+    """Main's quarantine of hook files that fail the schema covers every hook dir of the run: each
+    file is held under its own path, the good dir still decides the state and commits still bind."""
+    hot = tmp_path / "hot"
+    run = hot / "run"
+    for sub in ("a", "b"):
+        (run / sub).mkdir(parents=True)
+        (run / sub / "model-7.pt").write_bytes(b"not a zip, but committed")
+    _hook(run / "a", "finished", [{"path": "model-7.pt", "step": 7, "metrics": {}}])
+    _hook(run / "b", "finished", [{"path": "model-7.pt", "step": 7, "metrics": {}}])
+    with (run / "b" / ".ckptkeeper" / "commits.jsonl").open("a") as f:
+        f.write('{"path": "model-8.pt", "step": -3}\n')
+    (run / "b" / ".ckptkeeper" / "run.json").write_text('{"version": 1, "state": "exploded"}')
+    _age(run)
+    catalog, index = _catalog(tmp_path, hot)
+    try:
+        report = catalog.reconcile_hot()
+        held = {(q.path, q.kind): q.reason for q in index.quarantined()}
+        assert set(held) == {
+            ("run/b/.ckptkeeper/commits.jsonl", "commits.jsonl"),
+            ("run/b/.ckptkeeper/run.json", "run.json"),
+        }, held
+        assert "1 line(s) ignored" in held[("run/b/.ckptkeeper/commits.jsonl", "commits.jsonl")]
+        assert "exploded" in held[("run/b/.ckptkeeper/run.json", "run.json")]
+        assert report.quarantined == 2
+        (row,) = index.runs()
+        assert (row.name, row.state.value) == ("run", "finished")
+        got = {(c.name, c.step, c.state.value) for c in index.checkpoints("run")}
+        assert got == {("a/model-7.pt", 7, "complete"), ("b/model-7.pt", 7, "complete")}
+    finally:
+        index.close()
+
+
 def test_accelerate_step_from_the_hook_wins(tmp_path: Path) -> None:
     hot = tmp_path / "hot"
     ckpt = hot / "run" / "checkpoints" / "checkpoint_0"

@@ -24,7 +24,7 @@ from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
-from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest import hookfiles, layouts
 from ckptkeeper.ingest.layouts import temps
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
@@ -184,7 +184,7 @@ class Catalog:
             # An unlistable run is unknown, not empty: keep what the index knew.
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
-        commits, commit_errors = _read_hook_commits(run_dir, scan.hook_dirs)
+        commits, commit_errors = hookfiles.read_hook_commits(run_dir, scan.hook_dirs)
         for _rel, errs in commit_errors:
             for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
                 log.warning("malformed hook commit line", run=run, error=err)
@@ -195,7 +195,7 @@ class Catalog:
             held.append(
                 Quarantined(
                     hot,
-                    f"{run}/{_hook_rel(rel, protocol.COMMITS_FILE)}",
+                    f"{run}/{hookfiles.hook_rel(rel, protocol.COMMITS_FILE)}",
                     protocol.COMMITS_FILE,
                     f"{len(errs)} line(s) ignored: " + "; ".join(errs[:5]),
                     run=run,
@@ -493,7 +493,7 @@ class Catalog:
     ) -> list[Quarantined]:
         """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run); return
         those that failed the schema."""
-        info, heartbeat, warning, held = _hook_state(run_dir, run, self.settings.hot.name, scan)
+        info, heartbeat, warning, held = hookfiles.hook_state(run_dir, run, self.settings.hot.name, scan)
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None
@@ -726,98 +726,6 @@ def _has_surrogates(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-# -- the hook's files, wherever in the run the callback put them ------------------------------
-
-_STATE_RANK = {protocol.ACTIVE: 3, protocol.FAILED: 2, protocol.FINISHED: 1}
-_HOOKED_LAYOUTS = frozenset({"hf", "torch"})
-"""Layouts our framework callbacks commit (HF Trainer, Lightning): without a hook in such a run the
-state is a guess from write times, and after ``failed_after`` a finished run reads as stale."""
-
-
-def _hook_root(run_dir: Path, rel: str) -> Path:
-    return run_dir / rel if rel else run_dir
-
-
-def _hook_rel(rel: str, name: str) -> str:
-    """``<rel>/.ckptkeeper/<name>`` relative to the run dir (the quarantine's path, after the run)."""
-    return f"{rel}/{STATE_DIR}/{name}" if rel else f"{STATE_DIR}/{name}"
-
-
-def _read_hook_commits(
-    run_dir: Path, hook_dirs: tuple[str, ...]
-) -> tuple[list[protocol.Commit], list[tuple[str, list[str]]]]:
-    """Commits of every ``.ckptkeeper/`` in the run, paths made relative to the run dir, and the
-    malformed lines per hook dir that had any (``(rel, problems)``: each file is quarantined on its
-    own).
-
-    A callback whose checkpoint dir is below the run dir (``ModelCheckpoint(dirpath=<run>/checkpoints)``)
-    writes its hook files there, with paths relative to that dir: they still describe this run.
-    """
-    commits: list[protocol.Commit] = []
-    errors: list[tuple[str, list[str]]] = []
-    for rel in hook_dirs or ("",):
-        found, errs = protocol.read_commits(_hook_root(run_dir, rel))
-        commits.extend(replace(c, path=f"{rel}/{c.path}") if rel else c for c in found)
-        if errs:
-            errors.append((rel, [f"{rel}/{STATE_DIR}: {e}" if rel else e for e in errs]))
-    return commits, errors
-
-
-def _hook_state(
-    run_dir: Path, run: str, hot: str, scan: layouts.RunScan
-) -> tuple[protocol.RunInfo | None, float | None, str | None, list[Quarantined]]:
-    """(the run.json that speaks for the run, newest heartbeat, a warning or None, the hook files
-    that failed the schema).
-
-    Several hook dirs (one per ``ModelCheckpoint`` dirpath under the run): the liveliest state wins
-    — active over failed over finished — so one callback still training keeps the run active. A
-    run.json or heartbeat that fails the schema is quarantined with its reason, whichever dir it is in.
-    """
-    infos: list[protocol.RunInfo] = []
-    heartbeats: list[float] = []
-    held: list[Quarantined] = []
-    for rel in scan.hook_dirs or ("",):
-        root = _hook_root(run_dir, rel)
-        info = protocol.read_run_dir(root)
-        if info is not None:
-            infos.append(info)
-            if info.error:
-                path = f"{run}/{_hook_rel(rel, protocol.RUN_FILE)}"
-                held.append(Quarantined(hot, path, protocol.RUN_FILE, info.error, run=run))
-        beat, problem = protocol.read_heartbeat(root)
-        if beat is not None:
-            heartbeats.append(beat)
-        if problem is not None:
-            held.append(
-                Quarantined(
-                    hot,
-                    f"{run}/{_hook_rel(rel, protocol.HEARTBEAT_FILE)}",
-                    protocol.HEARTBEAT_FILE,
-                    f"{problem}: ignored as a sign of life",
-                    run=run,
-                )
-            )
-    info = max(infos, key=lambda i: (_STATE_RANK.get(i.state or "", 0), i.started or 0.0), default=None)
-    return info, max(heartbeats, default=None), _hook_warning(scan, info), held
-
-
-def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str | None:
-    """Why the hook looks missing from a run that should have it, or None."""
-    if scan.hook_dirs and (info is None or info.state is None):
-        where = ", ".join(f"{r}/{protocol.STATE_DIR}" if r else protocol.STATE_DIR for r in scan.hook_dirs)
-        return f"{where} has no readable run.json: run state is guessed from write times"
-    if not scan.hook_dirs and any(
-        c.layout in _HOOKED_LAYOUTS and (c.layout == "hf" or c.name.endswith(".ckpt"))
-        for c in scan.candidates
-    ):
-        return (
-            f"no {protocol.STATE_DIR}/ hook in this run of Lightning/HF checkpoints (KeeperCallback not "
-            "installed, or it writes outside the run dir): its state is guessed from write times, and "
-            "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
-        )
-    return None
 
 
 def _sane_time(when: float) -> float:
