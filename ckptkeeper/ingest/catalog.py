@@ -188,7 +188,6 @@ class Catalog:
         for _rel, errs in commit_errors:
             for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
                 log.warning("malformed hook commit line", run=run, error=err)
-            log.warning("malformed hook commit line", run=run, error=err)
         hot = self.settings.hot.name
         held: list[Quarantined] = []
         for rel, errs in commit_errors:
