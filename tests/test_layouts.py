@@ -472,7 +472,7 @@ def test_walk_stops_at_recognized_dir(run_dir: Path) -> None:
 
 def test_precedence_order_is_documented() -> None:
     assert layouts.LAYOUTS == (
-        "hf", "megatron", "deepspeed", "nemo", "orbax", "dcp", "safetensors", "torch", "file",
+        "hf", "accelerate", "megatron", "deepspeed", "nemo", "orbax", "dcp", "safetensors", "torch", "file",
     )  # fmt: skip
 
 

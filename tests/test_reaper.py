@@ -28,6 +28,7 @@ from ckptkeeper.core.model import (
 )
 from ckptkeeper.core.reaper import (
     ARTIFACT_KINDS,
+    DETACHED_KINDS,
     NO_RUN,
     ReapDecision,
     RunFacts,
@@ -441,6 +442,7 @@ ARTIFACT_PATHS = {
     "metadata-tmp": "r/dcp-1000/.metadata.tmp",
     "nemo-unfinished": "r/megatron_gpt--step=1000-unfinished",
     "tmp-file": "r/model.safetensors.part",
+    "safetensors-tmp": "r/checkpoint_0/.tmpd1FjiO",
     "ckptkeeper-staging": "r/checkpoint-900.ckptkeeper-staging-ab12",
     "multipart-upload": "r/checkpoint-900/model.safetensors",
 }
@@ -497,6 +499,28 @@ def test_artifact_inside_kept_checkpoint_is_left_alone() -> None:
     """Deleting a file inside a kept checkpoint would break its manifest."""
     inside = Artifact("hot", "r/checkpoint-100/.metadata.tmp", "metadata-tmp", 5, NOW - 9 * H, run="r")
     d = reap(Snapshot(runs=(run("r", RunState.ACTIVE),), checkpoints=(ckpt("r", 100),), artifacts=(inside,)))
+    assert d.actions == ()
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("r/checkpoint-100/.tmpd1FjiO", "safetensors-tmp"),
+        ("r/checkpoint-100/default.orbax-checkpoint-tmp", "orbax-tmp"),
+        ("r/checkpoint-100/optimizer.pt.part", "tmp-file"),
+    ],
+)
+def test_framework_temp_inside_kept_checkpoint_is_reaped_alone(path: str, kind: str) -> None:
+    """The catalog keeps these out of the checkpoint's files: reaping one leaves the manifest whole."""
+    inside = Artifact("hot", path, kind, 5, NOW - 9 * H, run="r")
+    d = reap(Snapshot(runs=(run("r", RunState.ACTIVE),), checkpoints=(ckpt("r", 100),), artifacts=(inside,)))
+    assert [(a.path, a.rule, a.step) for a in d.actions] == [(path, kind, None)]
+
+
+def test_framework_temp_kind_at_a_kept_checkpoint_path_is_never_reaped() -> None:
+    """A path the hook committed is a checkpoint, whatever its name looks like."""
+    at = Artifact("hot", "r/checkpoint-100", "tmp-file", 5, NOW - 9 * H, run="r")
+    d = reap(Snapshot(runs=(run("r", RunState.ACTIVE),), checkpoints=(ckpt("r", 100),), artifacts=(at,)))
     assert d.actions == ()
 
 
@@ -721,7 +745,8 @@ def test_property_protections_hold(snapshot: Snapshot, keep_n: int) -> None:
             assert (a.upload_id is not None) == (a.rule == "multipart-upload")
             if a.rule != "multipart-upload":  # a file inside a kept checkpoint is part of it
                 assert a.path and not any(
-                    a.path == c.rel_path or a.path.startswith(c.rel_path + "/")
+                    a.path == c.rel_path
+                    or (a.path.startswith(c.rel_path + "/") and a.rule not in DETACHED_KINDS)
                     for c in snapshot.checkpoints
                     if c.key not in d.reaped
                 )

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_quiet")]
 VAL_LOSS_BY_EPOCH = [0.5, 2.0, 1.0]  # the best checkpoint is the oldest: retention must not lose it
 
 
-def train(run_dir: Path, crash_epoch: int | None = None) -> None:
+def train(run_dir: Path, crash_epoch: int | None = None, *, dirpath: Path | None = None) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     import torch
     from torch import nn
@@ -57,7 +57,7 @@ def train(run_dir: Path, crash_epoch: int | None = None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
-            pl.callbacks.ModelCheckpoint(dirpath=run_dir, save_top_k=-1, monitor="val_loss"),
+            pl.callbacks.ModelCheckpoint(dirpath=dirpath or run_dir, save_top_k=-1, monitor="val_loss"),
             KeeperCallback(),  # <- the line a user adds (plus the import)
         ],
     )
@@ -130,3 +130,35 @@ def test_lightning_run_cataloged_tiered_reaped_and_best_restored(tmp_path: Path)
 
     state = torch.load(restored, weights_only=False)
     assert state["global_step"] == 4
+
+
+def test_readme_lightning_snippet_with_nested_dirpath_gives_a_finished_run_with_val_loss(
+    tmp_path: Path,
+) -> None:
+    """README: ``ModelCheckpoint(dirpath=<run>/checkpoints)`` (Lightning's usual layout) puts the hook's
+    ``.ckptkeeper/`` one level below the run dir; it still speaks for the run (issue 16)."""
+    hot = tmp_path / "hot"
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        daemon={"settle_seconds": "1h"},  # only the hook's commits make these complete
+        tiers=[local_tier("hot", hot)],  # no tier names a metric
+    )
+    train(hot / "nested-run", dirpath=hot / "nested-run" / "checkpoints")
+    assert (hot / "nested-run" / "checkpoints" / ".ckptkeeper" / "run.json").is_file()
+
+    result = CliRunner().invoke(main, ["--config", str(config), "scan"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["--config", str(config), "ls", "--json"], catch_exceptions=False)
+    (run,) = json.loads(result.output)["runs"]
+    assert (run["name"], run["state"]) == ("nested-run", "finished")
+    assert "WARNING" not in (run["state_reason"] or "")
+    assert [(c["name"], c["state"]) for c in run["checkpoints"]] == [
+        (f"checkpoints/epoch={e}-step={2 * (e + 1)}.ckpt", "complete") for e in range(3)
+    ]
+    assert [c["metrics"]["val_loss"] for c in run["checkpoints"]] == pytest.approx(VAL_LOSS_BY_EPOCH)
+    # "best" with no tier metric: Lightning's own best_model_path (min val_loss: epoch 0).
+    best = ckptkeeper.restore("nested-run", "best", config=config)
+    assert best == hot / "nested-run" / "checkpoints" / "epoch=0-step=2.ckpt"
+    by_max = ckptkeeper.restore("nested-run", "best", config=config, metric="val_loss", mode="max")
+    assert by_max.name == "epoch=1-step=4.ckpt"

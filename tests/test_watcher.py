@@ -98,6 +98,10 @@ def started(env: Env, **kwargs: Any) -> Watcher:
         ("/h/team", 2, (EventKind.TREE, None)),
         ("/h/team/run/checkpoint-1/x", 2, (EventKind.WRITE, "team/run")),
         ("/h/team/run/.ckptkeeper/commits.jsonl", 2, (EventKind.COMMIT, "team/run")),
+        # Lightning's ModelCheckpoint(dirpath=<run>/checkpoints): the hook's dir one level down
+        ("/h/run/checkpoints/.ckptkeeper/commits.jsonl", 1, (EventKind.COMMIT, "run")),
+        ("/h/run/checkpoints/.ckptkeeper/run.json", 1, (EventKind.RUN_STATE, "run")),
+        ("/h/run/checkpoints/.ckptkeeper/heartbeat", 1, (EventKind.IGNORE, None)),
     ],
 )
 def test_classify_path(path: str, depth: int, expected: tuple[EventKind, str | None]) -> None:

@@ -9,6 +9,7 @@ ago is found even if no daemon is running.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from pathlib import Path
 from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.ingest.layouts.base import MAX_MARKER_BYTES, torch_pickle_values
+from ckptkeeper.ingest.layouts.hf import TRAINER_STATE
 from ckptkeeper.storage import StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
 
@@ -33,7 +36,7 @@ def find_checkpoint(index: Index, run: str, step: str | int) -> CheckpointRow:
     if step == "latest":
         return max(rows, key=lambda r: (r.step, r.name))
     if step == "best":
-        raise LookupError("use find_best with the tier policy's metric")
+        raise LookupError("use find_best for 'best'")
     try:
         wanted = int(step)
     except (TypeError, ValueError):
@@ -44,25 +47,98 @@ def find_checkpoint(index: Index, run: str, step: str | int) -> CheckpointRow:
     return max(matches, key=lambda r: r.name)
 
 
-def find_best(settings: Settings, index: Index, run: str) -> CheckpointRow:
-    """The best checkpoint by the first tier policy that names a metric."""
-    tier = next((t for t in settings.tiers if t.metric), None)
-    if tier is None or tier.metric is None:
-        raise LookupError("no tier names a metric (set `metric` and `mode` on a tier to use best)")
-    metric, mode = tier.metric, tier.mode
-    rows = [
-        r
-        for r in index.checkpoints(run)
-        if r.state.value == "complete" and r.verified_tiers and metric in r.metrics
-    ]
+BEST_OPTIONS = (
+    "pass metric=... and mode='min'|'max' (CLI: --metric NAME --mode min|max), or set `metric` and "
+    "`mode` on a tier"
+)
+
+
+def find_best(
+    settings: Settings,
+    index: Index,
+    run: str,
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+) -> CheckpointRow:
+    """The best complete checkpoint of ``run``, by the first source that can tell:
+
+    1. ``metric`` / ``mode`` given by the caller (metrics come from the layouts and the hook's commits);
+    2. the framework's own record of its best: HF ``best_model_checkpoint`` in ``trainer_state.json``,
+       Lightning ``ModelCheckpoint``'s ``best_model_path`` in the newest ``.ckpt`` (read from the hot
+       tier without unpickling);
+    3. the first tier policy that names a metric.
+
+    LookupError naming the options when none applies.
+    """
+    if mode is not None and mode not in ("min", "max"):
+        raise LookupError(f"mode must be 'min' or 'max', not {mode!r}")
+    rows = [r for r in index.checkpoints(run) if r.state.value == "complete" and r.verified_tiers]
     if not rows:
-        raise LookupError(f"no complete checkpoint of run {run!r} reports {metric}")
+        raise LookupError(f"no complete checkpoint of run {run!r} with a verified copy in the index")
+    if metric is None and mode is None:
+        framework = _framework_best(settings, run, rows)
+        if framework is not None:
+            return framework
+        tier = next((t for t in settings.tiers if t.metric), None)
+        if tier is None or tier.metric is None:
+            raise LookupError(
+                f"cannot tell the best checkpoint of run {run!r}: no metric given, no framework record "
+                f"of its best (HF best_model_checkpoint, Lightning best_model_path) and no tier names "
+                f"a metric; {BEST_OPTIONS}"
+            )
+        metric, mode = tier.metric, tier.mode
+    elif metric is None:
+        raise LookupError(f"mode={mode!r} without a metric; {BEST_OPTIONS}")
+    mode = mode or "min"
+    scored = [r for r in rows if metric in r.metrics]
+    if not scored:
+        seen = sorted({k for r in rows for k in r.metrics})
+        raise LookupError(
+            f"no complete checkpoint of run {run!r} reports {metric!r} "
+            f"(metrics reported: {', '.join(seen) or 'none'})"
+        )
     key = (
         (lambda r: (r.metrics[metric], -r.step))
         if mode == "min"
         else (lambda r: (-r.metrics[metric], -r.step))
     )
-    return min(rows, key=key)
+    return min(scored, key=key)
+
+
+def _framework_best(settings: Settings, run: str, rows: list[CheckpointRow]) -> CheckpointRow | None:
+    """The checkpoint the training framework itself recorded as best, read from the newest
+    checkpoint still in the hot tier that carries such a record; None when there is none."""
+    run_dir = settings.hot.local_path / run
+    by_name = {r.name: r for r in rows}
+    for row in sorted(rows, key=lambda r: (r.step, r.name), reverse=True):
+        recorded = _recorded_best(run_dir / row.name, row)
+        if not recorded:
+            continue
+        base = os.path.dirname(row.name)
+        # The record is an absolute or output-dir-relative path: match it by its name beside this one.
+        name = os.path.basename(recorded.rstrip("/"))
+        found = by_name.get(f"{base}/{name}" if base else name)
+        if found is not None:
+            return found
+        log.warning("framework's best checkpoint is not cataloged complete", run=run, recorded=recorded)
+        return None
+    return None
+
+
+def _recorded_best(path: Path, row: CheckpointRow) -> str | None:
+    if row.layout == "hf":
+        try:
+            with open(path / TRAINER_STATE, "rb") as f:
+                doc = json.loads(f.read(MAX_MARKER_BYTES))
+        except (OSError, ValueError):
+            return None
+        best = doc.get("best_model_checkpoint") if isinstance(doc, dict) else None
+        return best if isinstance(best, str) and best else None
+    if row.name.endswith(".ckpt") and path.is_file():
+        values = [v for v in torch_pickle_values(str(path), "best_model_path") if isinstance(v, str) and v]
+        return values[0] if values else None
+    return None
 
 
 def restore_checkpoint(
@@ -73,13 +149,22 @@ def restore_checkpoint(
     to: Path,
     *,
     progress: Callable[[int], None] | None = None,
+    metric: str | None = None,
+    mode: str | None = None,
 ) -> Path:
     """Materialise a verified copy from the fastest tier that holds it; returns its path.
+
+    ``metric`` / ``mode`` choose what ``best`` means (see :func:`find_best`).
 
     When ``to`` is the run's own hot directory and the hot copy is intact, the hot copy itself is
     returned: restoring onto itself would be a no-op at best.
     """
-    row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+    if step == "best":
+        row = find_best(settings, index, run, metric=metric, mode=mode)
+    elif metric is not None or mode is not None:
+        raise LookupError("metric and mode only choose among checkpoints for step='best'")
+    else:
+        row = find_checkpoint(index, run, step)
     manifest = row.manifest()
     if manifest is None:
         raise LookupError(f"{run}@{row.step} has no manifest in the index")
@@ -133,8 +218,15 @@ def restore(
     step: str | int = "latest",
     to: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Settings | None = None,
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
 ) -> Path:
     """Local path of a verified checkpoint of ``run``: ``"latest"``, ``"best"`` or a step number.
+
+    ``"best"``: by ``metric`` (``mode`` ``"min"``, the default, or ``"max"``) when given; else the
+    framework's own record (HF ``best_model_checkpoint``, Lightning ``best_model_path``); else the
+    first tier that names a metric; else LookupError saying which options there are.
 
     ``to`` defaults to the run's directory in the hot tier: when the checkpoint is still there, that
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.
@@ -143,7 +235,7 @@ def restore(
     settings, index = _open(config, run)
     try:
         target = Path(to) if to is not None else settings.hot.local_path / run
-        return restore_checkpoint(settings, index, run, step, target)
+        return restore_checkpoint(settings, index, run, step, target, metric=metric, mode=mode)
     finally:
         index.close()
 

@@ -21,6 +21,9 @@ from ckptkeeper.core import cost
 from ckptkeeper.core.model import CheckpointState, TierUsage
 from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined
 
+WARNING_MARK = "WARNING: "
+"""What the catalog puts before a warning in a run's ``state_reason`` (``ingest.catalog``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierSummary:
@@ -58,6 +61,8 @@ class StatusSummary:
     """Tier -> monthly storage cost of its verified copies (tiers with ``cost_per_gib_month`` only)."""
     run_cost_per_month: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Run -> tier -> monthly storage cost, from the same copies as ``cost_per_month``."""
+    warnings: tuple[str, ...] = ()
+    """``"<run>: <why>"`` for runs the catalog flagged (a hook that should be there and is not)."""
     policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
     """Unavailable tiers that held back the last retention pass (copies to them, deletes that
     depend on them), per tier."""
@@ -134,6 +139,11 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         jobs=jobs,
         journal_open=len(journal),
         deletes_held=held_text,
+        warnings=tuple(
+            f"{r.name}: {r.state_reason.split(WARNING_MARK, 1)[1]}"
+            for r in runs
+            if r.state_reason and WARNING_MARK in r.state_reason
+        ),
         policy_held=read_policy_held(settings),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,

@@ -84,8 +84,9 @@ def _dcp_checkpoint(run_dir: Path, step: int, when: float, *, complete: bool = T
 
 
 def _orbax_checkpoint(run_dir: Path, step: int, when: float, *, tmp: bool = False) -> None:
-    name = f"{step}.orbax-checkpoint-tmp-1700000000" if tmp else str(step)
-    ckpt = run_dir / name / "default"
+    # Orbax 0.12 names: the step dir and its item dir both under a ``.orbax-checkpoint-tmp`` name.
+    name = f"{step}.orbax-checkpoint-tmp" if tmp else str(step)
+    ckpt = run_dir / name / ("default.orbax-checkpoint-tmp" if tmp else "default")
     ckpt.mkdir(parents=True)
     (ckpt / "array_data").write_bytes(os.urandom(64 * 1024))
     if not tmp:
@@ -95,7 +96,15 @@ def _orbax_checkpoint(run_dir: Path, step: int, when: float, *, tmp: bool = Fals
     _age(run_dir / name, when)
 
 
-def _hook_files(run_dir: Path, state: str, when: float, reason: str | None = None) -> None:
+def _hook_files(
+    run_dir: Path,
+    state: str,
+    when: float,
+    reason: str | None = None,
+    *,
+    commits: list[tuple[str, int, dict[str, float]]] | None = None,
+) -> None:
+    """The hook's files in ``run_dir`` (for Lightning: its ModelCheckpoint dirpath)."""
     control = run_dir / ".ckptkeeper"
     control.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -110,6 +119,12 @@ def _hook_files(run_dir: Path, state: str, when: float, reason: str | None = Non
         "parent": None,
     }
     (control / "run.json").write_text(json.dumps(doc))
+    lines = [
+        json.dumps({"path": path, "step": step, "metrics": metrics, "time": when - HOUR})
+        for path, step, metrics in commits or []
+    ]
+    if lines:
+        (control / "commits.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def populate(hot: Path, now: float) -> None:
@@ -125,12 +140,22 @@ def populate(hot: Path, now: float) -> None:
     _age(stray, now - 5 * HOUR)
     _hook_files(gpt, "finished", now - HOUR)
 
-    # A Lightning run that failed (marked by the hook) after writing a truncated checkpoint.
+    # A Lightning run that failed (marked by the hook) after writing a truncated checkpoint. Lightning's
+    # usual ModelCheckpoint(dirpath=<run>/checkpoints): the hook's files sit in checkpoints/.
     lit = hot / "resnet-lightning"
     for epoch in range(4):
         _lightning_checkpoint(lit, epoch, (epoch + 1) * 250, now - (8 - epoch) * HOUR)
     _lightning_checkpoint(lit, 4, 1250, now - 3.5 * HOUR, truncated=True)
-    _hook_files(lit, "failed", now - 3 * HOUR, reason="RuntimeError: CUDA error: an illegal memory access")
+    _hook_files(
+        lit / "checkpoints",
+        "failed",
+        now - 3 * HOUR,
+        reason="RuntimeError: CUDA error: an illegal memory access",
+        commits=[
+            (f"epoch={e}-step={(e + 1) * 250}.ckpt", (e + 1) * 250, {"val_loss": round(1.5 - 0.2 * e, 2)})
+            for e in range(4)
+        ],
+    )
 
     # A crashed DCP run with no hook at all: a partial save and an Orbax-style tmp dir.
     dcp = hot / "llama-dcp-crashed"

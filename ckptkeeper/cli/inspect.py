@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from ckptkeeper.config import Settings
 
 
+ACCELERATE_STEP_NOTE = (
+    "note: accelerate checkpoint_N: N counts saves (metric accelerate_save); STEP is the step the "
+    "hook committed, else the step accelerate recorded in random_states_0.pkl (its accumulate() "
+    "counter), else N when accelerate recorded 0"
+)
+
+
 # -- scan ---------------------------------------------------------------------------------
 
 
@@ -145,6 +152,8 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         click.echo(
             table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
         )
+        if any(c["layout"] == "accelerate" for c in doc["checkpoints"]):
+            click.echo(ACCELERATE_STEP_NOTE)
         for c in doc["checkpoints"]:
             for tier, problem in sorted(c["damaged"].items()):
                 click.echo(
@@ -202,6 +211,7 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "pending": {"journal": s.journal_open},
         "deletes_held": s.deletes_held,
+        "warnings": list(s.warnings),
         "policy_held": {
             t.tier: {"error": t.error, "checkpoints": t.checkpoints, "since": t.since}
             for t in s.policy_held.values()
@@ -258,6 +268,8 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    for warning in s.warnings:
+        click.echo(f"WARNING run {warning}")
     for held in s.policy_held.values():
         since = f" for {human_age(s.now - held.since)}" if held.since is not None else ""
         click.echo(f"policy held{since}: {held.describe()}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, Context, fail, pass_ctx
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Context, fail, pass_ctx
 
 
 class _StepType(click.ParamType):
@@ -33,14 +33,27 @@ class _StepType(click.ParamType):
 @click.option(
     "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
 )
+@click.option("--metric", default=None, help="With --step best: the metric that ranks checkpoints.")
+@click.option(
+    "--mode",
+    type=click.Choice(["min", "max"]),
+    default=None,
+    help="With --step best: lower (min, the default) or higher (max) --metric is better.",
+)
 @pass_ctx
-def restore(app: Context, run: str, step: str | int, to: str) -> None:
-    """Materialise a checkpoint from whichever tier holds it, verified."""
+def restore(app: Context, run: str, step: str | int, to: str, metric: str | None, mode: str | None) -> None:
+    """Materialise a checkpoint from whichever tier holds it, verified.
+
+    --step best without --metric takes the framework's own record of its best checkpoint (HF
+    best_model_checkpoint, Lightning best_model_path), else the first tier's `metric`.
+    """
     from ckptkeeper.actions.restore import restore_checkpoint  # storage, fsspec: not for --help
 
+    if (metric is not None or mode is not None) and step != "best":
+        fail("--metric and --mode only apply to --step best", EXIT_USAGE)
     with app.index() as ix:
         try:
-            path = restore_checkpoint(app.settings, ix, run, step, Path(to))
+            path = restore_checkpoint(app.settings, ix, run, step, Path(to), metric=metric, mode=mode)
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
     click.echo(str(path))

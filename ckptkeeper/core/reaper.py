@@ -61,6 +61,7 @@ MULTIPART_UPLOAD = "multipart-upload"
 ARTIFACT_KINDS: Mapping[str, str] = MappingProxyType(
     {
         "orbax-tmp": "interrupted Orbax save",
+        "safetensors-tmp": "interrupted safetensors atomic write",
         "tmp-checkpoint": "abandoned tmp-checkpoint staging dir",
         "metadata-tmp": "DCP .metadata.tmp never renamed",
         "nemo-unfinished": "NeMo -unfinished leftover",
@@ -74,6 +75,12 @@ ARTIFACT_KINDS: Mapping[str, str] = MappingProxyType(
 Only these are reaped: an unknown kind means the catalog found something we have no rule for, and
 a deletion tool must not guess. The catalog should use these ids for :attr:`Artifact.kind`.
 """
+
+DETACHED_KINDS: frozenset[str] = frozenset(
+    {"orbax-tmp", "safetensors-tmp", "tmp-checkpoint", "tmp-file", "ckptkeeper-staging"}
+)
+"""Artifact kinds the catalog keeps out of every checkpoint's files (and so its manifest): one of
+these inside a kept checkpoint is reaped on its own without touching what the manifest lists."""
 
 NO_RUN = "(no run)"
 """Key of :attr:`ReclaimSummary.by_run` for artifacts that belong to no run."""
@@ -347,7 +354,8 @@ def plan_reaps(
     Artifacts of a known kind (:data:`ARTIFACT_KINDS`) are reaped once older than
     ``partial_after``; multipart uploads carry their ``upload_id`` (skipped without one: nothing
     to abort). An artifact at or inside a checkpoint that is not reaped is left alone (deleting a
-    file inside a kept checkpoint would break its manifest), and one inside a checkpoint reaped in
+    file inside a kept checkpoint would break its manifest) unless its kind is one the catalog keeps
+    out of manifests (:data:`DETACHED_KINDS`: a framework temp left inside a checkpoint dir), and one inside a checkpoint reaped in
     the same tier is already covered; multipart uploads are exempt from both, since aborting one
     never touches a committed object.
 
@@ -445,7 +453,9 @@ def _artifact_action(
         reason = f"{a.kind}: {description} {a.upload_id}, no part for {quiet}"
     else:
         ancestors = _ancestors(a.path)
-        if any(p in spared_paths for p in ancestors):
+        if any(p in spared_paths for p in ancestors) and (
+            a.kind not in DETACHED_KINDS or ancestors[-1] in spared_paths
+        ):
             return None
         if any((a.tier, p) in covered for p in ancestors):
             return None

@@ -15,7 +15,7 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
@@ -25,7 +25,8 @@ from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
-from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest import hookfiles, layouts
+from ckptkeeper.ingest.layouts import temps
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
 from ckptkeeper.util.mounts import mounts_under
@@ -184,18 +185,19 @@ class Catalog:
             # An unlistable run is unknown, not empty: keep what the index knew.
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
-        commits, commit_errors = protocol.read_commits(run_dir)
-        for err in commit_errors:  # at most schema.MAX_ERRORS + 1 (read_commits caps them)
-            log.warning("malformed hook commit line", run=run, error=err)
+        commits, commit_errors = hookfiles.read_hook_commits(run_dir, scan.hook_dirs)
+        for _rel, errs in commit_errors:
+            for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
+                log.warning("malformed hook commit line", run=run, error=err)
         hot = self.settings.hot.name
         held: list[Quarantined] = []
-        if commit_errors:
+        for rel, errs in commit_errors:
             held.append(
                 Quarantined(
                     hot,
-                    f"{run}/{STATE_DIR}/{protocol.COMMITS_FILE}",
+                    f"{run}/{hookfiles.hook_rel(rel, protocol.COMMITS_FILE)}",
                     protocol.COMMITS_FILE,
-                    f"{len(commit_errors)} line(s) ignored: " + "; ".join(commit_errors[:5]),
+                    f"{len(errs)} line(s) ignored: " + "; ".join(errs[:5]),
                     run=run,
                 )
             )
@@ -242,6 +244,9 @@ class Catalog:
             )
             if cand.rejected:
                 held.append(Quarantined(hot, f"{run}/{name}", "marker", "; ".join(cand.rejected), run=run))
+            if commit is not None and cand.layout == "accelerate" and commit.step != cand.step:
+                # checkpoint_N counts saves; the step the training script committed is the real one.
+                cand = replace(cand, step=commit.step)
             managed.append((cand, commit))
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
@@ -273,7 +278,7 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            held.extend(self._update_run_state(run, run_dir, newest_write, now))
+            held.extend(self._update_run_state(run, run_dir, newest_write, now, scan))
             self.index.replace_quarantine(hot, held, run=run)
         report.quarantined += len(held)
         return report
@@ -427,8 +432,16 @@ class Catalog:
         mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
             base = os.path.relpath(dirpath, path).replace(os.sep, "/")
-            dirnames[:] = [d for d in dirnames if (d if base == "." else f"{base}/{d}") not in mounts]
+            # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
+            # Mount points are not ours: never walked.
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if temps.dir_kind(d) is None and (d if base == "." else f"{base}/{d}") not in mounts
+            ]
             for fname in filenames:
+                if temps.file_kind(fname, in_candidate=True) is not None:
+                    continue
                 full = os.path.join(dirpath, fname)
                 fst = os.lstat(full)
                 if stat.S_ISREG(fst.st_mode):
@@ -476,29 +489,11 @@ class Catalog:
         )
 
     def _update_run_state(
-        self, run: str, run_dir: Path, newest_write: float, now: float
+        self, run: str, run_dir: Path, newest_write: float, now: float, scan: layouts.RunScan
     ) -> list[Quarantined]:
-        """Record the run's state from its hook files; return those that failed the schema."""
-        hot = self.settings.hot.name
-        held: list[Quarantined] = []
-        info = protocol.read_run_dir(run_dir)
-        heartbeat, heartbeat_problem = protocol.read_heartbeat(run_dir)
-        if info is not None and info.error:
-            held.append(
-                Quarantined(
-                    hot, f"{run}/{STATE_DIR}/{protocol.RUN_FILE}", protocol.RUN_FILE, info.error, run=run
-                )
-            )
-        if heartbeat_problem is not None:
-            held.append(
-                Quarantined(
-                    hot,
-                    f"{run}/{STATE_DIR}/{protocol.HEARTBEAT_FILE}",
-                    protocol.HEARTBEAT_FILE,
-                    f"{heartbeat_problem}: ignored as a sign of life",
-                    run=run,
-                )
-            )
+        """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run); return
+        those that failed the schema."""
+        info, heartbeat, warning, held = hookfiles.hook_state(run_dir, run, self.settings.hot.name, scan)
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None
@@ -513,18 +508,34 @@ class Catalog:
         state, reason = derive_run_state(
             facts, this_host=self.hostname, now=now, failed_after=self.settings.reaper.failed_after
         )
+        if warning:
+            reason = f"{reason}; WARNING: {warning}"  # actions.status.WARNING_MARK
         last_seen = max(newest_write, heartbeat or 0.0)
         self.index.upsert_run(
             run,
             state=state,
             state_reason=reason,
             last_seen=last_seen,
-            parent=info.parent if info else None,
+            parent=self._parent_of(info),
             host=host or "",
             pid=pid,
             on_hot=True,
         )
         return held
+
+    def _parent_of(self, info: protocol.RunInfo | None) -> tuple[str, int] | None:
+        """The parent (run, step) the hook recorded; when it also recorded the parent checkpoint's
+        path inside the hot root, the run is named from that path (``run_depth`` components), which
+        stays right when the hook dirs sit below the run dirs (``<run>/checkpoints/.ckptkeeper``), where
+        the hook itself can only name the parent's checkpoint dir."""
+        if info is None or info.parent is None:
+            return None
+        if info.parent_path:
+            rel = os.path.relpath(os.path.realpath(info.parent_path), os.path.realpath(self.hot_root))
+            parts = rel.split(os.sep)
+            if rel != "." and parts[0] != ".." and len(parts) > self.settings.run_depth:
+                return "/".join(parts[: self.settings.run_depth]), info.parent[1]
+        return info.parent
 
     def _run_gone_from_hot(self, run: str) -> None:
         """The run directory disappeared: its hot copies are gone; copies elsewhere stay cataloged."""

@@ -39,8 +39,10 @@ def classify_path(root: str, path: str, run_depth: int) -> tuple[EventKind, str 
         return EventKind.TREE, None
     run = "/".join(parts[:run_depth])
     rest = parts[run_depth:]
-    if rest and rest[0] == STATE_DIR:
-        name = rest[1] if len(rest) == 2 else None
+    if STATE_DIR in rest:
+        # The hook's dir, at the run dir or below it (a callback whose checkpoint dir is nested).
+        at = rest.index(STATE_DIR)
+        name = rest[at + 1] if len(rest) == at + 2 else None
         if name == COMMITS_FILE:
             return EventKind.COMMIT, run
         if name == RUN_FILE:

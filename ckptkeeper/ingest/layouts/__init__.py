@@ -15,7 +15,7 @@ is one too). It still yields ONE candidate: the layout is the first applicable o
 ``RECOGNIZERS`` and the candidate is complete only when *every* applicable recognizer says so; its
 ``problem`` lists every failure. The order, most specific first::
 
-    hf > megatron > deepspeed > nemo > orbax > dcp > safetensors > torch > file
+    hf > accelerate > megatron > deepspeed > nemo > orbax > dcp > safetensors > torch > file
 
 Framework conventions (a name pattern plus a framework-level marker or tracker) come before the
 container formats they are built on (DCP, safetensors, torch zip), and the generic single-file
@@ -29,19 +29,23 @@ checkpoint. Skipped entirely: symlinks (``last.ckpt`` links included), ``.ckptke
 hook's control dir), Megatron ``non_persistent/`` dirs, other filesystems (mount points), and
 anything that is neither a regular file nor a directory.
 
-Temp artifacts (``RunScan.artifacts``), each reported once:
+Temp artifacts (``RunScan.artifacts``), each reported once; the names each framework version
+writes are documented in ``layouts.temps``. A temp name is not a checkpoint: the real one appears
+under its final name by rename, so these are artifacts only, never candidates and never descended
+into (``recognize`` returns None for them). Inside a checkpoint dir they are not part of the
+checkpoint either (not in ``files``, hashed or copied) and are reported as artifacts of their own:
 
 * ``ckptkeeper-staging`` — any name containing ``.ckptkeeper-tmp-`` (``protocol.STAGING_MARK``) (our interrupted copies);
-* ``orbax-tmp`` — ``*.orbax-checkpoint-tmp-*``; ``tmp-checkpoint`` — ``tmp-checkpoint-*``. A temp
-  name is not yet a checkpoint: the real one appears under its final name by rename, so these are
-  artifacts only, never candidates (``recognize`` returns None for them);
+* ``orbax-tmp`` — ``*.orbax-checkpoint-tmp`` (Orbax 0.12) and ``*.orbax-checkpoint-tmp-<ts>`` (older),
+  step dirs and nested item dirs alike; ``tmp-checkpoint`` — ``tmp-checkpoint-*`` (transformers 4.36);
+* ``safetensors-tmp`` — ``.tmpXXXXXX`` files of safetensors' atomic write (Rust ``tempfile``);
 * ``nemo-unfinished`` — an orphan ``<name>-unfinished`` marker whose checkpoint is absent. A marker
   whose checkpoint exists makes that checkpoint a partial candidate and is not listed separately
   (reaping the partial checkpoint leaves the marker orphaned; the next scan reports it);
-* ``metadata-tmp`` — a ``.metadata.tmp`` that is not inside a candidate (e.g. in a DCP dir whose
-  name has no step). Inside a DCP candidate it only makes that candidate partial: the whole
-  directory is the thing to reap, and listing the file as well would count its bytes twice;
-* ``tmp-file`` — other ``*.tmp`` / ``*.part`` files outside candidates.
+* ``metadata-tmp`` — a ``.metadata.tmp`` / ``__<rank>.metadata.tmp`` that is not inside a candidate
+  (e.g. in a DCP dir whose name has no step). Inside a DCP candidate it only makes that candidate
+  partial: the whole directory is the thing to reap;
+* ``tmp-file`` — other ``*.tmp`` / ``*.part`` files.
 
 Steps
 -----

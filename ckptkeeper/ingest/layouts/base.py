@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickletools
 import re
 import stat
 import struct
@@ -57,6 +58,10 @@ class Candidate:
     corrupt: bool = False
     """A per-checkpoint marker is present but unparseable. Like ``complete``, only a verdict once
     the checkpoint has settled: a marker being written looks malformed for a moment."""
+    temps: tuple[tuple[str, str, int, float], ...] = ()
+    """Framework temp artifacts inside the checkpoint dir (``layouts.temps``): (path relative to
+    the checkpoint, kind, bytes, newest mtime). Not in ``files`` and not in ``bytes``: they are not
+    part of the checkpoint, ``scan_run`` reports them as artifacts to reap on their own."""
     rejected: tuple[str, ...] = ()
     """What the schema refused in this checkpoint's markers (unparseable, values out of range): the
     catalog quarantines the marker with these reasons."""
@@ -71,6 +76,10 @@ class RunScan:
     errors: tuple[str, ...] = ()
     """Subtrees that exist but could not be read (``"<rel>: <error>"``). Whatever lives there is
     unknown, not absent: the caller must not treat checkpoints it knew there as removed."""
+    hook_dirs: tuple[str, ...] = ()
+    """Directories (relative to the run dir, ``""`` for the run dir itself) holding the hook's
+    ``.ckptkeeper/``: a callback whose checkpoint dir is below the run dir (Lightning's
+    ``ModelCheckpoint(dirpath=<run>/checkpoints)``) writes it there, and it still belongs to this run."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,6 +317,40 @@ def _safetensors_problem(path: str, size: int) -> tuple[str | None, bool]:
     if size < 8 + header_len + end:
         return f"{name}: truncated ({size} bytes, header says {8 + header_len + end})", False
     return None, False
+
+
+_MEMO_OPS: Final = frozenset({"BINPUT", "LONG_BINPUT", "MEMOIZE", "PUT"})
+_STRING_OPS: Final = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8"})
+
+
+def torch_pickle_values(path: str, key: str) -> list[Any]:
+    """Every plain value (int or str) stored under dict key ``key`` in a ``torch.save`` zip's pickle.
+
+    Reads without unpickling — a checkpoint is untrusted input and unpickling runs code: the opcode
+    stream of ``<archive>/data.pkl`` is decoded with ``pickletools.genops`` (which executes nothing)
+    and the value pushed right after each ``key`` string is taken when it is an int or a string.
+    Bounded by :data:`MAX_MARKER_BYTES`; any unreadable input gives ``[]``.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            member = next((i for i in zf.infolist() if i.filename.endswith("data.pkl")), None)
+            if member is None or member.file_size > MAX_MARKER_BYTES:
+                return []
+            data = zf.read(member)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, struct.error):
+        return []
+    values: list[Any] = []
+    want_value = False
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in _MEMO_OPS:
+                continue  # memo bookkeeping between a dict key and its value
+            if want_value and (isinstance(arg, str) or (isinstance(arg, int) and not isinstance(arg, bool))):
+                values.append(arg)
+            want_value = op.name in _STRING_OPS and arg == key
+    except (ValueError, IndexError, TypeError, UnicodeDecodeError):
+        return values
+    return values
 
 
 def _numeric(items: Iterable[tuple[Any, Any]]) -> tuple[dict[str, float], list[str]]:

@@ -7,8 +7,8 @@ import stat
 from typing import Final
 
 from ckptkeeper.ingest.layouts.base import _json, _Node, _numeric, _read_small, _Verdict, parse_step
+from ckptkeeper.ingest.layouts.temps import ORBAX_TMP
 
-ORBAX_TMP: Final = ".orbax-checkpoint-tmp-"
 ORBAX_CHECKPOINT_METADATA: Final = "_CHECKPOINT_METADATA"
 ORBAX_COMMIT_SUCCESS: Final = "commit_success.txt"
 
@@ -17,8 +17,8 @@ class _Orbax:
     """Orbax ``<step>/`` (or ``<prefix>_<step>/``): complete with ``_CHECKPOINT_METADATA`` or
     ``commit_success.txt``.
 
-    Orbax writes into ``<step>.orbax-checkpoint-tmp-<ts>`` and renames (those temp dirs are
-    artifacts, not candidates); on filesystems without atomic rename it writes
+    Orbax writes into ``<step>.orbax-checkpoint-tmp`` (0.12; ``-<timestamp>`` appended before) and
+    renames (those temp dirs are artifacts, not candidates: ``layouts.temps``); on filesystems without atomic rename it writes
     ``commit_success.txt`` last. Claimed only on Orbax evidence — its metadata files, or an item
     dir (``default/``, ``state/``: a name that is not a step) holding ``_METADATA``,
     ``manifest.ocdbt`` or ``_sharding`` — never on a numeric name alone, so a plain DCP dir named

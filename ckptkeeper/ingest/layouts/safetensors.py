@@ -12,6 +12,7 @@ from ckptkeeper.ingest.layouts.base import (
     _Verdict,
     parse_step,
 )
+from ckptkeeper.ingest.layouts.temps import SAFETENSORS_TMP
 
 
 class _Safetensors:
@@ -29,9 +30,19 @@ class _Safetensors:
         if not node.is_dir:
             return False
         kids = node.children
-        return kids.has_file(self.single) or any(
-            n.endswith(".safetensors.index.json") and kids.has_file(n) for n in kids.entries
+        return (
+            kids.has_file(self.single)
+            or any(n.endswith(".safetensors.index.json") and kids.has_file(n) for n in kids.entries)
+            or self._only_temps(node)
         )
+
+    @staticmethod
+    def _only_temps(node: _Node) -> bool:
+        """A dir holding nothing but safetensors temps: a save killed while writing its first file.
+        Claimed (partial) so the dir is reaped whole rather than leaving it behind empty; any other
+        entry leaves the dir to whoever claims that."""
+        entries = node.children.entries
+        return bool(entries) and all(SAFETENSORS_TMP.match(n) and node.children.has_file(n) for n in entries)
 
     def step(self, node: _Node) -> int | None:
         return parse_step(node.name)
@@ -66,6 +77,11 @@ class _Safetensors:
                     shards.add(shard)
         if not indexes:
             shards.add(self.single)
+            if not kids.has_file(self.single):
+                temps = sorted(n for n in kids.entries if SAFETENSORS_TMP.match(n))
+                problems.append(
+                    f"{self.single} missing (only the temp {temps[0] if temps else '?'} of a write)"
+                )
         for shard in sorted(shards):
             st = kids.regular(shard)
             if st is None:

@@ -12,20 +12,23 @@ from pathlib import Path
 from typing import Final, Literal
 
 from ckptkeeper.core import model
-from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
+from ckptkeeper.hook.protocol import STATE_DIR
+from ckptkeeper.ingest.layouts.accelerate import _Accelerate
 from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
-from ckptkeeper.ingest.layouts.dcp import DCP_METADATA_TMP, _Dcp
+from ckptkeeper.ingest.layouts.dcp import _Dcp
 from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
 from ckptkeeper.ingest.layouts.hf import _Hf
 from ckptkeeper.ingest.layouts.megatron import MEGATRON_TRACKER, _Megatron
 from ckptkeeper.ingest.layouts.nemo import NEMO_UNFINISHED, _NeMo
-from ckptkeeper.ingest.layouts.orbax import ORBAX_TMP, _Orbax
+from ckptkeeper.ingest.layouts.orbax import _Orbax
 from ckptkeeper.ingest.layouts.safetensors import _Safetensors
+from ckptkeeper.ingest.layouts.temps import dir_kind, file_kind
 from ckptkeeper.ingest.layouts.torch import _File, _Torch
 from ckptkeeper.util.mounts import mounts_under
 
 RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
     _Hf(),
+    _Accelerate(),
     _Megatron(),
     _DeepSpeed(),
     _NeMo(),
@@ -65,13 +68,10 @@ _Outcome = Candidate | _Art | Literal["skip", "descend"]
 
 
 def _artifact_kind(node: _Node) -> str | None:
-    name = node.name
-    if STAGING_MARK in name:
-        return "ckptkeeper-staging"
-    if ORBAX_TMP in name:
-        return "orbax-tmp"
-    if name.startswith("tmp-checkpoint-"):
-        return "tmp-checkpoint"
+    if stat.S_ISDIR(node.st.st_mode):
+        return dir_kind(node.name)
+    if stat.S_ISREG(node.st.st_mode):
+        return file_kind(node.name, in_candidate=False)
     return None
 
 
@@ -91,12 +91,8 @@ def _classify(node: _Node, run: str) -> _Outcome:
     cand = _candidate(node, run)
     if cand is not None:
         return cand
-    if node.name == DCP_METADATA_TMP:
-        return _Art("metadata-tmp")
     if node.name.endswith(NEMO_UNFINISHED):
         return _Art("nemo-unfinished") if _NEMO.orphan(node.parent, node.name) else "skip"
-    if node.name.endswith((".tmp", ".part")):
-        return _Art("tmp-file")
     return "skip"
 
 
@@ -117,9 +113,12 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
         rejected[:0] = verdict.rejected
+    temps: list[tuple[str, str, int, float]] = []
     if node.is_dir:
         try:
-            files, total, newest, changed = _tree(node.path, node.parent.dev, _mounts_inside(node))
+            files, total, newest, changed = _tree(
+                node.path, node.parent.dev, _mounts_inside(node), temps=temps
+            )
         except FileNotFoundError:
             return None
     else:
@@ -138,6 +137,7 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         metrics=metrics,
         problem="; ".join(problems) or None,
         corrupt=corrupt,
+        temps=tuple(sorted(temps)),
         rejected=tuple(rejected),
     )
 
@@ -173,14 +173,24 @@ def _mounts_inside(node: _Node) -> frozenset[str]:
 
 
 def _tree(
-    root: str, dev: int, mounts: frozenset[str] = frozenset()
+    root: str,
+    dev: int,
+    mounts: frozenset[str] = frozenset(),
+    *,
+    temps: list[tuple[str, str, int, float]] | None = None,
 ) -> tuple[tuple[str, ...], int, float, float]:
     """(regular files relative to root, their total size, newest mtime, newest change — ctime
     included, see :func:`_changed`) without following links.
 
     Neither another filesystem (``st_dev``) nor a mount point of this one (``mounts``: paths
     relative to ``root``, a bind mount shares ``st_dev``) is entered: not listed, so never copied
-    or hashed."""
+    or hashed.
+
+    With ``temps`` (a list to fill), the framework temp artifacts inside (``temps.file_kind`` /
+    ``dir_kind``) are not files of the checkpoint: they are appended as (relative path, kind,
+    bytes, newest mtime) instead — reaped on their own, never copied or hashed. Their writes still
+    count towards the newest mtime and change: a temp being written means a save in progress.
+    """
     top = os.lstat(root)
     newest, changed = top.st_mtime, _changed(top)
     files: list[str] = []
@@ -207,8 +217,27 @@ def _tree(
                 newest = max(newest, st.st_mtime)
                 changed = max(changed, st.st_ctime, st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
+                    kind = dir_kind(entry.name) if temps is not None else None
+                    if kind is not None and temps is not None:
+                        inner = f"{prefix}{entry.name}/"
+                        try:
+                            _, size, when, when_changed = _tree(
+                                entry.path,
+                                dev,
+                                frozenset(m[len(inner) :] for m in mounts if m.startswith(inner)),
+                            )
+                        except FileNotFoundError:
+                            continue  # the save finished (renamed) or was cleaned up meanwhile
+                        newest = max(newest, when)
+                        changed = max(changed, when_changed)
+                        temps.append((prefix + entry.name, kind, size, when))
+                        continue
                     stack.append((entry.path, f"{prefix}{entry.name}/"))
                 elif stat.S_ISREG(st.st_mode):
+                    kind = file_kind(entry.name, in_candidate=True) if temps is not None else None
+                    if kind is not None and temps is not None:
+                        temps.append((prefix + entry.name, kind, st.st_size, st.st_mtime))
+                        continue
                     files.append(prefix + entry.name)
                     total += st.st_size
     return tuple(sorted(files)), total, newest, changed
@@ -258,6 +287,7 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
     candidates: list[Candidate] = []
     artifacts: list[model.Artifact] = []
     errors: list[str] = []
+    hooks: list[str] = []
     stack: list[tuple[_Dir, str]] = [(root, "")]
     while stack:
         directory, prefix = stack.pop()
@@ -267,6 +297,8 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
             errors.append(f"{prefix.rstrip('/') or '.'}: {exc}")
             continue
         for name, st in entries:
+            if name == STATE_DIR and stat.S_ISDIR(st.st_mode) and st.st_dev == directory.dev:
+                hooks.append(prefix.rstrip("/"))
             node = _Node(directory, name, st, prefix + name)
             if node.rel in root.mounts:
                 continue  # a mount point (bind mounts included) is never walked, copied or deleted
@@ -279,6 +311,17 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                 continue
             if isinstance(outcome, Candidate):
                 candidates.append(outcome)
+                artifacts.extend(
+                    model.Artifact(
+                        tier="hot",
+                        path=f"{run}/{node.rel}/{rel}",
+                        kind=kind,
+                        bytes=size,
+                        last_write=when,
+                        run=run,
+                    )
+                    for rel, kind, size, when in outcome.temps
+                )
             elif isinstance(outcome, _Art):
                 artifacts.append(
                     model.Artifact(
@@ -294,7 +337,12 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                 stack.append((node.children, f"{node.rel}/"))
     candidates.sort(key=lambda c: (c.step, c.name))
     artifacts.sort(key=lambda a: a.path)
-    return RunScan(candidates=tuple(candidates), artifacts=tuple(artifacts), errors=tuple(errors))
+    return RunScan(
+        candidates=tuple(candidates),
+        artifacts=tuple(artifacts),
+        errors=tuple(errors),
+        hook_dirs=tuple(sorted(hooks)),
+    )
 
 
 def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:

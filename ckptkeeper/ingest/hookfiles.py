@@ -1,0 +1,105 @@
+"""The hook's files (``.ckptkeeper/``), wherever in a run the callbacks put them.
+
+A Lightning ``ModelCheckpoint(dirpath=<run>/checkpoints)`` writes its hook dir below the run dir,
+and a run may have several (one per dirpath): the catalog reads them all as one run. Split from
+``catalog`` to keep that module readable; the catalog is the only caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ckptkeeper.hook import protocol
+from ckptkeeper.hook.protocol import STATE_DIR
+from ckptkeeper.index import Quarantined
+from ckptkeeper.ingest import layouts
+
+_STATE_RANK = {protocol.ACTIVE: 3, protocol.FAILED: 2, protocol.FINISHED: 1}
+_HOOKED_LAYOUTS = frozenset({"hf", "torch"})
+"""Layouts our framework callbacks commit (HF Trainer, Lightning): without a hook in such a run the
+state is a guess from write times, and after ``failed_after`` a finished run reads as stale."""
+
+
+def _hook_root(run_dir: Path, rel: str) -> Path:
+    return run_dir / rel if rel else run_dir
+
+
+def hook_rel(rel: str, name: str) -> str:
+    """``<rel>/.ckptkeeper/<name>`` relative to the run dir (the quarantine's path, after the run)."""
+    return f"{rel}/{STATE_DIR}/{name}" if rel else f"{STATE_DIR}/{name}"
+
+
+def read_hook_commits(
+    run_dir: Path, hook_dirs: tuple[str, ...]
+) -> tuple[list[protocol.Commit], list[tuple[str, list[str]]]]:
+    """Commits of every ``.ckptkeeper/`` in the run, paths made relative to the run dir, and the
+    malformed lines per hook dir that had any (``(rel, problems)``: each file is quarantined on its
+    own).
+
+    A callback whose checkpoint dir is below the run dir (``ModelCheckpoint(dirpath=<run>/checkpoints)``)
+    writes its hook files there, with paths relative to that dir: they still describe this run.
+    """
+    commits: list[protocol.Commit] = []
+    errors: list[tuple[str, list[str]]] = []
+    for rel in hook_dirs or ("",):
+        found, errs = protocol.read_commits(_hook_root(run_dir, rel))
+        commits.extend(replace(c, path=f"{rel}/{c.path}") if rel else c for c in found)
+        if errs:
+            errors.append((rel, [f"{rel}/{STATE_DIR}: {e}" if rel else e for e in errs]))
+    return commits, errors
+
+
+def hook_state(
+    run_dir: Path, run: str, hot: str, scan: layouts.RunScan
+) -> tuple[protocol.RunInfo | None, float | None, str | None, list[Quarantined]]:
+    """(the run.json that speaks for the run, newest heartbeat, a warning or None, the hook files
+    that failed the schema).
+
+    Several hook dirs (one per ``ModelCheckpoint`` dirpath under the run): the liveliest state wins
+    — active over failed over finished — so one callback still training keeps the run active. A
+    run.json or heartbeat that fails the schema is quarantined with its reason, whichever dir it is in.
+    """
+    infos: list[protocol.RunInfo] = []
+    heartbeats: list[float] = []
+    held: list[Quarantined] = []
+    for rel in scan.hook_dirs or ("",):
+        root = _hook_root(run_dir, rel)
+        info = protocol.read_run_dir(root)
+        if info is not None:
+            infos.append(info)
+            if info.error:
+                path = f"{run}/{hook_rel(rel, protocol.RUN_FILE)}"
+                held.append(Quarantined(hot, path, protocol.RUN_FILE, info.error, run=run))
+        beat, problem = protocol.read_heartbeat(root)
+        if beat is not None:
+            heartbeats.append(beat)
+        if problem is not None:
+            held.append(
+                Quarantined(
+                    hot,
+                    f"{run}/{hook_rel(rel, protocol.HEARTBEAT_FILE)}",
+                    protocol.HEARTBEAT_FILE,
+                    f"{problem}: ignored as a sign of life",
+                    run=run,
+                )
+            )
+    info = max(infos, key=lambda i: (_STATE_RANK.get(i.state or "", 0), i.started or 0.0), default=None)
+    return info, max(heartbeats, default=None), _hook_warning(scan, info), held
+
+
+def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str | None:
+    """Why the hook looks missing from a run that should have it, or None."""
+    if scan.hook_dirs and (info is None or info.state is None):
+        where = ", ".join(f"{r}/{protocol.STATE_DIR}" if r else protocol.STATE_DIR for r in scan.hook_dirs)
+        return f"{where} has no readable run.json: run state is guessed from write times"
+    if not scan.hook_dirs and any(
+        c.layout in _HOOKED_LAYOUTS and (c.layout == "hf" or c.name.endswith(".ckpt"))
+        for c in scan.candidates
+    ):
+        return (
+            f"no {protocol.STATE_DIR}/ hook in this run of Lightning/HF checkpoints (KeeperCallback not "
+            "installed, or it writes outside the run dir): its state is guessed from write times, and "
+            "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
+        )
+    return None
