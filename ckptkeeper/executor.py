@@ -94,6 +94,8 @@ class Executor:
         self.partial_after = partial_after
         self.clock = clock
         self._crash = _CrashPoints()
+        self._reclaimed: dict[str, int] = {}
+        """tier -> bytes freed by the current :meth:`apply` (recorded with the index's total)."""
 
     def storage(self, tier: str) -> TierStorage:
         if tier not in self._storages:
@@ -179,6 +181,7 @@ class Executor:
 
     def apply(self, plan: Plan) -> ExecResult:
         result = ExecResult()
+        self._reclaimed = result.reclaimed_bytes
         result.recovered = self.recover()
         moves = self._local_moves(plan.actions)
         copied_ok: set[tuple[str, str]] = set()
@@ -224,10 +227,6 @@ class Executor:
             result.done.append(action)
             if action.action is ActionKind.COPY:
                 copied_ok.add((path, action.tier or ""))
-            elif action.bytes:
-                result.reclaimed_bytes[action.tier or ""] = (
-                    result.reclaimed_bytes.get(action.tier or "", 0) + action.bytes
-                )
         return result
 
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
@@ -305,6 +304,7 @@ class Executor:
             self.index.set_location(row.id, action.to_tier, row.version)
             if rename:
                 self.index.remove_location(row.id, action.tier)
+                self._add_reclaimed(action.tier, "moved", row.bytes)
             self.index.journal_done(entry)
         self._crash.hit("copy-recorded")
         return None
@@ -345,7 +345,7 @@ class Executor:
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path, action.upload_id)
-                self.index.add_reclaimed(action.rule or "multipart-upload", action.bytes)
+                self._add_reclaimed(action.tier, action.rule or "multipart-upload", action.bytes)
                 self.index.journal_done(entry)
             return None
         row = self._row_by_path(action.path) if action.step is not None else None
@@ -377,7 +377,7 @@ class Executor:
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path)
-                self.index.add_reclaimed(action.rule, freed)
+                self._add_reclaimed(action.tier, action.rule, freed)
                 self.index.journal_done(entry)
             return None
         self._remove(action, row, reason=action.rule or "reap")
@@ -399,10 +399,16 @@ class Executor:
         with self.index.transaction():
             if row is not None:
                 self.index.remove_location(row.id, action.tier)
-            if reason != "moved":  # a move frees the faster tier but reclaims nothing overall
-                self.index.add_reclaimed(reason, freed or action.bytes)
+            self._add_reclaimed(action.tier, reason, freed or action.bytes)
             self.index.journal_done(entry)
         return freed
+
+    def _add_reclaimed(self, tier: str, reason: str, nbytes: int) -> None:
+        """Bytes freed in ``tier`` (README "Reclaimed bytes"): a demotion frees the faster tier
+        (reason ``moved``) just as an expiry or a reap does. The index's cumulative total (status,
+        metrics) and this pass's result (prune) are fed here only, with the same number."""
+        self.index.add_reclaimed(reason, nbytes)
+        self._reclaimed[tier] = self._reclaimed.get(tier, 0) + nbytes
 
     def _hot_path(self, rel: str) -> str:
         return os.path.join(self.tiers[0].url.removeprefix("file://"), rel)

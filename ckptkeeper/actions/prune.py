@@ -115,8 +115,12 @@ def run_prune(
     stop: threading.Event | None = None,
     progress: Progress | None = None,
     now: Callable[[], float] = time.time,
+    on_plan: Callable[[Plan], None] | None = None,
 ) -> PruneOutcome:
-    """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs."""
+    """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs.
+
+    ``on_plan`` sees the final plan before the first byte moves (the CLI prints it then, so a
+    long copy is never a silent wait)."""
     if dry_run:
         with index.in_memory_copy() as scratch:
             if rescan:
@@ -144,6 +148,8 @@ def run_prune(
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
+        if on_plan is not None:
+            on_plan(plan)
         result = executor.apply(plan)
         result.recovered = recovered + result.recovered
         if rescan and (result.done or result.failed):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkeeper.config import Settings, load_settings
@@ -65,24 +66,39 @@ def find_best(settings: Settings, index: Index, run: str) -> CheckpointRow:
     return min(rows, key=key)
 
 
-def restore_checkpoint(
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a restore put a checkpoint (``restore --json`` prints these fields)."""
+
+    path: Path
+    run: str
+    step: int
+    name: str
+    tier: str | None
+    """The tier it was read from; None when the hot copy was returned in place."""
+    bytes: int
+
+
+def restore_to(
     settings: Settings,
     index: Index,
     run: str,
     step: str | int,
     to: Path,
     *,
-    progress: Callable[[int], None] | None = None,
-) -> Path:
-    """Materialise a verified copy from the fastest tier that holds it; returns its path.
+    progress: Callable[[int, int], None] | None = None,
+) -> Restored:
+    """Materialise a verified copy from the fastest tier that holds it.
 
-    When ``to`` is the run's own hot directory and the hot copy is intact, the hot copy itself is
-    returned: restoring onto itself would be a no-op at best.
+    ``progress(done, total)`` is called as bytes arrive (restarted from 0 if a tier fails and the
+    next one is tried). When ``to`` is the run's own hot directory and the hot copy is intact, the
+    hot copy itself is returned: restoring onto itself would be a no-op at best.
     """
     row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
     manifest = row.manifest()
     if manifest is None:
         raise LookupError(f"{run}@{row.step} has no manifest in the index")
+    total = manifest.total_bytes
     order = [t for t in settings.tiers if t.name in row.verified_tiers]
     hot = settings.hot
     target = Path(to)
@@ -91,19 +107,40 @@ def restore_checkpoint(
         if target.resolve() == in_place.resolve():
             storage = TierStorage(hot.to_spec(), hot=True)
             if not storage.verify(manifest, deep=False):
-                return in_place / row.name
+                return Restored(in_place / row.name, run, row.step, row.name, None, total)
     errors = []
     for tier in order:
         storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
+        done = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
         try:
-            path = storage.fetch(manifest, target, progress=progress)
+            path = storage.fetch(manifest, target, progress=on_bytes)
         except StorageError as exc:
             log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
             errors.append(f"{tier.name}: {exc}")
             continue
         _uniform_mtime(path, manifest.created_at or time.time())
-        return path
+        return Restored(path, run, row.step, row.name, tier.name, total)
     raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+
+
+def restore_checkpoint(
+    settings: Settings,
+    index: Index,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """:func:`restore_to`, returning only the restored checkpoint's path."""
+    return restore_to(settings, index, run, step, to, progress=progress).path
 
 
 def _uniform_mtime(path: Path, when: float) -> None:

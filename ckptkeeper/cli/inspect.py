@@ -228,30 +228,35 @@ def status(app: Context, as_json: bool) -> None:
 # -- pin / unpin --------------------------------------------------------------------------
 
 
-def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
+def _set_pin(app: Context, run: str, step: int, pinned: bool, as_json: bool) -> None:
     with app.index() as ix:
         changed = ix.set_pinned(run, step, pinned)
     if not changed:
         fail(f"no checkpoint {run}@{step} in the index (try `ckptkeeper ls {run}`)", EXIT_USAGE)
-    click.echo(f"{'pinned' if pinned else 'unpinned'} {run}@{step}")
+    if as_json:
+        emit_json({"run": run, "step": step, "pinned": pinned, "checkpoints": changed})
+    else:
+        click.echo(f"{'pinned' if pinned else 'unpinned'} {run}@{step}")
 
 
 @click.command()
 @click.argument("run")
 @click.argument("step", type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def pin(app: Context, run: str, step: int) -> None:
+def pin(app: Context, run: str, step: int, as_json: bool) -> None:
     """Protect a checkpoint from retention and reaping."""
-    _set_pin(app, run, step, True)
+    _set_pin(app, run, step, True, as_json)
 
 
 @click.command()
 @click.argument("run")
 @click.argument("step", type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def unpin(app: Context, run: str, step: int) -> None:
+def unpin(app: Context, run: str, step: int, as_json: bool) -> None:
     """Release a pinned checkpoint back to its tier policies."""
-    _set_pin(app, run, step, False)
+    _set_pin(app, run, step, False, as_json)
 
 
 COMMANDS = (scan, ls_cmd, status, pin, unpin)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -108,24 +107,16 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
         click.echo(f"refused: {plan.refused}", err=True)
 
 
-def _progress_printer() -> Callable[..., None] | None:
-    """Progress for long copies, only on a terminal (journald gets one log line per action)."""
-    if not sys.stderr.isatty():
+def _progress_printer() -> Callable[[Action, int, int], None] | None:
+    """Bytes, rate and ETA of each copy, only on a terminal (journald gets one log line per action)."""
+    from ckptkeeper.cli.progress import terminal_progress
+
+    bar = terminal_progress()
+    if bar is None:
         return None
-    last = [0.0]
 
     def show(action: Action, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - last[0] < 0.2:
-            return
-        last[0] = now
-        pct = done / total * 100 if total else 100.0
-        click.echo(
-            f"\r{action.action.value} {action.path} {action.tier}->{action.to_tier}: "
-            f"{human_bytes(done)}/{human_bytes(total)} ({pct:.0f}%)",
-            err=True,
-            nl=done >= total,
-        )
+        bar.update(f"{action.action.value} {action.path} {action.tier}->{action.to_tier}", done, total)
 
     return show
 
@@ -148,6 +139,14 @@ def prune(
     from ckptkeeper.core.reaper import summarize_reclaim
 
     settings = app.settings
+    printed: list[Plan] = []
+
+    def print_plan(plan: Plan) -> None:
+        """Before any copy starts: the plan is what a user reads while the bytes move."""
+        _render_plan(plan, settings, dry_run=False)
+        sys.stdout.flush()
+        printed.append(plan)
+
     with app.index(rebuild=not dry_run) as ix:
         try:
             outcome = run_prune(
@@ -158,6 +157,7 @@ def prune(
                 run=run,
                 lock_timeout=lock_timeout,
                 progress=None if as_json else _progress_printer(),
+                on_plan=None if as_json else print_plan,
             )
         except Locked as exc:
             fail(f"{exc}; try again later", EXIT_LOCKED)
@@ -184,14 +184,16 @@ def prune(
             }
         click.echo(json.dumps(doc, indent=2))
     else:
-        _render_plan(plan, settings, dry_run=dry_run)
+        if not printed:
+            _render_plan(plan, settings, dry_run=dry_run)
         if outcome.result is not None:
             r = outcome.result
             for note in r.recovered:
                 click.echo(f"recovered: {note}")
+            per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in r.reclaimed_bytes.items() if b)
             click.echo(
                 f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
-                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}"
+                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}" + (f" ({per_tier})" if per_tier else "")
             )
             for line in outcome.failed:
                 click.echo(f"failed: {line}", err=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, Context, fail, pass_ctx
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, Context, emit_json, fail, pass_ctx
 
 
 class _StepType(click.ParamType):
@@ -33,17 +33,40 @@ class _StepType(click.ParamType):
 @click.option(
     "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
 )
+@click.option("--json", "as_json", is_flag=True, help="Print where it went as JSON.")
 @pass_ctx
-def restore(app: Context, run: str, step: str | int, to: str) -> None:
-    """Materialise a checkpoint from whichever tier holds it, verified."""
-    from ckptkeeper.actions.restore import restore_checkpoint  # storage, fsspec: not for --help
+def restore(app: Context, run: str, step: str | int, to: str, as_json: bool) -> None:
+    """Materialise a checkpoint from whichever tier holds it, verified.
+
+    On a terminal, stderr shows bytes, rate and ETA while it copies."""
+    from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
+    from ckptkeeper.cli.progress import terminal_progress
+
+    bar = terminal_progress()
+    label = f"restore {run}@{step}"
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(label, done, total)
 
     with app.index() as ix:
         try:
-            path = restore_checkpoint(app.settings, ix, run, step, Path(to))
+            restored = restore_to(app.settings, ix, run, step, Path(to), progress=progress)
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
-    click.echo(str(path))
+    if as_json:
+        emit_json(
+            {
+                "run": restored.run,
+                "step": restored.step,
+                "name": restored.name,
+                "path": str(restored.path),
+                "from_tier": restored.tier,
+                "bytes": restored.bytes,
+            }
+        )
+    else:
+        click.echo(str(restored.path))
 
 
 @click.command()

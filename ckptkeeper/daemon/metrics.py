@@ -179,7 +179,9 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         run_states.add_metric([rs.value], summary.runs.get(rs.value, 0))
     yield run_states
 
-    by_reason: dict[str, int] = {}
+    # Every known reason has a series from the start (0 until something is freed for it), so
+    # `increase()` and alerts see the first bytes instead of a series appearing out of nowhere.
+    by_reason: dict[str, int] = dict.fromkeys(RECLAIM_REASONS, 0)
     for reason, (nbytes, _n) in summary.reclaimed.items():
         label = _reason_label(reason)
         by_reason[label] = by_reason.get(label, 0) + nbytes
