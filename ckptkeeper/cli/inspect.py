@@ -7,8 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_USAGE, Context, emit_json, fail, pass_ctx
-from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table
+from ckptkeeper.cli.context import (
+    EXIT_ACTION_FAILED,
+    EXIT_USAGE,
+    Context,
+    emit_json,
+    fail,
+    out_width,
+    pass_ctx,
+)
+from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.status import StatusSummary
@@ -113,7 +121,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         if i:
             click.echo()
         reason = f" ({doc['state_reason']})" if doc["state_reason"] else ""
-        click.echo(f"run {doc['name']}: {doc['state']}{reason}")
+        click.echo(wrap_text(f"run {doc['name']}: {doc['state']}{reason}", out_width()))
         rows = [
             (
                 c["step"],
@@ -128,7 +136,12 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
             for c in doc["checkpoints"]
         ]
         click.echo(
-            table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
+            table(
+                ["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"],
+                rows,
+                right=(0, 4),
+                width=out_width(),
+            )
         )
 
 
@@ -185,7 +198,14 @@ def _render_status(s: StatusSummary) -> None:
         age = s.newest_age(t)
         newest = human_age(age) if age is not None else "-"
         rows.append((t.name, health, t.checkpoints, human_bytes(t.bytes), disk, newest, t.url))
-    click.echo(table(["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"], rows, right=(2, 3)))
+    click.echo(
+        table(
+            ["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"],
+            rows,
+            right=(2, 3),
+            width=out_width(),
+        )
+    )
     click.echo()
     click.echo("runs: " + (", ".join(f"{n} {st}" for st, n in sorted(s.runs.items())) or "none"))
     click.echo(

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkeeper.actions.errors import Locked
-from ckptkeeper.cli.context import EXIT_LOCKED, Context, fail, pass_ctx
-from ckptkeeper.util.fmt import format_duration, human_bytes, table
+from ckptkeeper.cli.context import EXIT_LOCKED, Context, fail, out_width, pass_ctx
+from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.prune import PruneOutcome
@@ -52,7 +52,8 @@ def _policy_summary(settings: Settings) -> str:
 def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     from ckptkeeper.core.reaper import summarize_reclaim  # with the planner: not for --help
 
-    click.echo(f"policy  {_policy_summary(settings)}")
+    width = out_width()
+    click.echo(wrap_text(f"policy  {_policy_summary(settings)}", width, indent="        "))
     keep_by_run: dict[str, list[Any]] = {}
     for k in plan.keep:
         keep_by_run.setdefault(k.run, []).append(k)
@@ -69,6 +70,7 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
                     ["STEP", "TIER", "REASONS"],
                     [(k.step, k.tier, "; ".join(k.reasons)) for k in keeps],
                     right=(0,),
+                    width=width,
                 )
             )
         acts = act_by_run.get(run, [])
@@ -87,7 +89,14 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
                 )
                 for a in acts
             ]
-            click.echo(table(["ACTION", "STEP", "TIER", "TO", "SIZE", "PATH", "REASON"], rows, right=(1, 4)))
+            click.echo(
+                table(
+                    ["ACTION", "STEP", "TIER", "TO", "SIZE", "PATH", "REASON"],
+                    rows,
+                    right=(1, 4),
+                    width=width,
+                )
+            )
     click.echo()
     reclaim = {t: b for t, b in plan.reclaim_bytes.items() if b}
     total = sum(reclaim.values())
@@ -97,12 +106,12 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     reaps = [a for a in plan.actions if a.action.value == "reap"]
     if reaps:
         summary = summarize_reclaim(reaps)
-        click.echo(
-            "reaped by reason: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
-        )
-        click.echo("reaped by run: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items()))
+        by_reason = ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
+        click.echo(wrap_text(f"reaped by reason: {by_reason}", width))
+        by_run = ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items())
+        click.echo(wrap_text(f"reaped by run: {by_run}", width))
     for note in plan.notes:
-        click.echo(f"note: {note}")
+        click.echo(wrap_text(f"note: {note}", width))
     if plan.refused:
         click.echo(f"refused: {plan.refused}", err=True)
 

@@ -179,9 +179,9 @@ class S3TierStorage(TierStorage):
             pass
 
     def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return _URL_USERINFO.sub(r"\1***@", text)
+        from ckptkeeper.util import logs  # the one redaction rule (short secrets: whole tokens only)
+
+        return _URL_USERINFO.sub(r"\1***@", logs.redact(text))
 
     @contextlib.contextmanager
     def _errors(self, what: str, exc_type: type[StorageError] = StorageError) -> Iterator[None]:

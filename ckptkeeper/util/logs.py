@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import re
 import sys
 import threading
 from collections.abc import Iterable
@@ -15,6 +16,15 @@ from typing import Any
 _configured = False
 _secrets: tuple[str, ...] = ()
 """Values no log line may contain (S3 credentials), longest first."""
+_pattern: re.Pattern[str] | None = None
+"""One regex for all of them (see :func:`_compile`)."""
+
+WHOLE_TOKEN_BELOW = 16
+"""Secrets shorter than this are redacted only as whole tokens. A real key is long and random
+(AWS: 20-character ids, 40-character secrets) and is redacted wherever it appears; a short one
+(``demo``, ``minio``) is also a common word, and replacing it inside ``demo-checkpoints`` blanked a
+bucket name while protecting nothing."""
+_TOKEN_CHARS = "A-Za-z0-9_\\-"
 _secrets_lock = threading.Lock()
 _factory_installed = False
 
@@ -59,13 +69,14 @@ def register_secrets(values: Iterable[str]) -> None:
     prints request headers (the access key id sits in ``Authorization``, a session token in
     ``X-Amz-Security-Token``). Process-wide on purpose: a handler configured by anyone, at any
     level, only ever sees redacted records."""
-    global _secrets, _factory_installed
+    global _secrets, _factory_installed, _pattern
     new = {v for v in values if isinstance(v, str) and len(v) >= 4}
     new |= {_json.dumps(v)[1:-1] for v in new}  # as it appears inside a JSON log line
     with _secrets_lock:
         if new <= set(_secrets):
             return
         _secrets = tuple(sorted(set(_secrets) | new, key=len, reverse=True))
+        _pattern = _compile(_secrets)
         if not _factory_installed:
             previous = logging.getLogRecordFactory()
 
@@ -85,11 +96,21 @@ def register_secrets(values: Iterable[str]) -> None:
             _factory_installed = True
 
 
+def _compile(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Longest first, so a secret that contains another is replaced whole."""
+    parts = []
+    for secret in secrets:
+        escaped = re.escape(secret)
+        if len(secret) < WHOLE_TOKEN_BELOW:
+            escaped = f"(?<![{_TOKEN_CHARS}]){escaped}(?![{_TOKEN_CHARS}])"
+        parts.append(escaped)
+    return re.compile("|".join(parts))
+
+
 def redact(text: str) -> str:
-    for secret in _secrets:
-        if secret in text:
-            text = text.replace(secret, "***")
-    return text
+    """``text`` with every registered secret replaced by ``***`` (short ones as whole tokens)."""
+    pattern = _pattern
+    return pattern.sub("***", text) if pattern is not None else text
 
 
 class _Redacting:
