@@ -228,7 +228,7 @@ class Metrics:
     """The daemon's registry: the index collector plus action / error counters."""
 
     def __init__(self, settings: Settings, *, extra: Callable[[], Iterable[Any]] | None = None) -> None:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.index_path = Path(settings.index)
         self._lock = threading.Lock()
@@ -237,6 +237,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = IndexCollector(self._readonly_index, settings, counters=self._counters, extra=extra)
         self.registry.register(self.collector)
+        # process_cpu_seconds_total, process_resident_memory_bytes, open fds, start time (/proc/self).
+        ProcessCollector(registry=self.registry)
 
     @contextmanager
     def _readonly_index(self) -> Iterator[Index]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import os
 import re
 import sys
 import threading
@@ -38,7 +39,8 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
         json = not sys.stderr.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
     renderer: Any = _Redacting(
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
+        journal=json and stderr_is_journal(),
     )
     structlog.configure(
         processors=[
@@ -113,12 +115,40 @@ def redact(text: str) -> str:
     return pattern.sub("***", text) if pattern is not None else text
 
 
-class _Redacting:
-    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret."""
+SYSLOG_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
+"""structlog level -> syslog priority, the ``<N>`` prefix journald reads (SyslogLevelPrefix=yes)."""
 
-    def __init__(self, renderer: Any) -> None:
+
+def stderr_is_journal() -> bool:
+    """Whether stderr is connected to journald: systemd sets ``$JOURNAL_STREAM`` to the stream's
+    ``device:inode``, and only a match counts (a child whose stderr was redirected inherits the
+    variable but not the stream)."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class _Redacting:
+    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret.
+
+    With ``journal``, each line starts with its syslog priority (``<4>{"event": ...}``): journald
+    strips the prefix and stores the line at that level (``journalctl -p warning`` then works),
+    instead of every line at the stream's default, info."""
+
+    def __init__(self, renderer: Any, *, journal: bool = False) -> None:
         self.renderer = renderer
+        self.journal = journal
 
     def __call__(self, logger: Any, method: str, event_dict: Any) -> Any:
+        level = str(event_dict.get("level", method)) if self.journal else ""
         out = self.renderer(logger, method, event_dict)
-        return redact(out) if _secrets and isinstance(out, str) else out
+        if _secrets and isinstance(out, str):
+            out = redact(out)
+        if self.journal and isinstance(out, str):
+            out = f"<{SYSLOG_PRIORITY.get(level, 6)}>{out}"
+        return out
