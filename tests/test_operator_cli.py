@@ -164,6 +164,7 @@ def test_pipes_get_clean_output_and_json_parses(node: Node, tmp_path: Path) -> N
         "path": str(tmp_path / "out" / "checkpoint-30"),
         "from_tier": "warm",
         "bytes": doc["bytes"],
+        "skipped": [],
     }
     assert doc["bytes"] > BLOB
     assert (tmp_path / "out" / "checkpoint-30" / "payload.bin").read_bytes() == (
@@ -243,3 +244,38 @@ def test_progress_line_shortens_the_label_to_the_width() -> None:
 
     line = progress_line("copy " + "r" * 200 + "/checkpoint-7 hot->warm", 1, 2, 1.0, 1.0, width=80)
     assert len(line) == 80 and line.startswith("…") and "checkpoint-7 hot->warm: " in line
+
+
+def test_latest_skips_a_corrupt_newest_checkpoint_and_says_so(node: Node, tmp_path: Path) -> None:
+    assert node.cli("prune").returncode == 0  # 40: hot and warm; 30: warm only
+    with open(node.hot / "run" / "checkpoint-40" / "payload.bin", "r+b") as f:
+        f.truncate(BLOB // 2)  # cut short on hot
+    with open(node.warm / "run" / "checkpoint-40" / "payload.bin", "r+b") as f:
+        f.seek(BLOB // 3)
+        f.write(b"\xff" * 16)  # bit rot on warm: same size, other bytes
+
+    result = node.cli("restore", "run", "--to", str(tmp_path / "out"), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["step"] == 30 and doc["from_tier"] == "warm"
+    assert [s["step"] for s in doc["skipped"]] == [40]
+    assert "run@40 has no verified copy left" in result.stderr and "run@30" in result.stderr
+    assert not (tmp_path / "out" / "checkpoint-40").exists()
+
+    # The resume helper: the same fallback, into the run's own hot directory. (It re-catalogs the
+    # hot run dir first, where a changed checkpoint is a rewrite, so the hot copy goes away here.)
+    import shutil
+
+    import ckptkeeper
+
+    shutil.rmtree(node.hot / "run" / "checkpoint-40")
+
+    path = ckptkeeper.latest("run", config=node.config)
+    assert path == node.hot / "run" / "checkpoint-30"
+    assert (path / "payload.bin").read_bytes() == (
+        node.warm / "run" / "checkpoint-30" / "payload.bin"
+    ).read_bytes()
+
+    # An explicit step never turns into another one.
+    explicit = node.cli("restore", "run", "--step", "40", "--to", str(tmp_path / "out2"))
+    assert explicit.returncode == 1 and "could not restore run@40" in explicit.stderr

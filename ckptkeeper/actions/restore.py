@@ -9,6 +9,7 @@ ago is found even if no daemon is running.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -77,6 +78,18 @@ class Restored:
     tier: str | None
     """The tier it was read from; None when the hot copy was returned in place."""
     bytes: int
+    skipped: tuple[tuple[int, str], ...] = ()
+    """``latest`` only: newer checkpoints passed over, each with why no tier gave a verified copy."""
+
+
+def _latest_candidates(index: Index, run: str) -> list[CheckpointRow]:
+    """Every complete checkpoint with a verified copy, newest first (``latest`` and its fallbacks)."""
+    newest = find_checkpoint(index, run, "latest")  # raises LookupError when there is none
+    rows = [
+        r for r in index.checkpoints(run) if r.state.value == "complete" and r.version and r.verified_tiers
+    ]
+    rows.sort(key=lambda r: (r.step, r.name), reverse=True)
+    return [newest, *(r for r in rows if r.id != newest.id)]
 
 
 def restore_to(
@@ -93,15 +106,56 @@ def restore_to(
     ``progress(done, total)`` is called as bytes arrive (restarted from 0 if a tier fails and the
     next one is tried). When ``to`` is the run's own hot directory and the hot copy is intact, the
     hot copy itself is returned: restoring onto itself would be a no-op at best.
+
+    ``latest`` is the newest checkpoint that *can* be restored verified: when every tier's copy of
+    the newest fails (corrupt, cut short, unreadable), the previous one is tried, with a warning
+    logged and the skipped steps returned in :attr:`Restored.skipped`. A step number or ``best``
+    never silently becomes another checkpoint.
     """
-    row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+    if step == "latest":
+        candidates = _latest_candidates(index, run)
+    else:
+        candidates = [
+            find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+        ]
+    skipped: list[tuple[int, str]] = []
+    for i, row in enumerate(candidates):
+        try:
+            restored = _restore_row(settings, row, run, Path(to), progress)
+        except LookupError as exc:
+            if i + 1 == len(candidates):
+                if skipped:
+                    raise LookupError(
+                        f"no checkpoint of run {run!r} could be restored verified; newest: "
+                        + "; ".join(f"{s}: {why}" for s, why in skipped)
+                        + f"; {row.step}: {exc}"
+                    ) from None
+                raise
+            log.warning(
+                "checkpoint could not be restored verified; falling back to the previous one",
+                run=run,
+                step=row.step,
+                error=str(exc),
+            )
+            skipped.append((row.step, str(exc)))
+            continue
+        return dataclasses.replace(restored, skipped=tuple(skipped))
+    raise LookupError(f"no complete checkpoint of run {run!r}")  # unreachable: candidates is never empty
+
+
+def _restore_row(
+    settings: Settings,
+    row: CheckpointRow,
+    run: str,
+    target: Path,
+    progress: Callable[[int, int], None] | None,
+) -> Restored:
     manifest = row.manifest()
     if manifest is None:
         raise LookupError(f"{run}@{row.step} has no manifest in the index")
     total = manifest.total_bytes
     order = [t for t in settings.tiers if t.name in row.verified_tiers]
     hot = settings.hot
-    target = Path(to)
     if order and order[0].name == hot.name:
         in_place = hot.local_path / run
         if target.resolve() == in_place.resolve():

@@ -54,6 +54,12 @@ def restore(app: Context, run: str, step: str | int, to: str, as_json: bool) -> 
             restored = restore_to(app.settings, ix, run, step, Path(to), progress=progress)
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
+    for skipped_step, why in restored.skipped:
+        click.echo(
+            f"ckptkeeper: warning: {run}@{skipped_step} has no verified copy left ({why}); "
+            f"restored the previous checkpoint, {run}@{restored.step}",
+            err=True,
+        )
     if as_json:
         emit_json(
             {
@@ -63,6 +69,7 @@ def restore(app: Context, run: str, step: str | int, to: str, as_json: bool) -> 
                 "path": str(restored.path),
                 "from_tier": restored.tier,
                 "bytes": restored.bytes,
+                "skipped": [{"step": s, "error": why} for s, why in restored.skipped],
             }
         )
     else:
