@@ -93,6 +93,21 @@ MIGRATIONS: tuple[str, ...] = (
         last_error_at REAL
     );
     """,
+    # 2: documents that failed the schema (hostile or broken manifests, run.json, commit lines,
+    # heartbeats, framework markers), with the reason, for `ls`, `status` and the metrics.
+    """
+    CREATE TABLE quarantine (
+        tier TEXT NOT NULL,
+        path TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        run TEXT,
+        reason TEXT NOT NULL,
+        first_seen REAL NOT NULL,
+        last_seen REAL NOT NULL,
+        PRIMARY KEY (tier, path, kind)
+    );
+    CREATE INDEX quarantine_run ON quarantine (tier, run);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -65,6 +65,7 @@ This package re-exports the public names; patch internals where they are defined
 """
 
 from ckptkeeper.storage.base import (
+    DAMAGED_COPY,
     MULTIPART_KIND,
     STAGING_KIND,
     Progress,
@@ -77,6 +78,7 @@ from ckptkeeper.storage.s3 import S3TierStorage
 from ckptkeeper.storage.tier import TierStorage
 
 __all__ = [
+    "DAMAGED_COPY",
     "MULTIPART_KIND",
     "STAGING_KIND",
     "LocalTierStorage",
