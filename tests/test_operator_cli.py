@@ -60,7 +60,8 @@ class Node:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s", "textfile": self.metrics},
+            # The checkpoints are back-dated with utime, which cannot back-date ctime.
+            daemon={"settle_seconds": "1s", "trust_mtimes": True, "textfile": self.metrics},
             tiers=[
                 local_tier("hot", self.hot, keep_last=1),
                 local_tier("warm", self.warm, keep_last=2, replicate=True),
@@ -177,11 +178,47 @@ def test_pipes_get_clean_output_and_json_parses(node: Node, tmp_path: Path) -> N
         "step": 40,
         "pinned": True,
         "checkpoints": 1,
+        "failed": {},
     }
     unpinned = node.cli("unpin", "run", "40", "--json")
     assert json.loads(unpinned.stdout)["pinned"] is False
     missing = node.cli("pin", "run", "99", "--json")
     assert missing.returncode == 2 and missing.stdout == "" and "no checkpoint run@99" in missing.stderr
+
+
+def test_pin_json_says_which_tier_failed_and_what_is_pinned_now(node: Node, tmp_path: Path) -> None:
+    """Pins live in the tiers too (pin objects): a tier that cannot be written or cleaned is named
+    in ``failed``, the command exits 1, and ``pinned`` is the state the checkpoint is in now."""
+    assert node.cli("pin", "run", "40", "--json").returncode == 0
+    # warm's root becomes a plain file: no pin object can be written to it or removed from it.
+    node.warm.rename(tmp_path / "warm-away")
+    node.warm.write_text("not a directory")
+
+    unpinned = node.cli("unpin", "run", "40", "--json")
+    assert unpinned.returncode == 1, unpinned.stderr
+    doc = json.loads(unpinned.stdout)
+    assert doc["pinned"] is True and doc["checkpoints"] == 0 and list(doc["failed"]) == ["warm"]
+    assert "run@40 stays pinned" in unpinned.stderr
+    listed = json.loads(node.cli("ls", "--json").stdout)["runs"][0]["checkpoints"]
+    assert {c["step"]: c["pinned"] for c in listed}[40] is True
+
+    pinned = node.cli("pin", "run", "30", "--json")
+    assert pinned.returncode == 1, pinned.stderr
+    doc = json.loads(pinned.stdout)
+    assert doc["pinned"] is True and doc["checkpoints"] == 1 and list(doc["failed"]) == ["warm"]
+    assert "pin object is missing from warm" in pinned.stderr
+
+    node.warm.unlink()
+    (tmp_path / "warm-away").rename(node.warm)
+    unpinned = node.cli("unpin", "run", "40", "--json")
+    assert unpinned.returncode == 0, unpinned.stderr
+    assert json.loads(unpinned.stdout) == {
+        "run": "run",
+        "step": 40,
+        "pinned": False,
+        "checkpoints": 1,
+        "failed": {},
+    }
 
 
 def _metric_total(text: str, name: str) -> int:
