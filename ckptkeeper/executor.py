@@ -88,6 +88,7 @@ class Executor:
         progress: Progress | None = None,
         partial_after: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        trust_mtimes: bool = False,
     ) -> None:
         self.index = index
         self.tiers = list(tiers)
@@ -97,6 +98,8 @@ class Executor:
         self.progress = progress
         self.partial_after = partial_after
         self.clock = clock
+        self.trust_mtimes = trust_mtimes
+        """``daemon.trust_mtimes``: judge "written to since cataloged" as the catalog recorded it."""
         self._crash = _CrashPoints()
         self._reclaimed: dict[str, int] = {}
         """tier -> bytes freed by the current :meth:`apply` (recorded with the index's total)."""
@@ -458,12 +461,18 @@ class Executor:
         return os.path.join(self.tiers[0].url.removeprefix("file://"), rel)
 
     def _changed_since_cataloged(self, row: CheckpointRow) -> bool:
-        """Re-recognise the hot copy the way the catalog did; any change in size or mtimes counts."""
+        """Re-recognise the hot copy the way the catalog did; any change in size or write time counts.
+
+        The write time is the catalog's (``Catalog._written``): the later of mtime and ctime unless
+        ``trust_mtimes``. Compared by mtime alone, a checkpoint whose ctime is past its mtime (a
+        ``cp -a`` copy, a framework's write-then-rename) looked written to at every pass, and was
+        never moved or deleted from hot."""
         run_dir = Path(self._hot_path(row.run))
         cand = layouts.recognize(run_dir / row.name, run_dir, row.run)
         if cand is None:
             return _newest_mtime(str(run_dir / row.name)) != row.last_write
-        return cand.last_write != row.last_write or cand.bytes != row.bytes
+        written = cand.last_write if self.trust_mtimes else max(cand.last_write, cand.changed_at)
+        return written != row.last_write or cand.bytes != row.bytes
 
 
 def _newest_mtime(path: str) -> float | None:

@@ -155,6 +155,7 @@ def run_prune(
             progress=progress,
             partial_after=settings.reaper.partial_after,
             clock=now,
+            trust_mtimes=settings.daemon.trust_mtimes,
         )
         recovered = executor.recover()
         if rescan:
