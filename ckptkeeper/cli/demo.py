@@ -182,6 +182,9 @@ def write_config(base: Path, cold_url: str, cold_options: dict[str, str]) -> Pat
     text = f"""\
 index = "{base}/index.db"
 max_delete = 100
+# What the commands print is the demo; info logs (e.g. a first start's "new index built from the
+# tiers", a JSON line in a pipe) are for the journal. Warnings and errors still show.
+log_level = "warning"
 
 [daemon]
 settle_seconds = "0s"
