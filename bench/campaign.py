@@ -296,7 +296,11 @@ class Keeper:
         usage = {"hot": TierUsage(total_bytes=self.budget, used_bytes=self.node.usage()), "warm": None}
         p = plan(snapshot, specs, usage, now, reaper=self.settings.reaper.to_policy(), max_delete=10**6)
         result = Executor(
-            self.index, specs, partial_after=self.settings.reaper.partial_after, clock=lambda: self.now
+            self.index,
+            specs,
+            partial_after=self.settings.reaper.partial_after,
+            clock=lambda: self.now,
+            trust_mtimes=self.settings.daemon.trust_mtimes,
         ).apply(p)
         self.failed += [f"{a.action.value} {a.path}: {err}" for a, err in result.failed]
         self.passes += 1

@@ -142,7 +142,7 @@ class _Mover:
                 keep=(),
                 reclaim_bytes={},
             )
-            executor = Executor(index, settings.tier_specs())  # type: ignore[attr-defined]
+            executor = Executor(index, settings.tier_specs(), trust_mtimes=settings.daemon.trust_mtimes)  # type: ignore[attr-defined]
             os.sync()
             t0 = time.perf_counter()
             result = executor.apply(plan)
@@ -310,7 +310,7 @@ class _ColdMover:
                 keep=(),
                 reclaim_bytes={},
             )
-            executor = Executor(index, settings.tier_specs())  # type: ignore[arg-type, attr-defined]
+            executor = Executor(index, settings.tier_specs(), trust_mtimes=settings.daemon.trust_mtimes)  # type: ignore[arg-type, attr-defined]
             t0 = time.perf_counter()
             result = executor.apply(plan)
             elapsed = time.perf_counter() - t0

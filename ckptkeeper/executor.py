@@ -88,6 +88,7 @@ class Executor:
         progress: Progress | None = None,
         partial_after: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        trust_mtimes: bool = False,
     ) -> None:
         self.index = index
         self.tiers = list(tiers)
@@ -97,7 +98,11 @@ class Executor:
         self.progress = progress
         self.partial_after = partial_after
         self.clock = clock
+        self.trust_mtimes = trust_mtimes
+        """``daemon.trust_mtimes``: judge "written to since cataloged" as the catalog recorded it."""
         self._crash = _CrashPoints()
+        self._reclaimed: dict[str, int] = {}
+        """tier -> bytes freed by the current :meth:`apply` (recorded with the index's total)."""
 
     def storage(self, tier: str) -> TierStorage:
         if tier not in self._storages:
@@ -183,6 +188,7 @@ class Executor:
 
     def apply(self, plan: Plan) -> ExecResult:
         result = ExecResult()
+        self._reclaimed = result.reclaimed_bytes
         result.recovered = self.recover()
         moves = self._local_moves(plan.actions)
         copied_ok: set[tuple[str, str]] = set()
@@ -228,10 +234,6 @@ class Executor:
             result.done.append(action)
             if action.action is ActionKind.COPY:
                 copied_ok.add((path, action.tier or ""))
-            elif action.bytes:
-                result.reclaimed_bytes[action.tier or ""] = (
-                    result.reclaimed_bytes.get(action.tier or "", 0) + action.bytes
-                )
         return result
 
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
@@ -309,6 +311,7 @@ class Executor:
             self.index.set_location(row.id, action.to_tier, row.version)
             if rename:
                 self.index.remove_location(row.id, action.tier)
+                self._add_reclaimed(action.tier, "moved", row.bytes)
             self.index.journal_done(entry)
         self._crash.hit("copy-recorded")
         return None
@@ -389,7 +392,7 @@ class Executor:
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path, action.upload_id)
-                self.index.add_reclaimed(action.rule or "multipart-upload", action.bytes)
+                self._add_reclaimed(action.tier, action.rule or "multipart-upload", action.bytes)
                 self.index.journal_done(entry)
             return None
         row = self._row_by_path(action.path) if action.step is not None else None
@@ -421,7 +424,7 @@ class Executor:
             )
             with self.index.transaction():
                 self.index.remove_artifact(action.tier, action.path)
-                self.index.add_reclaimed(action.rule, freed)
+                self._add_reclaimed(action.tier, action.rule, freed)
                 self.index.journal_done(entry)
             return None
         self._remove(action, row, reason=action.rule or "reap")
@@ -443,21 +446,33 @@ class Executor:
         with self.index.transaction():
             if row is not None:
                 self.index.remove_location(row.id, action.tier)
-            if reason != "moved":  # a move frees the faster tier but reclaims nothing overall
-                self.index.add_reclaimed(reason, freed or action.bytes)
+            self._add_reclaimed(action.tier, reason, freed or action.bytes)
             self.index.journal_done(entry)
         return freed
+
+    def _add_reclaimed(self, tier: str, reason: str, nbytes: int) -> None:
+        """Bytes freed in ``tier`` (README "Reclaimed bytes"): a demotion frees the faster tier
+        (reason ``moved``) just as an expiry or a reap does. The index's cumulative total (status,
+        metrics) and this pass's result (prune) are fed here only, with the same number."""
+        self.index.add_reclaimed(reason, nbytes)
+        self._reclaimed[tier] = self._reclaimed.get(tier, 0) + nbytes
 
     def _hot_path(self, rel: str) -> str:
         return os.path.join(self.tiers[0].url.removeprefix("file://"), rel)
 
     def _changed_since_cataloged(self, row: CheckpointRow) -> bool:
-        """Re-recognise the hot copy the way the catalog did; any change in size or mtimes counts."""
+        """Re-recognise the hot copy the way the catalog did; any change in size or write time counts.
+
+        The write time is the catalog's (``Catalog._written``): the later of mtime and ctime unless
+        ``trust_mtimes``. Compared by mtime alone, a checkpoint whose ctime is past its mtime (a
+        ``cp -a`` copy, a framework's write-then-rename) looked written to at every pass, and was
+        never moved or deleted from hot."""
         run_dir = Path(self._hot_path(row.run))
         cand = layouts.recognize(run_dir / row.name, run_dir, row.run)
         if cand is None:
             return _newest_mtime(str(run_dir / row.name)) != row.last_write
-        return cand.last_write != row.last_write or cand.bytes != row.bytes
+        written = cand.last_write if self.trust_mtimes else max(cand.last_write, cand.changed_at)
+        return written != row.last_write or cand.bytes != row.bytes
 
 
 def _newest_mtime(path: str) -> float | None:

@@ -329,6 +329,8 @@ def test_daemon_catalogs_notifies_serves_metrics_and_stops(node: Node, notify_so
             "ckptkeeper_newest_checkpoint_age_seconds{",
             "ckptkeeper_tier_up{",
             "ckptkeeper_build_info{",
+            "process_cpu_seconds_total ",
+            "process_resident_memory_bytes ",
         ):
             assert name in body, name
         assert 'ckptkeeper_checkpoints{tier="hot"} 3.0' in body

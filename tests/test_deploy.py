@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -159,3 +160,34 @@ def test_tmpfiles_snippet_creates_the_directories(tmp_path: Path) -> None:
     for path in ("var/lib/ckptkeeper", "etc/ckptkeeper"):
         st = (root / path).stat()
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o750, path
+
+
+def _security_exposure(unit: Path) -> float | None:
+    """``systemd-analyze security --offline=yes``'s overall exposure, or None if it cannot say."""
+    assert ANALYZE is not None
+    env = {**os.environ, "SYSTEMD_LOG_LEVEL": "notice", "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
+    result = subprocess.run(
+        [ANALYZE, "security", "--offline=yes", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=unit.parent,
+    )
+    match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", result.stdout + result.stderr)
+    return float(match.group(1)) if match else None
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
+def test_offline_security_exposure_is_at_most_2(tmp_path: Path) -> None:
+    unit = _runnable_copy(tmp_path)
+    exposure = _security_exposure(unit)
+    if exposure is None:
+        pytest.skip("this systemd-analyze has no `security --offline`")
+    # Control: the same unit without its sandboxing scores worse, so the number is the unit's.
+    bare = tmp_path / "bare.service"
+    keep = ("[", "Type=", "ExecStart=", "User=", "Group=", "Description=", "WantedBy=")
+    bare.write_text("\n".join(line for line in unit.read_text().splitlines() if line.startswith(keep)) + "\n")
+    bare_exposure = _security_exposure(bare)
+    assert bare_exposure is not None and bare_exposure > 5.0
+    assert exposure <= 2.0

@@ -117,3 +117,25 @@ def test_watcher_settles_a_cp_a_copy_by_its_ctime_without_another_event(tmp_path
     finally:
         watcher.stop()
         index.close()
+
+
+def test_a_cp_a_copy_once_settled_by_ctime_is_moved(tmp_path: Path) -> None:
+    """Once settled, a ``cp -a`` copy is moved like any other checkpoint. The catalog records when
+    it was written by mtime and ctime, and the executor's last look before a copy or delete (has it
+    been written to since it was cataloged?) must judge the same way: judged by mtime alone, every
+    hot checkpoint whose ctime is past its mtime (``cp -a``, a framework's write-then-rename) looked
+    written to since, and was skipped at every prune, so hot never drained."""
+    src = old_tree(tmp_path / "src", (1, 2))
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    subprocess.run(["cp", "-a", str(src), str(hot)], check=True)
+    config = node_config(tmp_path, "ctime", hot, settle_seconds="1s")
+    changed = max(p.lstat().st_ctime for p in [*(hot / "r").rglob("*"), hot / "r"])
+    while time.time() < changed + 1.5:  # settled by ctime: utime cannot back-date it
+        time.sleep(0.1)
+
+    result = cli(config, "prune")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skipped:" not in result.stdout and "0 skipped" in result.stdout, result.stdout
+    assert sorted(p.name for p in (hot / "r").iterdir()) == ["checkpoint-2"]
+    assert (tmp_path / "warm-ctime" / "r" / "checkpoint-1" / "trainer_state.json").is_file()

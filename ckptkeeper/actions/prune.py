@@ -129,8 +129,12 @@ def run_prune(
     stop: threading.Event | None = None,
     progress: Progress | None = None,
     now: Callable[[], float] = time.time,
+    on_plan: Callable[[Plan], None] | None = None,
 ) -> PruneOutcome:
-    """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs."""
+    """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs.
+
+    ``on_plan`` sees the final plan before the first byte moves (the CLI prints it then, so a
+    long copy is never a silent wait)."""
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
     if dry_run:
@@ -158,6 +162,7 @@ def run_prune(
             progress=progress,
             partial_after=settings.reaper.partial_after,
             clock=now,
+            trust_mtimes=settings.daemon.trust_mtimes,
         )
         recovered = executor.recover()
         # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
@@ -180,6 +185,9 @@ def run_prune(
                 f"{exc}: nothing was done; run the command again (a lost index is rebuilt from the "
                 "tiers with deletes held)"
             ) from exc
+        if on_plan is not None:
+            # After the identity check: a plan that will not run is never shown as if it would.
+            on_plan(plan)
         result = executor.apply(plan)
         result.recovered = recovered + result.recovered
         if rescan and (result.done or result.failed):

@@ -9,10 +9,12 @@ ago is found even if no daemon is running.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkeeper.config import Settings, load_settings
@@ -141,6 +143,128 @@ def _recorded_best(path: Path, row: CheckpointRow) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a restore put a checkpoint (``restore --json`` prints these fields)."""
+
+    path: Path
+    run: str
+    step: int
+    name: str
+    tier: str | None
+    """The tier it was read from; None when the hot copy was returned in place."""
+    bytes: int
+    skipped: tuple[tuple[int, str], ...] = ()
+    """``latest`` only: newer checkpoints passed over, each with why no tier gave a verified copy."""
+
+
+def _latest_candidates(index: Index, run: str) -> list[CheckpointRow]:
+    """Every complete checkpoint with a verified copy, newest first (``latest`` and its fallbacks)."""
+    newest = find_checkpoint(index, run, "latest")  # raises LookupError when there is none
+    rows = [
+        r for r in index.checkpoints(run) if r.state.value == "complete" and r.version and r.verified_tiers
+    ]
+    rows.sort(key=lambda r: (r.step, r.name), reverse=True)
+    return [newest, *(r for r in rows if r.id != newest.id)]
+
+
+def restore_to(
+    settings: Settings,
+    index: Index,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    metric: str | None = None,
+    mode: str | None = None,
+) -> Restored:
+    """Materialise a verified copy from the fastest tier that holds it.
+
+    ``progress(done, total)`` is called as bytes arrive (restarted from 0 if a tier fails and the
+    next one is tried). When ``to`` is the run's own hot directory and the hot copy is intact, the
+    hot copy itself is returned: restoring onto itself would be a no-op at best.
+
+    ``latest`` is the newest checkpoint that *can* be restored verified: when every tier's copy of
+    the newest fails (corrupt, cut short, unreadable), the previous one is tried, with a warning
+    logged and the skipped steps returned in :attr:`Restored.skipped`. A step number or ``best``
+    never silently becomes another checkpoint. ``metric`` / ``mode`` choose what ``best`` means
+    (see :func:`find_best`).
+    """
+    if step != "best" and (metric is not None or mode is not None):
+        raise LookupError("metric and mode only choose among checkpoints for step='best'")
+    if step == "latest":
+        candidates = _latest_candidates(index, run)
+    elif step == "best":
+        candidates = [find_best(settings, index, run, metric=metric, mode=mode)]
+    else:
+        candidates = [find_checkpoint(index, run, step)]
+    skipped: list[tuple[int, str]] = []
+    for i, row in enumerate(candidates):
+        try:
+            restored = _restore_row(settings, row, run, Path(to), progress)
+        except LookupError as exc:
+            if i + 1 == len(candidates):
+                if skipped:
+                    raise LookupError(
+                        f"no checkpoint of run {run!r} could be restored verified; newest: "
+                        + "; ".join(f"{s}: {why}" for s, why in skipped)
+                        + f"; {row.step}: {exc}"
+                    ) from None
+                raise
+            log.warning(
+                "checkpoint could not be restored verified; falling back to the previous one",
+                run=run,
+                step=row.step,
+                error=str(exc),
+            )
+            skipped.append((row.step, str(exc)))
+            continue
+        return dataclasses.replace(restored, skipped=tuple(skipped))
+    raise LookupError(f"no complete checkpoint of run {run!r}")  # unreachable: candidates is never empty
+
+
+def _restore_row(
+    settings: Settings,
+    row: CheckpointRow,
+    run: str,
+    target: Path,
+    progress: Callable[[int, int], None] | None,
+) -> Restored:
+    manifest = row.manifest()
+    if manifest is None:
+        raise LookupError(f"{run}@{row.step} has no manifest in the index")
+    total = manifest.total_bytes
+    order = [t for t in settings.tiers if t.name in row.verified_tiers]
+    hot = settings.hot
+    if order and order[0].name == hot.name:
+        in_place = hot.local_path / run
+        if target.resolve() == in_place.resolve():
+            storage = TierStorage(hot.to_spec(), hot=True)
+            if not storage.verify(manifest, deep=False):
+                return Restored(in_place / row.name, run, row.step, row.name, None, total)
+    errors = []
+    for tier in order:
+        storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
+        done = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        try:
+            path = storage.fetch(manifest, target, progress=on_bytes)
+        except StorageError as exc:
+            log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
+            errors.append(f"{tier.name}: {exc}")
+            continue
+        _uniform_mtime(path, manifest.created_at or time.time())
+        return Restored(path, run, row.step, row.name, tier.name, total)
+    raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+
+
 def restore_checkpoint(
     settings: Settings,
     index: Index,
@@ -148,47 +272,12 @@ def restore_checkpoint(
     step: str | int,
     to: Path,
     *,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     metric: str | None = None,
     mode: str | None = None,
 ) -> Path:
-    """Materialise a verified copy from the fastest tier that holds it; returns its path.
-
-    ``metric`` / ``mode`` choose what ``best`` means (see :func:`find_best`).
-
-    When ``to`` is the run's own hot directory and the hot copy is intact, the hot copy itself is
-    returned: restoring onto itself would be a no-op at best.
-    """
-    if step == "best":
-        row = find_best(settings, index, run, metric=metric, mode=mode)
-    elif metric is not None or mode is not None:
-        raise LookupError("metric and mode only choose among checkpoints for step='best'")
-    else:
-        row = find_checkpoint(index, run, step)
-    manifest = row.manifest()
-    if manifest is None:
-        raise LookupError(f"{run}@{row.step} has no manifest in the index")
-    order = [t for t in settings.tiers if t.name in row.verified_tiers]
-    hot = settings.hot
-    target = Path(to)
-    if order and order[0].name == hot.name:
-        in_place = hot.local_path / run
-        if target.resolve() == in_place.resolve():
-            storage = TierStorage(hot.to_spec(), hot=True)
-            if not storage.verify(manifest, deep=False):
-                return in_place / row.name
-    errors = []
-    for tier in order:
-        storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
-        try:
-            path = storage.fetch(manifest, target, progress=progress)
-        except StorageError as exc:
-            log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
-            errors.append(f"{tier.name}: {exc}")
-            continue
-        _uniform_mtime(path, manifest.created_at or time.time())
-        return path
-    raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+    """:func:`restore_to`, returning only the restored checkpoint's path."""
+    return restore_to(settings, index, run, step, to, progress=progress, metric=metric, mode=mode).path
 
 
 def _uniform_mtime(path: Path, when: float) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "Context",
     "emit_json",
     "fail",
+    "out_width",
     "pass_ctx",
 ]
 
@@ -47,6 +48,13 @@ __all__ = [
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     click.echo(f"ckptkeeper: {message}", err=True)
     sys.exit(code)
+
+
+def out_width() -> int:
+    """Columns human output fits in: the terminal's, or 100 when stdout is a pipe or a file."""
+    import shutil
+
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 def emit_json(doc: object) -> None:

@@ -186,7 +186,12 @@ def _cold_tier(base: Path) -> Iterator[tuple[str, dict[str, str]]]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # quiet: no request log
+    # moto's server is werkzeug: its request log ("127.0.0.1 - - [...] GET /bucket ...") goes to the
+    # `werkzeug` logger, which adds its own stderr handler unless a level is set. Not our output.
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
@@ -202,6 +207,9 @@ def write_config(base: Path, cold_url: str, cold_options: dict[str, str]) -> Pat
     text = f"""\
 index = "{base}/index.db"
 max_delete = 100
+# What the commands print is the demo; info logs (e.g. a first start's "new index built from the
+# tiers", a JSON line in a pipe) are for the journal. Warnings and errors still show.
+log_level = "warning"
 
 [daemon]
 settle_seconds = "0s"
@@ -258,7 +266,8 @@ def run_demo(cli: click.Command, *, keep: bool = False, apply: bool = True) -> i
                 return int(exc.code or 0)
             return 0
 
-        print(f"demo node in {base}: hot={base}/hot warm={base}/warm cold={cold_url}")
+        print(f"demo node in {base}:")
+        print(f"  hot  {base}/hot\n  warm {base}/warm\n  cold {cold_url}")
         codes = [step("catalog every tier", "scan"), step("what is there", "ls")]
         codes.append(step("what retention and the reaper would do", "prune", "--dry-run"))
         if apply:

@@ -7,8 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_USAGE, Context, emit_json, fail, pass_ctx
-from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table
+from ckptkeeper.cli.context import (
+    EXIT_ACTION_FAILED,
+    EXIT_USAGE,
+    Context,
+    emit_json,
+    fail,
+    out_width,
+    pass_ctx,
+)
+from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.status import StatusSummary
@@ -135,7 +143,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         if i:
             click.echo()
         reason = f" ({doc['state_reason']})" if doc["state_reason"] else ""
-        click.echo(f"run {doc['name']}: {doc['state']}{reason}")
+        click.echo(wrap_text(f"run {doc['name']}: {doc['state']}{reason}", out_width()))
         rows = [
             (
                 c["step"],
@@ -150,7 +158,12 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
             for c in doc["checkpoints"]
         ]
         click.echo(
-            table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
+            table(
+                ["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"],
+                rows,
+                right=(0, 4),
+                width=out_width(),
+            )
         )
         if any(c["layout"] == "accelerate" for c in doc["checkpoints"]):
             click.echo(ACCELERATE_STEP_NOTE)
@@ -245,7 +258,14 @@ def _render_status(s: StatusSummary) -> None:
         age = s.newest_age(t)
         newest = human_age(age) if age is not None else "-"
         rows.append((t.name, health, t.checkpoints, human_bytes(t.bytes), disk, newest, t.url))
-    click.echo(table(["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"], rows, right=(2, 3)))
+    click.echo(
+        table(
+            ["TIER", "HEALTH", "CKPTS", "BYTES", "DISK", "NEWEST", "URL"],
+            rows,
+            right=(2, 3),
+            width=out_width(),
+        )
+    )
     click.echo()
     click.echo("runs: " + (", ".join(f"{n} {st}" for st, n in sorted(s.runs.items())) or "none"))
     click.echo(
@@ -315,7 +335,7 @@ def status(app: Context, as_json: bool) -> None:
 # -- pin / unpin --------------------------------------------------------------------------
 
 
-def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
+def _set_pin(app: Context, run: str, step: int, pinned: bool, as_json: bool) -> None:
     from ckptkeeper.actions.pins import set_pin  # storage backends: not for --help
 
     with app.index() as ix:
@@ -323,6 +343,18 @@ def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
     if not outcome.names:
         fail(f"no checkpoint {run}@{step} in the index (try `ckptkeeper ls {run}`)", EXIT_USAGE)
     verb = "pin" if pinned else "unpin"
+    if as_json:
+        # What is true now, failure or not: an unpin that could not remove every pin object leaves
+        # the checkpoint pinned (a pin object left in a tier would pin it again).
+        emit_json(
+            {
+                "run": run,
+                "step": step,
+                "pinned": pinned or bool(outcome.failed),
+                "checkpoints": outcome.changed,
+                "failed": dict(sorted(outcome.failed.items())),
+            }
+        )
     if outcome.failed and not pinned:
         for tier, error in sorted(outcome.failed.items()):
             click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
@@ -331,7 +363,8 @@ def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
             f"{', '.join(sorted(outcome.failed))} (it would pin it again); run `ckptkeeper unpin` again",
             EXIT_ACTION_FAILED,
         )
-    click.echo(f"{verb}ned {run}@{step}")
+    if not as_json:
+        click.echo(f"{verb}ned {run}@{step}")
     if outcome.failed:
         for tier, error in sorted(outcome.failed.items()):
             click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
@@ -345,19 +378,21 @@ def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
 @click.command()
 @click.argument("run")
 @click.argument("step", type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def pin(app: Context, run: str, step: int) -> None:
+def pin(app: Context, run: str, step: int, as_json: bool) -> None:
     """Protect a checkpoint from retention and reaping."""
-    _set_pin(app, run, step, True)
+    _set_pin(app, run, step, True, as_json)
 
 
 @click.command()
 @click.argument("run")
 @click.argument("step", type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def unpin(app: Context, run: str, step: int) -> None:
+def unpin(app: Context, run: str, step: int, as_json: bool) -> None:
     """Release a pinned checkpoint back to its tier policies."""
-    _set_pin(app, run, step, False)
+    _set_pin(app, run, step, False, as_json)
 
 
 COMMANDS = (scan, ls_cmd, status, pin, unpin)

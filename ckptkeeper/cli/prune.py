@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, Context, fail, pass_ctx
-from ckptkeeper.util.fmt import format_duration, human_bytes, table
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, Context, fail, out_width, pass_ctx
+from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.prune import PruneOutcome
@@ -53,7 +52,8 @@ def _policy_summary(settings: Settings) -> str:
 def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     from ckptkeeper.core.reaper import summarize_reclaim  # with the planner: not for --help
 
-    click.echo(f"policy  {_policy_summary(settings)}")
+    width = out_width()
+    click.echo(wrap_text(f"policy  {_policy_summary(settings)}", width, indent="        "))
     keep_by_run: dict[str, list[Any]] = {}
     for k in plan.keep:
         keep_by_run.setdefault(k.run, []).append(k)
@@ -70,6 +70,7 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
                     ["STEP", "TIER", "REASONS"],
                     [(k.step, k.tier, "; ".join(k.reasons)) for k in keeps],
                     right=(0,),
+                    width=width,
                 )
             )
         acts = act_by_run.get(run, [])
@@ -88,7 +89,14 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
                 )
                 for a in acts
             ]
-            click.echo(table(["ACTION", "STEP", "TIER", "TO", "SIZE", "PATH", "REASON"], rows, right=(1, 4)))
+            click.echo(
+                table(
+                    ["ACTION", "STEP", "TIER", "TO", "SIZE", "PATH", "REASON"],
+                    rows,
+                    right=(1, 4),
+                    width=width,
+                )
+            )
     click.echo()
     reclaim = {t: b for t, b in plan.reclaim_bytes.items() if b}
     total = sum(reclaim.values())
@@ -104,12 +112,12 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     reaps = [a for a in plan.actions if a.action.value == "reap"]
     if reaps:
         summary = summarize_reclaim(reaps)
-        click.echo(
-            "reaped by reason: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
-        )
-        click.echo("reaped by run: " + ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items()))
+        by_reason = ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
+        click.echo(wrap_text(f"reaped by reason: {by_reason}", width))
+        by_run = ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_run.items())
+        click.echo(wrap_text(f"reaped by run: {by_run}", width))
     for note in plan.notes:
-        click.echo(f"note: {note}")
+        click.echo(wrap_text(f"note: {note}", width))
     if plan.refused:
         click.echo(f"refused: {plan.refused}", err=True)
 
@@ -121,24 +129,16 @@ def _cost_change(plan: Plan, settings: Settings) -> dict[str, float]:
     return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers})
 
 
-def _progress_printer() -> Callable[..., None] | None:
-    """Progress for long copies, only on a terminal (journald gets one log line per action)."""
-    if not sys.stderr.isatty():
+def _progress_printer() -> Callable[[Action, int, int], None] | None:
+    """Bytes, rate and ETA of each copy, only on a terminal (journald gets one log line per action)."""
+    from ckptkeeper.cli.progress import terminal_progress
+
+    bar = terminal_progress()
+    if bar is None:
         return None
-    last = [0.0]
 
     def show(action: Action, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - last[0] < 0.2:
-            return
-        last[0] = now
-        pct = done / total * 100 if total else 100.0
-        click.echo(
-            f"\r{action.action.value} {action.path} {action.tier}->{action.to_tier}: "
-            f"{human_bytes(done)}/{human_bytes(total)} ({pct:.0f}%)",
-            err=True,
-            nl=done >= total,
-        )
+        bar.update(f"{action.action.value} {action.path} {action.tier}->{action.to_tier}", done, total)
 
     return show
 
@@ -161,6 +161,14 @@ def prune(
     from ckptkeeper.core.reaper import summarize_reclaim
 
     settings = app.settings
+    printed: list[Plan] = []
+
+    def print_plan(plan: Plan) -> None:
+        """Before any copy starts: the plan is what a user reads while the bytes move."""
+        _render_plan(plan, settings, dry_run=False)
+        sys.stdout.flush()
+        printed.append(plan)
+
     with app.index(rebuild=not dry_run) as ix:
         try:
             outcome = run_prune(
@@ -171,6 +179,7 @@ def prune(
                 run=run,
                 lock_timeout=lock_timeout,
                 progress=None if as_json else _progress_printer(),
+                on_plan=None if as_json else print_plan,
             )
         except Locked as exc:
             fail(f"{exc}; try again later", EXIT_LOCKED)
@@ -209,14 +218,16 @@ def prune(
             }
         click.echo(json.dumps(doc, indent=2))
     else:
-        _render_plan(plan, settings, dry_run=dry_run)
+        if not printed:
+            _render_plan(plan, settings, dry_run=dry_run)
         if outcome.result is not None:
             r = outcome.result
             for note in r.recovered:
                 click.echo(f"recovered: {note}")
+            per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in r.reclaimed_bytes.items() if b)
             click.echo(
                 f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
-                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}"
+                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}" + (f" ({per_tier})" if per_tier else "")
             )
             for line in outcome.failed:
                 click.echo(f"failed: {line}", err=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Context, fail, pass_ctx
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Context, emit_json, fail, pass_ctx
 
 
 class _StepType(click.ParamType):
@@ -40,23 +40,56 @@ class _StepType(click.ParamType):
     default=None,
     help="With --step best: lower (min, the default) or higher (max) --metric is better.",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print where it went as JSON.")
 @pass_ctx
-def restore(app: Context, run: str, step: str | int, to: str, metric: str | None, mode: str | None) -> None:
+def restore(
+    app: Context, run: str, step: str | int, to: str, metric: str | None, mode: str | None, as_json: bool
+) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified.
 
     --step best without --metric takes the framework's own record of its best checkpoint (HF
-    best_model_checkpoint, Lightning best_model_path), else the first tier's `metric`.
+    best_model_checkpoint, Lightning best_model_path), else the first tier's `metric`. On a
+    terminal, stderr shows bytes, rate and ETA while it copies.
     """
-    from ckptkeeper.actions.restore import restore_checkpoint  # storage, fsspec: not for --help
+    from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
+    from ckptkeeper.cli.progress import terminal_progress
+
+    bar = terminal_progress()
+    label = f"restore {run}@{step}"
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(label, done, total)
 
     if (metric is not None or mode is not None) and step != "best":
         fail("--metric and --mode only apply to --step best", EXIT_USAGE)
     with app.index() as ix:
         try:
-            path = restore_checkpoint(app.settings, ix, run, step, Path(to), metric=metric, mode=mode)
+            restored = restore_to(
+                app.settings, ix, run, step, Path(to), progress=progress, metric=metric, mode=mode
+            )
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
-    click.echo(str(path))
+    for skipped_step, why in restored.skipped:
+        click.echo(
+            f"ckptkeeper: warning: {run}@{skipped_step} has no verified copy left ({why}); "
+            f"restored the previous checkpoint, {run}@{restored.step}",
+            err=True,
+        )
+    if as_json:
+        emit_json(
+            {
+                "run": restored.run,
+                "step": restored.step,
+                "name": restored.name,
+                "path": str(restored.path),
+                "from_tier": restored.tier,
+                "bytes": restored.bytes,
+                "skipped": [{"step": s, "error": why} for s, why in restored.skipped],
+            }
+        )
+    else:
+        click.echo(str(restored.path))
 
 
 @click.command()

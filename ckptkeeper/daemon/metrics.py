@@ -210,7 +210,9 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         run_states.add_metric([rs.value], summary.runs.get(rs.value, 0))
     yield run_states
 
-    by_reason: dict[str, int] = {}
+    # Every known reason has a series from the start (0 until something is freed for it), so
+    # `increase()` and alerts see the first bytes instead of a series appearing out of nowhere.
+    by_reason: dict[str, int] = dict.fromkeys(RECLAIM_REASONS, 0)
     for reason, (nbytes, _n) in summary.reclaimed.items():
         label = _reason_label(reason)
         by_reason[label] = by_reason.get(label, 0) + nbytes
@@ -266,7 +268,7 @@ class Metrics:
     """The daemon's registry: the index collector plus action / error counters."""
 
     def __init__(self, settings: Settings, *, extra: Callable[[], Iterable[Any]] | None = None) -> None:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.index_path = Path(settings.index)
         self._lock = threading.Lock()
@@ -275,6 +277,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = IndexCollector(self._readonly_index, settings, counters=self._counters, extra=extra)
         self.registry.register(self.collector)
+        # process_cpu_seconds_total, process_resident_memory_bytes, open fds, start time (/proc/self).
+        ProcessCollector(registry=self.registry)
 
     @contextmanager
     def _readonly_index(self) -> Iterator[Index]:

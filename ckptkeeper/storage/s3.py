@@ -226,9 +226,9 @@ class S3TierStorage(TierStorage):
             pass
 
     def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return _URL_USERINFO.sub(r"\1***@", text)
+        from ckptkeeper.util import logs  # the one redaction rule (short secrets: whole tokens only)
+
+        return _URL_USERINFO.sub(r"\1***@", logs.redact(text))
 
     def _degraded(self, feature: str, exc: BaseException, consequence: str) -> bool:
         """True if ``exc`` says the store lacks ``feature``; warns once per tier and feature.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import os
+import re
 import sys
 import threading
 from collections.abc import Iterable
@@ -15,6 +17,15 @@ from typing import Any
 _configured = False
 _secrets: tuple[str, ...] = ()
 """Values no log line may contain (S3 credentials), longest first."""
+_pattern: re.Pattern[str] | None = None
+"""One regex for all of them (see :func:`_compile`)."""
+
+WHOLE_TOKEN_BELOW = 16
+"""Secrets shorter than this are redacted only as whole tokens. A real key is long and random
+(AWS: 20-character ids, 40-character secrets) and is redacted wherever it appears; a short one
+(``demo``, ``minio``) is also a common word, and replacing it inside ``demo-checkpoints`` blanked a
+bucket name while protecting nothing."""
+_TOKEN_CHARS = "A-Za-z0-9_\\-"
 _secrets_lock = threading.Lock()
 _factory_installed = False
 
@@ -28,7 +39,8 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
         json = not sys.stderr.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
     renderer: Any = _Redacting(
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
+        journal=json and stderr_is_journal(),
     )
     structlog.configure(
         processors=[
@@ -59,13 +71,14 @@ def register_secrets(values: Iterable[str]) -> None:
     prints request headers (the access key id sits in ``Authorization``, a session token in
     ``X-Amz-Security-Token``). Process-wide on purpose: a handler configured by anyone, at any
     level, only ever sees redacted records."""
-    global _secrets, _factory_installed
+    global _secrets, _factory_installed, _pattern
     new = {v for v in values if isinstance(v, str) and len(v) >= 4}
     new |= {_json.dumps(v)[1:-1] for v in new}  # as it appears inside a JSON log line
     with _secrets_lock:
         if new <= set(_secrets):
             return
         _secrets = tuple(sorted(set(_secrets) | new, key=len, reverse=True))
+        _pattern = _compile(_secrets)
         if not _factory_installed:
             previous = logging.getLogRecordFactory()
 
@@ -85,19 +98,57 @@ def register_secrets(values: Iterable[str]) -> None:
             _factory_installed = True
 
 
+def _compile(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Longest first, so a secret that contains another is replaced whole."""
+    parts = []
+    for secret in secrets:
+        escaped = re.escape(secret)
+        if len(secret) < WHOLE_TOKEN_BELOW:
+            escaped = f"(?<![{_TOKEN_CHARS}]){escaped}(?![{_TOKEN_CHARS}])"
+        parts.append(escaped)
+    return re.compile("|".join(parts))
+
+
 def redact(text: str) -> str:
-    for secret in _secrets:
-        if secret in text:
-            text = text.replace(secret, "***")
-    return text
+    """``text`` with every registered secret replaced by ``***`` (short ones as whole tokens)."""
+    pattern = _pattern
+    return pattern.sub("***", text) if pattern is not None else text
+
+
+SYSLOG_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
+"""structlog level -> syslog priority, the ``<N>`` prefix journald reads (SyslogLevelPrefix=yes)."""
+
+
+def stderr_is_journal() -> bool:
+    """Whether stderr is connected to journald: systemd sets ``$JOURNAL_STREAM`` to the stream's
+    ``device:inode``, and only a match counts (a child whose stderr was redirected inherits the
+    variable but not the stream)."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
 class _Redacting:
-    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret."""
+    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret.
 
-    def __init__(self, renderer: Any) -> None:
+    With ``journal``, each line starts with its syslog priority (``<4>{"event": ...}``): journald
+    strips the prefix and stores the line at that level (``journalctl -p warning`` then works),
+    instead of every line at the stream's default, info."""
+
+    def __init__(self, renderer: Any, *, journal: bool = False) -> None:
         self.renderer = renderer
+        self.journal = journal
 
     def __call__(self, logger: Any, method: str, event_dict: Any) -> Any:
+        level = str(event_dict.get("level", method)) if self.journal else ""
         out = self.renderer(logger, method, event_dict)
-        return redact(out) if _secrets and isinstance(out, str) else out
+        if _secrets and isinstance(out, str):
+            out = redact(out)
+        if self.journal and isinstance(out, str):
+            out = f"<{SYSLOG_PRIORITY.get(level, 6)}>{out}"
+        return out
