@@ -259,7 +259,12 @@ class _Pipeline:
         self.run_dir = settings.hot.local_path / scratch
         self.run_dir.mkdir(parents=True, exist_ok=False)
         self.index = Index(self.run_dir / ".preflight-index.db")
-        self.executor = Executor(self.index, self.specs, partial_after=settings.reaper.partial_after)
+        self.executor = Executor(
+            self.index,
+            self.specs,
+            partial_after=settings.reaper.partial_after,
+            trust_mtimes=settings.daemon.trust_mtimes,
+        )
 
     def close(self) -> None:
         self.index.close()
