@@ -220,6 +220,10 @@ class TierSpec:
     url: str
     policy: TierPolicy
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    node: str = ""
+    """This node's name (DESIGN §10): written into manifests and staging markers; "" = unnamed."""
+    shared: bool = False
+    """Several nodes write this tier: this node's copies live under ``<node>/`` in it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -386,7 +386,7 @@ class Catalog:
             files=tuple(entries),
             metrics=dict(metrics),
             created_at=created_at,
-            node=self.hostname,
+            node=self.settings.node,
         )
 
     def _update_run_state(self, run: str, run_dir: Path, newest_write: float, now: float) -> None:

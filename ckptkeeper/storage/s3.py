@@ -403,7 +403,7 @@ class S3TierStorage(TierStorage):
             if not objs and not has_manifest:
                 return 0
             marker = f"{key}{STAGING_MARK}{_token()}"
-            self._put_json(marker, _marker_doc("delete", rel_path, None))
+            self._put_json(marker, _marker_doc("delete", rel_path, None, self.node))
             if has_manifest:
                 self._delete_keys([manifest_key])
             self._delete_keys([k for k, _, _ in objs])

@@ -49,6 +49,7 @@ class _S3Tier(Protocol):
     """What the reader, writers and sink use of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
 
     name: str
+    node: str
     bucket: str
     max_inflight: int
 
@@ -562,7 +563,7 @@ class _S3Sink:
         self.commit_attempted = False
         self.committed = False
         with tier._errors(f"start copy of {rel}"):
-            tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir))
+            tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir, tier.node))
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
             tier._abort_uploads_under(self.key)
@@ -640,12 +641,17 @@ class _GuardedWriter:
             self.sink.untrusted.append((self.writer.key, self.writer.entry))
 
 
-def _marker_doc(op: str, rel: str, is_dir: bool | None) -> dict[str, Any]:
+def _marker_doc(op: str, rel: str, is_dir: bool | None, node: str) -> dict[str, Any]:
+    """A staging marker's body: who is copying what (``node``: DESIGN §10, so another node's
+    reaper can tell whose marker it is)."""
+    now = time.time()
     return {
         "op": op,
         "target": rel,
         "is_dir": is_dir,
-        "started": time.time(),
+        "started": now,
+        "heartbeat": now,
+        "node": node,
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
