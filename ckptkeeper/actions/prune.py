@@ -76,7 +76,7 @@ def make_plan(
     kinds: Sequence[str] = KINDS,
 ) -> Plan:
     specs = settings.tier_specs()
-    snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs]))
+    snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs], node=settings.node))
     with gc_paused():  # a plan allocates millions of objects for a big catalog, none in cycles
         result = planner.plan(
             snapshot,

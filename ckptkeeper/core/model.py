@@ -254,6 +254,9 @@ class Snapshot:
     artifacts: tuple[Artifact, ...] = ()
     unknown_tiers: frozenset[str] = frozenset()
     """Tiers whose listing failed: never read as empty, no delete may depend on them."""
+    foreign: Mapping[tuple[str, int, str], str] = field(default_factory=dict)
+    """(run, step, tier) -> node, for copies another node wrote (its manifest names that node):
+    read-only to this node's rules (DESIGN §10, :mod:`ckptkeeper.core.ownership`)."""
 
 
 class ActionKind(StrEnum):

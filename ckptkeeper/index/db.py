@@ -326,13 +326,20 @@ class Index:
     # -- locations -------------------------------------------------------------------------
 
     def set_location(
-        self, checkpoint_id: int, tier: str, version: str, verified_at: float | None = None
+        self,
+        checkpoint_id: int,
+        tier: str,
+        version: str,
+        verified_at: float | None = None,
+        *,
+        node: str = "",
     ) -> None:
+        """Record a verified copy; ``node`` is the node its manifest names ('' = this node)."""
         self._exec(
-            """INSERT INTO locations (checkpoint_id, tier, version, verified_at) VALUES (?, ?, ?, ?)
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
                ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
-                 verified_at = excluded.verified_at""",
-            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at),
+                 verified_at = excluded.verified_at, node = excluded.node""",
+            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at, node),
         )
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
@@ -417,11 +424,12 @@ class Index:
 
     # -- snapshot for the planner ----------------------------------------------------------
 
-    def snapshot(self, tier_names: Sequence[str] | None = None) -> Snapshot:
+    def snapshot(self, tier_names: Sequence[str] | None = None, *, node: str | None = None) -> Snapshot:
         """A consistent view for the planner (one read transaction).
 
         A tier whose last listing failed, or that was never listed, is unknown: the planner must
-        not read its absence of copies as "empty".
+        not read its absence of copies as "empty". With ``node`` (this node's name), copies whose
+        manifest names another node are reported in ``Snapshot.foreign`` (DESIGN §10).
         """
         with self._lock:
             self._db.execute("BEGIN")
@@ -430,6 +438,7 @@ class Index:
                 checkpoints = self._snapshot_checkpoints()
                 artifacts = tuple(self.artifacts())
                 statuses = self.tier_statuses()
+                foreign = self._foreign_copies(node) if node else {}
             finally:
                 self._db.execute("COMMIT")
         unknown = set()
@@ -438,8 +447,21 @@ class Index:
             if status is None or not status.ok:
                 unknown.add(name)
         return Snapshot(
-            runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown)
+            runs=runs,
+            checkpoints=checkpoints,
+            artifacts=artifacts,
+            unknown_tiers=frozenset(unknown),
+            foreign=foreign,
         )
+
+    def _foreign_copies(self, node: str) -> dict[tuple[str, int, str], str]:
+        """(run, step, tier) -> owner of every verified copy another node wrote."""
+        rows = self._db.execute(
+            """SELECT c.run, c.step, l.tier, l.node FROM locations l JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.node != '' AND l.node != ? AND l.version = c.version""",
+            (node,),
+        )
+        return {(run, step, tier): owner for run, step, tier, owner in rows}
 
     def _snapshot_checkpoints(self) -> tuple[Checkpoint, ...]:
         """``CheckpointRow.to_model()`` of every row, without reading the manifests (the bulk of a

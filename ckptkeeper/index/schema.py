@@ -93,6 +93,11 @@ MIGRATIONS: tuple[str, ...] = (
         last_error_at REAL
     );
     """,
+    # 1 -> 2: the node that wrote each copy (its manifest's ``node``; '' = this node or unknown),
+    # so the planner never lets this node's rules delete another node's copy (DESIGN §10).
+    """
+    ALTER TABLE locations ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

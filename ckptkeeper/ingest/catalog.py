@@ -511,7 +511,7 @@ class Catalog:
                     cid = row.id
                     if known.get(key, (0, ""))[1] == manifest.digest:
                         report.unchanged += 1
-                self.index.set_location(cid, tier_name, manifest.digest)
+                self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
             for key, (cid, _version) in known.items():
                 if key not in listed:
                     self.index.remove_location(cid, tier_name)

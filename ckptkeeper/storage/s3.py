@@ -393,13 +393,24 @@ class S3TierStorage(TierStorage):
                 out.append((rel, None, str(exc)))
         return sorted(out, key=lambda t: t[0])
 
-    def delete(self, rel_path: str) -> int:
-        """Marker, then manifest (de-commit), then data; the marker goes last."""
+    def delete(self, rel_path: str, *, adopt: bool = False) -> int:
+        """Marker, then manifest (de-commit), then data; the marker goes last.
+
+        A copy whose manifest names another node is refused (DESIGN §10: another node's copies
+        are read-only here) unless ``adopt`` (the fleet lease holder cleaning an orphan).
+        """
         key = self._key(rel_path)
         with self._errors(f"delete {rel_path}"):
-            objs = self._target_objects(key)
             manifest_key = key + MANIFEST_SUFFIX
-            has_manifest = self._head(manifest_key) is not None
+            body = self._get(manifest_key)
+            has_manifest = body is not None
+            owner = _owner_of(body) if body is not None else ""
+            if owner and self.node and owner != self.node and not adopt:
+                raise StorageError(
+                    f"tier {self.name!r}: {rel_path} is owned by node {owner}, not {self.node}: "
+                    "refusing to delete another node's copy"
+                )
+            objs = self._target_objects(key)
             if not objs and not has_manifest:
                 return 0
             marker = f"{key}{STAGING_MARK}{_token()}"
@@ -508,6 +519,16 @@ class S3TierStorage(TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+def _owner_of(body: bytes) -> str:
+    """The ``node`` a manifest names ('' when it names none or is not JSON: owner unknown)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return ""
+    node = doc.get("node") if isinstance(doc, dict) else None
+    return node if isinstance(node, str) else ""
 
 
 class _GuardedReader:
