@@ -147,7 +147,7 @@ def _owners(client: Any, bucket: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("shared", [False], ids=["single-node-layout"])
+@pytest.mark.parametrize("shared", [False, True], ids=["single-node-layout", "shared"])
 def test_node_b_policy_never_deletes_node_a_copies(
     tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str, shared: bool
 ) -> None:

@@ -73,13 +73,23 @@ def restore_checkpoint(
     to: Path,
     *,
     progress: Callable[[int], None] | None = None,
+    node: str | None = None,
 ) -> Path:
     """Materialise a verified copy from the fastest tier that holds it; returns its path.
 
     When ``to`` is the run's own hot directory and the hot copy is intact, the hot copy itself is
-    returned: restoring onto itself would be a no-op at best.
+    returned: restoring onto itself would be a no-op at best. A run this node's index does not
+    hold, or ``node`` naming another node, is looked up in the shared tiers (DESIGN §10,
+    :mod:`ckptkeeper.fleet.view`).
     """
-    row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+    if node is not None and node != settings.node:
+        return _restore_from_fleet(settings, run, step, Path(to), node=node, progress=progress)
+    try:
+        row = find_best(settings, index, run) if step == "best" else find_checkpoint(index, run, step)
+    except LookupError:
+        if not any(t.shared for t in settings.tiers) or index.checkpoints(run):
+            raise
+        return _restore_from_fleet(settings, run, step, Path(to), node=node, progress=progress)
     manifest = row.manifest()
     if manifest is None:
         raise LookupError(f"{run}@{row.step} has no manifest in the index")
@@ -104,6 +114,55 @@ def restore_checkpoint(
         _uniform_mtime(path, manifest.created_at or time.time())
         return path
     raise LookupError(f"could not restore {run}@{row.step}: " + "; ".join(errors or ["no tier holds it"]))
+
+
+def _restore_from_fleet(
+    settings: Settings,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    node: str | None,
+    progress: Callable[[int], None] | None,
+) -> Path:
+    """Restore a run of any node from the shared tiers, by the rule of :func:`choose_holder`."""
+    from ckptkeeper.fleet.view import choose_holder, run_holders, shared_tiers
+
+    tiers = shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers[1:]])
+    if not tiers:
+        raise LookupError("--node needs a tier with shared = true (config)")
+    try:
+        holders = run_holders(tiers, run)
+    except StorageError as exc:
+        raise LookupError(f"cannot list the shared tiers: {exc}") from exc
+    copies = choose_holder(holders, run, me=settings.node, node=node)
+    if step == "latest":
+        chosen = max(copies, key=lambda c: (c.manifest.step, c.manifest.name))
+    elif step == "best":
+        tier = next((t for t in settings.tiers if t.metric), None)
+        if tier is None or tier.metric is None:
+            raise LookupError("no tier names a metric (set `metric` and `mode` on a tier to use best)")
+        metric, sign = tier.metric, (1.0 if tier.mode == "min" else -1.0)
+        rated = [c for c in copies if metric in c.manifest.metrics]
+        if not rated:
+            raise LookupError(f"no checkpoint of run {run!r} reports {metric}")
+        chosen = min(rated, key=lambda c: (sign * c.manifest.metrics[metric], -c.manifest.step))
+    else:
+        wanted = [c for c in copies if c.manifest.step == int(step)]
+        if not wanted:
+            raise LookupError(f"run {run!r} of node {copies[0].node} has no checkpoint at step {step}")
+        chosen = max(wanted, key=lambda c: c.manifest.name)
+    try:
+        path = chosen.storage.fetch(chosen.manifest, to, progress=progress)
+    except StorageError as exc:
+        raise LookupError(
+            f"could not restore {run}@{chosen.manifest.step} from node {chosen.node}: {exc}"
+        ) from exc
+    _uniform_mtime(path, chosen.manifest.created_at or time.time())
+    log.info(
+        "restored from the fleet", run=run, step=chosen.manifest.step, node=chosen.node, tier=chosen.tier
+    )
+    return path
 
 
 def _uniform_mtime(path: Path, when: float) -> None:
@@ -133,8 +192,11 @@ def restore(
     step: str | int = "latest",
     to: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Settings | None = None,
+    node: str | None = None,
 ) -> Path:
     """Local path of a verified checkpoint of ``run``: ``"latest"``, ``"best"`` or a step number.
+
+    ``node`` picks another node's run of that name from the shared tiers (DESIGN §10).
 
     ``to`` defaults to the run's directory in the hot tier: when the checkpoint is still there, that
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.
@@ -143,7 +205,7 @@ def restore(
     settings, index = _open(config, run)
     try:
         target = Path(to) if to is not None else settings.hot.local_path / run
-        return restore_checkpoint(settings, index, run, step, target)
+        return restore_checkpoint(settings, index, run, step, target, node=node)
     finally:
         index.close()
 

@@ -33,14 +33,19 @@ class _StepType(click.ParamType):
 @click.option(
     "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
 )
+@click.option(
+    "--node",
+    default=None,
+    help="Restore another node's run of this name from the shared tiers (needed when several hold one).",
+)
 @pass_ctx
-def restore(app: Context, run: str, step: str | int, to: str) -> None:
+def restore(app: Context, run: str, step: str | int, to: str, node: str | None) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified."""
     from ckptkeeper.actions.restore import restore_checkpoint  # storage, fsspec: not for --help
 
     with app.index() as ix:
         try:
-            path = restore_checkpoint(app.settings, ix, run, step, Path(to))
+            path = restore_checkpoint(app.settings, ix, run, step, Path(to), node=node)
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
     click.echo(str(path))

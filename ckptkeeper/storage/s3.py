@@ -112,7 +112,19 @@ class S3TierStorage(TierStorage):
             raise StorageError(f"tier {spec.name!r}: no bucket in URL {spec.url!r}")
         self.bucket = bucket
         prefix = prefix.strip("/")
-        self.prefix = f"{prefix}/" if prefix else ""
+        self.root_prefix = f"{prefix}/" if prefix else ""
+        """The tier URL's prefix: the bucket-wide root every node of a shared tier shares."""
+        self.prefix = self.root_prefix
+        """Where this tier object reads and writes copies: the root, or ``<root><node>/`` in a
+        shared tier (DESIGN §10: one node's keys can never be another's)."""
+        self.read_only = False
+        if spec.shared:
+            if not spec.node:
+                raise StorageError(
+                    f"tier {spec.name!r}: a shared tier needs this node's name (config `node`)"
+                )
+            _split_rel(spec.node, "node name")
+            self.prefix = f"{self.root_prefix}{spec.node}/"
         self._secrets = _collect_secrets(spec.storage_options)
         # credentials botocore would find on its own are just as secret as configured ones
         self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
@@ -327,7 +339,126 @@ class S3TierStorage(TierStorage):
         return _GuardedReader(self, _S3Reader(self, key))
 
     def _begin_write(self, rel: str, manifest: Manifest) -> _Sink:
+        self._check_writable(f"copy to {rel}")
         return _S3Sink(self, rel, manifest, with_manifest=True)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise StorageError(
+                f"tier {self.name!r}: {what} refused: a view of another node's copies is read-only"
+            )
+
+    # -- the fleet's view of a shared bucket (DESIGN §10) ---------------------------------------
+
+    def view(self, node: str | None) -> S3TierStorage:
+        """A read-only view of ``node``'s copies (``<root><node>/``), or with None of the
+        single-node layout at the root (copies written before the tier was shared)."""
+        if node is not None:
+            _split_rel(node, "node name")
+        other = object.__new__(type(self))  # TierStorage.__new__ wants a spec; share the client
+        other.__dict__.update(self.__dict__)
+        other.prefix = self.root_prefix + (f"{node}/" if node else "")
+        other.read_only = True
+        return other
+
+    def top_level_dirs(self) -> list[str]:
+        """Names of the "directories" right under the root (node prefixes, old-layout runs, and the
+        fleet's own ``.ckptkeeper``): one delimited listing."""
+        out: list[str] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.root_prefix, "Delimiter": "/"}
+        with self._errors(f"listing {self.url}", TierUnavailable):
+            while True:
+                resp = self._call("list_objects_v2", **kw)
+                out += [
+                    p["Prefix"][len(self.root_prefix) :].rstrip("/") for p in resp.get("CommonPrefixes", [])
+                ]
+                if not resp.get("IsTruncated"):
+                    break
+                kw["ContinuationToken"] = resp["NextContinuationToken"]
+        return sorted(out)
+
+    def run_manifests(self, run: str) -> list[Manifest]:
+        """Committed copies of ``run`` in this tier (or view): one listing of ``<prefix><run>/``.
+
+        A manifest that does not describe the key it sits at (e.g. an old-layout run that happens
+        to be named like a node) is skipped, never taken for a copy of ``run``.
+        """
+        _split_rel(run, "run name")
+        base = f"{self.prefix}{run}/"
+        with self._errors(f"listing {run}", TierUnavailable):
+            keys = [
+                o["Key"]
+                for o in self._list_objects(base)
+                if o["Key"].endswith(MANIFEST_SUFFIX) and STAGING_MARK not in o["Key"].rsplit("/", 1)[-1]
+            ]
+        out: list[Manifest] = []
+        for key in keys:
+            rel = key[len(self.prefix) : -len(MANIFEST_SUFFIX)]
+            with self._errors(f"reading {key}"):
+                text = self._get(key)
+            if text is None:
+                continue
+            try:
+                manifest = _parse_manifest(rel, text)
+            except StorageError:
+                continue
+            if manifest.run == run:
+                out.append(manifest)
+        return out
+
+    def get_fleet_object(self, name: str) -> tuple[bytes, str] | None:
+        """``(body, etag)`` of ``<root>.ckptkeeper/<name>``, None if absent."""
+        key = self._fleet_key(name)
+        with self._errors(f"reading {key}"):
+            try:
+                resp = self._call("get_object", Bucket=self.bucket, Key=key)
+            except FileNotFoundError:
+                return None
+            from fsspec.asyn import sync
+
+            body = resp["Body"]
+            try:
+                data: bytes = sync(self.fs.loop, body.read)
+            finally:
+                body.close()
+        return data, str(resp.get("ETag") or "")
+
+    def put_fleet_object(
+        self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
+    ) -> str | None:
+        """PUT ``<root>.ckptkeeper/<name>``, optionally conditional (``If-None-Match: *`` creates
+        only; ``If-Match`` replaces only that version). Returns the new ETag, or None when the
+        condition failed (HTTP 412 / 409: someone else got there first)."""
+        key = self._fleet_key(name)
+        kw: dict[str, Any] = {}
+        if if_none_match:
+            kw["IfNoneMatch"] = "*"
+        if if_match is not None:
+            kw["IfMatch"] = if_match
+        try:
+            resp = self._call(
+                "put_object", Bucket=self.bucket, Key=key, Body=body, ContentType="application/json", **kw
+            )
+        except Exception as exc:
+            if _precondition_failed(exc):
+                return None
+            raise StorageError(self._redact(f"tier {self.name!r}: writing {key}: {_describe(exc)}")) from exc
+        return str(resp.get("ETag") or "")
+
+    def delete_fleet_object(self, name: str) -> None:
+        key = self._fleet_key(name)
+        with self._errors(f"deleting {key}"):
+            self._delete_keys([key])
+
+    def list_fleet_objects(self, sub: str) -> list[tuple[str, float]]:
+        """``(name, last_modified)`` of objects under ``<root>.ckptkeeper/<sub>/``."""
+        base = self._fleet_key(sub) + "/"
+        with self._errors(f"listing {base}", TierUnavailable):
+            return [(o["Key"][len(base) :], o["LastModified"].timestamp()) for o in self._list_objects(base)]
+
+    def _fleet_key(self, name: str) -> str:
+        _split_rel(name, "fleet object name")
+        return f"{self.root_prefix}{FLEET_DIR}/{name}"
 
     def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None:
         key = self._key(rel)
@@ -399,6 +530,7 @@ class S3TierStorage(TierStorage):
         A copy whose manifest names another node is refused (DESIGN §10: another node's copies
         are read-only here) unless ``adopt`` (the fleet lease holder cleaning an orphan).
         """
+        self._check_writable(f"delete of {rel_path}")
         key = self._key(rel_path)
         with self._errors(f"delete {rel_path}"):
             manifest_key = key + MANIFEST_SUFFIX
@@ -449,6 +581,7 @@ class S3TierStorage(TierStorage):
         parts = _split_rel(artifact.path)
         if STAGING_MARK not in parts[-1]:
             raise StorageError(f"{artifact.path} is not a ckptkeeper staging artifact")
+        self._check_writable(f"discard of {artifact.path}")
         marker = self.prefix + artifact.path
         target = artifact.path.rsplit(STAGING_MARK, 1)[0]
         target_key = self._key(target)
@@ -519,6 +652,25 @@ class S3TierStorage(TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+FLEET_DIR = ".ckptkeeper"
+"""Under a shared tier's root: the lease and node heartbeats. A run name never starts with a dot
+(hidden directories are not runs), so no copy can ever land here."""
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """A conditional write lost: 412 Precondition Failed, or 409 ConditionalRequestConflict."""
+    text = f"{type(exc).__name__} {exc}"
+    response = getattr(exc, "response", None) or {}
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    code = (response.get("Error") or {}).get("Code", "")
+    if status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc and _precondition_failed(cause):
+        return True
+    return "PreconditionFailed" in text or "Precondition Failed" in text or "(412)" in text
 
 
 def _owner_of(body: bytes) -> str:

@@ -351,6 +351,9 @@ class _S3FileWriter:
         self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
+        self.etag: str | None = None
+        """ETag of the object this writer stored (HEAD right after the upload): what an abort may
+        delete — never an object someone else wrote at the same key since."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
@@ -496,6 +499,7 @@ class _S3FileWriter:
         head = tier._head(self.key, checksum=True)
         if head is None:
             raise VerificationError(f"{self.where}: object missing right after upload")
+        self.etag = str(head.get("ETag") or "") or None
         size = int(head["ContentLength"])
         if size != self.entry.size:
             raise VerificationError(f"{self.where}: store holds {size} bytes, expected {self.entry.size}")
@@ -556,7 +560,8 @@ class _S3Sink:
         self.key = tier._key(rel)
         self.marker = f"{self.key}{STAGING_MARK}{_token()}"
         self.with_manifest = with_manifest
-        self.written: list[str] = []
+        self.landed: dict[str, str] = {}
+        """key -> ETag of every object this copy stored: all that an abort deletes."""
         self.writer: _S3FileWriter | None = None
         self.pool = _PartPool()
         self.untrusted: list[tuple[str, FileEntry]] = []
@@ -570,7 +575,7 @@ class _S3Sink:
 
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
-        self.written.append(key)
+        self._note_landed()
         self.writer = _S3FileWriter(
             self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
         )
@@ -600,6 +605,19 @@ class _S3Sink:
         except Exception as exc:  # a stale marker beside a manifest is harmless
             log.warning("%s: stale staging marker left: %s", tier.name, tier._redact(_describe(exc)))
 
+    def _note_landed(self) -> None:
+        if self.writer is not None and self.writer.etag is not None:
+            self.landed[self.writer.key] = self.writer.etag
+
+    def _still_ours(self) -> list[str]:
+        """Keys of objects this copy stored that still hold what it stored."""
+        mine = []
+        for key, etag in self.landed.items():
+            head = self.tier._head(key)
+            if head is not None and str(head.get("ETag") or "") == etag:
+                mine.append(key)
+        return mine
+
     def abort(self) -> None:
         if self.committed:
             return
@@ -610,9 +628,20 @@ class _S3Sink:
             # the copy is either committed (valid) or staging; deleting data could orphan a manifest.
             log.warning("%s: commit of %s uncertain; leaving it for list_staging", self.tier.name, self.rel)
             return
+        self._note_landed()
         try:
-            self.tier._delete_keys(self.written)
-            self.tier._abort_uploads_under(self.key)
+            # Only objects this copy stored and nobody replaced since (same ETag), and only its
+            # own upload (the writer aborted it): a concurrent writer of the same key keeps its
+            # data and its uploads (DESIGN §10: a losing writer deletes only its own keys).
+            self.tier._delete_keys(self._still_ours())
+            w = self.writer
+            if w is not None and w.etag is None and self.tier._head(w.key) is not None:
+                # The failed file may have landed (a reply lost) or be someone else's: the marker
+                # stays, so the reaper settles it once the copy is stale (list_staging).
+                log.warning(
+                    "%s: %s may hold an object of this copy; left for the reaper", self.tier.name, w.key
+                )
+                return
             self.tier._delete_keys([self.marker])
         except Exception as exc:
             log.warning(
