@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ckptkeeper.core.model import Manifest
 from ckptkeeper.storage import S3TierStorage, TierStorage
-from ckptkeeper.storage.s3 import FLEET_DIR
+from ckptkeeper.storage.s3_fleet import FLEET_DIR
 
 __all__ = ["Copy", "choose_holder", "run_holders", "shared_tiers"]
 

@@ -31,6 +31,7 @@ from ckptkeeper.storage.base import (
     _token,
     log,
 )
+from ckptkeeper.storage.s3_fleet import FleetObjects
 from ckptkeeper.storage.s3_transfer import (
     _marker_doc,
     _S3Reader,
@@ -66,7 +67,7 @@ def _collect_secrets(options: Mapping[str, Any]) -> list[str]:
     return sorted(set(found), key=len, reverse=True)
 
 
-class S3TierStorage(TierStorage):
+class S3TierStorage(FleetObjects, TierStorage):
     """A tier in S3-compatible object storage, through s3fs/aiobotocore."""
 
     is_local = False
@@ -406,60 +407,6 @@ class S3TierStorage(TierStorage):
                 out.append(manifest)
         return out
 
-    def get_fleet_object(self, name: str) -> tuple[bytes, str] | None:
-        """``(body, etag)`` of ``<root>.ckptkeeper/<name>``, None if absent."""
-        key = self._fleet_key(name)
-        with self._errors(f"reading {key}"):
-            try:
-                resp = self._call("get_object", Bucket=self.bucket, Key=key)
-            except FileNotFoundError:
-                return None
-            from fsspec.asyn import sync
-
-            body = resp["Body"]
-            try:
-                data: bytes = sync(self.fs.loop, body.read)
-            finally:
-                body.close()
-        return data, str(resp.get("ETag") or "")
-
-    def put_fleet_object(
-        self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
-    ) -> str | None:
-        """PUT ``<root>.ckptkeeper/<name>``, optionally conditional (``If-None-Match: *`` creates
-        only; ``If-Match`` replaces only that version). Returns the new ETag, or None when the
-        condition failed (HTTP 412 / 409: someone else got there first)."""
-        key = self._fleet_key(name)
-        kw: dict[str, Any] = {}
-        if if_none_match:
-            kw["IfNoneMatch"] = "*"
-        if if_match is not None:
-            kw["IfMatch"] = if_match
-        try:
-            resp = self._call(
-                "put_object", Bucket=self.bucket, Key=key, Body=body, ContentType="application/json", **kw
-            )
-        except Exception as exc:
-            if _precondition_failed(exc):
-                return None
-            raise StorageError(self._redact(f"tier {self.name!r}: writing {key}: {_describe(exc)}")) from exc
-        return str(resp.get("ETag") or "")
-
-    def delete_fleet_object(self, name: str) -> None:
-        key = self._fleet_key(name)
-        with self._errors(f"deleting {key}"):
-            self._delete_keys([key])
-
-    def list_fleet_objects(self, sub: str) -> list[tuple[str, float]]:
-        """``(name, last_modified)`` of objects under ``<root>.ckptkeeper/<sub>/``."""
-        base = self._fleet_key(sub) + "/"
-        with self._errors(f"listing {base}", TierUnavailable):
-            return [(o["Key"][len(base) :], o["LastModified"].timestamp()) for o in self._list_objects(base)]
-
-    def _fleet_key(self, name: str) -> str:
-        _split_rel(name, "fleet object name")
-        return f"{self.root_prefix}{FLEET_DIR}/{name}"
-
     def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None:
         key = self._key(rel)
         with self._errors(f"listing {rel}"):
@@ -652,25 +599,6 @@ class S3TierStorage(TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
-
-
-FLEET_DIR = ".ckptkeeper"
-"""Under a shared tier's root: the lease and node heartbeats. A run name never starts with a dot
-(hidden directories are not runs), so no copy can ever land here."""
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """A conditional write lost: 412 Precondition Failed, or 409 ConditionalRequestConflict."""
-    text = f"{type(exc).__name__} {exc}"
-    response = getattr(exc, "response", None) or {}
-    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    code = (response.get("Error") or {}).get("Code", "")
-    if status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc and _precondition_failed(cause):
-        return True
-    return "PreconditionFailed" in text or "Precondition Failed" in text or "(412)" in text
 
 
 def _owner_of(body: bytes) -> str:
