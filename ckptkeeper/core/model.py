@@ -176,6 +176,9 @@ class Artifact:
     run: str | None = None
     upload_id: str | None = None
     """For multipart uploads: the id to abort."""
+    node: str = ""
+    """The node that wrote it when known (a staging marker names it; an upload is matched to its
+    marker by upload id); "" = this node or unknown (DESIGN §10)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,8 @@ class Snapshot:
     foreign: Mapping[tuple[str, int, str], str] = field(default_factory=dict)
     """(run, step, tier) -> node, for copies another node wrote (its manifest names that node):
     read-only to this node's rules (DESIGN §10, :mod:`ckptkeeper.core.ownership`)."""
+    node: str = ""
+    """This node's name: an artifact another node wrote (``Artifact.node``) is not ours to reap."""
 
 
 class ActionKind(StrEnum):

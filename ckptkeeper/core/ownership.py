@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ckptkeeper.core.model import Action, Keep
+from ckptkeeper.core.model import Action, Artifact, Keep
+from ckptkeeper.core.reaper import MULTIPART_UPLOAD
 
-__all__ = ["not_ours", "without_foreign"]
+__all__ = ["not_ours", "without_foreign", "without_others_litter"]
+
 
 
 def not_ours(owner: str) -> str:
@@ -65,3 +67,21 @@ def without_foreign(
     out.extend(Keep(run, step, tier, (not_ours(owner),)) for (run, step, tier), owner in extra.items())
     out.sort(key=lambda k: (k.run, k.step, pos.get(k.tier, last)))
     return kept_deletes, kept_reaps, out
+
+
+def without_others_litter(
+    reaps: Sequence[Action], artifacts: Sequence[Artifact], me: str, notes: list[str]
+) -> list[Action]:
+    """Drop reaps of artifacts another node wrote — its staging markers and the uploads matched to
+    them by upload id — each with a note: another node's copy in progress is not this node's to
+    judge (its marker heartbeat says whether it is live; only the fleet lease holder cleans
+    another node's litter, once that node is gone)."""
+    by_id = {(a.tier, a.path, a.upload_id if a.kind == MULTIPART_UPLOAD else None): a for a in artifacts}
+    out: list[Action] = []
+    for r in reaps:
+        a = by_id.get((r.tier or "", r.path or "", r.upload_id)) if r.step is None else None
+        if a is not None and a.node and a.node != me:
+            notes.append(f"{r.tier}:{r.path}: {a.kind} of node {a.node}: not ours (the fleet lease holder cleans it)")
+        else:
+            out.append(r)
+    return out

@@ -354,6 +354,17 @@ class Index:
         ).fetchall()
         return {(r[0], r[1]): (r[2], r[3]) for r in rows}
 
+    def tier_holdings(self, tier: str, node: str = "") -> tuple[int, int, float | None]:
+        """(runs, checkpoints, newest ``created_at``) with a verified copy in ``tier`` written by this
+        node (location node '' or ``node``): what a node heartbeat reports (DESIGN §10)."""
+        row = self._exec(
+            """SELECT COUNT(DISTINCT c.run), COUNT(*), MAX(c.created_at) FROM locations l
+               JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.tier = ? AND l.version = c.version AND (l.node = '' OR l.node = ?)""",
+            (tier, node),
+        ).fetchone()
+        return int(row[0] or 0), int(row[1] or 0), None if row[2] is None else float(row[2])
+
     def prune_orphans(self) -> int:
         """Drop checkpoints with no location that are not in the hot tier's working set (gone everywhere)."""
         cur = self._exec(
@@ -384,9 +395,9 @@ class Index:
             self._exec(f"DELETE FROM artifacts WHERE {where}", params)
             for a in artifacts:
                 self._exec(
-                    """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id)
-                       VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                    (a.tier, a.path, a.kind, a.bytes, a.last_write, a.run, a.upload_id or ""),
+                    """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id, node)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (a.tier, a.path, a.kind, a.bytes, a.last_write, a.run, a.upload_id or "", a.node),
                 )
 
     def remove_artifact(self, tier: str, path: str, upload_id: str | None = None) -> None:
@@ -406,6 +417,7 @@ class Index:
                 last_write=r["last_write"],
                 run=r["run"],
                 upload_id=r["upload_id"] or None,
+                node=r["node"],
             )
             for r in rows
         ]
@@ -452,6 +464,7 @@ class Index:
             artifacts=artifacts,
             unknown_tiers=frozenset(unknown),
             foreign=foreign,
+            node=node or "",
         )
 
     def _foreign_copies(self, node: str) -> dict[tuple[str, int, str], str]:

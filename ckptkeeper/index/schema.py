@@ -97,6 +97,7 @@ MIGRATIONS: tuple[str, ...] = (
     # so the planner never lets this node's rules delete another node's copy (DESIGN §10).
     """
     ALTER TABLE locations ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    ALTER TABLE artifacts ADD COLUMN node TEXT NOT NULL DEFAULT '';
     """,
 )
 

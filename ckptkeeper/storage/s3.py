@@ -4,6 +4,7 @@ package docstring for its commit protocol and verification)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -362,6 +363,13 @@ class S3TierStorage(FleetObjects, TierStorage):
         other.read_only = True
         return other
 
+    def adopt(self, node: str) -> S3TierStorage:
+        """A writable view of ``node``'s prefix, for the fleet lease holder cleaning a gone node's
+        litter (DESIGN §10); its deletes are this node's, under the lease."""
+        other = self.view(node)
+        other.read_only = False
+        return other
+
     def top_level_dirs(self) -> list[str]:
         """Names of the "directories" right under the root (node prefixes, old-layout runs, and the
         fleet's own ``.ckptkeeper``): one delimited listing."""
@@ -500,9 +508,33 @@ class S3TierStorage(FleetObjects, TierStorage):
             self._delete_keys([marker])
         return sum(size for _, size, _ in objs)
 
+    def _other_writers(self, key: str) -> list[str]:
+        """Other nodes with a staging marker on ``key`` (a copy in progress, or its litter):
+        their data and uploads there are not ours to clear (DESIGN §10)."""
+        if not self.node:
+            return []
+        markers = [o["Key"] for o in self._list_objects(key + STAGING_MARK)]
+        nodes = {d.get("node") for d in self._marker_docs(markers).values()}
+        return sorted(n for n in nodes if isinstance(n, str) and n and n != self.node)
+
+    def _marker_docs(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Staging marker key -> its JSON body ({} when unreadable: an old or foreign marker)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key in keys:
+            try:
+                body = self._get(key)
+                doc = json.loads(body) if body else {}
+            except (ValueError, RecursionError, StorageError, OSError):
+                doc = {}
+            out[key] = doc if isinstance(doc, dict) else {}
+        return out
+
     def list_staging(self) -> list[Artifact]:
         with self._errors(f"listing {self.url}", TierUnavailable):
             objs = {o["Key"]: o for o in self._list_objects(self.prefix)}
+            docs = self._marker_docs(
+                k for k in objs if STAGING_MARK in k[len(self.prefix) :].rsplit("/", 1)[-1]
+            )
         out: list[Artifact] = []
         for key, obj in sorted(objs.items()):
             rel = key[len(self.prefix) :]
@@ -516,7 +548,9 @@ class S3TierStorage(FleetObjects, TierStorage):
                     if k == target_key or k.startswith(target_key + "/"):
                         size += int(o["Size"])
                         newest = max(newest, o["LastModified"].timestamp())
-            out.append(_staging_artifact(self.name, rel, size, newest))
+            node = docs.get(key, {}).get("node")
+            artifact = _staging_artifact(self.name, rel, size, newest)
+            out.append(dataclasses.replace(artifact, node=node) if isinstance(node, str) else artifact)
         return out
 
     def discard_staging(self, artifact: Artifact) -> int:
@@ -556,6 +590,7 @@ class S3TierStorage(FleetObjects, TierStorage):
                     break
                 kw["KeyMarker"] = resp.get("NextKeyMarker")
                 kw["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+            live = self._uploads_of_markers() if uploads else {}
             for upload in uploads:
                 size = 0
                 pkw: dict[str, Any] = {
@@ -570,17 +605,41 @@ class S3TierStorage(FleetObjects, TierStorage):
                         break
                     pkw["PartNumberMarker"] = parts["NextPartNumberMarker"]
                 rel = upload["Key"][len(self.prefix) :]
+                # Matched to its copy's marker by upload id (or, for an upload a lost reply left
+                # behind, by the marker's target): that marker's age and node, not the store's
+                # reported start time, say whether it is abandoned and whose it is.
+                node, beat = live.get(upload["UploadId"]) or _covering(live, upload["Key"]) or ("", 0.0)
                 out.append(
                     Artifact(
                         tier=self.name,
                         path=rel,
                         kind=MULTIPART_KIND,
                         bytes=size,
-                        last_write=upload["Initiated"].timestamp(),
+                        last_write=max(upload["Initiated"].timestamp(), beat),
                         run=rel.split("/", 1)[0],
                         upload_id=upload["UploadId"],
+                        node=node,
                     )
                 )
+        return out
+
+    def _uploads_of_markers(self) -> dict[str, tuple[str, float]]:
+        """upload id (and ``target:<key>`` per marker) -> (node, marker LastModified)."""
+        markers = {
+            o["Key"]: o["LastModified"].timestamp()
+            for o in self._list_objects(self.prefix)
+            if STAGING_MARK in o["Key"].rsplit("/", 1)[-1]
+        }
+        out: dict[str, tuple[str, float]] = {}
+        for key, doc in self._marker_docs(markers).items():
+            node = doc.get("node")
+            seen = (node if isinstance(node, str) else "", markers[key])
+            target = "target:" + key.rsplit(STAGING_MARK, 1)[0]
+            if out.get(target, ("", 0.0))[1] < seen[1]:
+                out[target] = seen
+            for upload_id in doc.get("uploads") or []:
+                if isinstance(upload_id, str):
+                    out[upload_id] = seen
         return out
 
     def abort_multipart(self, artifact: Artifact) -> None:
@@ -599,6 +658,16 @@ class S3TierStorage(FleetObjects, TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+def _covering(live: Mapping[str, tuple[str, float]], key: str) -> tuple[str, float] | None:
+    """The marker entry whose target is ``key`` or a "directory" above it."""
+    parts = key.split("/")
+    for i in range(len(parts), 0, -1):
+        found = live.get("target:" + "/".join(parts[:i]))
+        if found is not None:
+            return found
+    return None
 
 
 def _owner_of(body: bytes) -> str:

@@ -16,7 +16,7 @@ import stat
 import time
 import zlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import (
@@ -68,6 +68,7 @@ class _S3Tier(Protocol):
     def _delete_keys(self, keys: list[str]) -> None: ...
     def _abort_uploads_under(self, key: str) -> None: ...
     def _commit_manifest(self, key: str, body: bytes) -> None: ...
+    def _other_writers(self, key: str) -> list[str]: ...
 
 
 def _crc32_b64(crc: int) -> str:
@@ -351,6 +352,9 @@ class _S3FileWriter:
         self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
+        self.on_upload: Callable[[str], None] | None = None
+        """Told the id of the multipart upload this writer creates (the sink records it in its
+        staging marker, so no reaper takes the upload for an abandoned one while the copy lives)."""
         self.etag: str | None = None
         """ETag of the object this writer stored (HEAD right after the upload): what an abort may
         delete — never an object someone else wrote at the same key since."""
@@ -400,6 +404,8 @@ class _S3FileWriter:
                 "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
             )
             self.upload_id = resp["UploadId"]
+            if self.on_upload is not None:
+                self.on_upload(self.upload_id)
         self._drain(tier.max_inflight - 1)
         body, crc, buf = self._take_part()
         number = self.next_part
@@ -552,7 +558,16 @@ def _same_checksum(stored: str, expected: str) -> bool:
 
 
 class _S3Sink:
-    """Data at final keys, marker first, manifest last (the commit point)."""
+    """Data at final keys, marker first, manifest last (the commit point).
+
+    The marker is a heartbeat (DESIGN §10): it is rewritten at least every :attr:`beat_every`
+    seconds while the copy runs and whenever a multipart upload starts, recording the node and
+    the ids of its uploads; its ``LastModified`` (the store's clock) is how old the copy looks to a
+    reaper, and the ids tie each upload to it (a store's upload start time proves nothing: moto
+    reports a fixed one).
+    """
+
+    beat_every: float = 60.0
 
     def __init__(self, tier: _S3Tier, rel: str, manifest: Manifest, *, with_manifest: bool) -> None:
         self.tier = tier
@@ -567,7 +582,17 @@ class _S3Sink:
         self.untrusted: list[tuple[str, FileEntry]] = []
         self.commit_attempted = False
         self.committed = False
+        self.is_dir = manifest.is_dir
+        self.uploads: list[str] = []
+        self.started = time.time()
+        self.last_beat = self.started
         with tier._errors(f"start copy of {rel}"):
+            others = tier._other_writers(self.key)
+            if others:
+                raise StorageError(
+                    f"tier {tier.name!r}: node {', '.join(others)} is copying to {rel} too (two nodes share "
+                    "the single-node layout: set shared = true on the tier); nothing was written"
+                )
             tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir, tier.node))
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
@@ -579,7 +604,23 @@ class _S3Sink:
         self.writer = _S3FileWriter(
             self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
         )
+        self.writer.on_upload = self._upload_started
         return _GuardedWriter(self, self.writer)
+
+    def _upload_started(self, upload_id: str) -> None:
+        self.uploads.append(upload_id)
+        self.beat()
+
+    def beat(self) -> None:
+        """Rewrite the marker: a fresh heartbeat, this copy's uploads so far."""
+        self.last_beat = time.time()
+        doc = _marker_doc("copy", self.rel, self.is_dir, self.tier.node)
+        doc.update(started=self.started, uploads=list(self.uploads))
+        self.tier._put_json(self.marker, doc)
+
+    def maybe_beat(self) -> None:
+        if time.time() - self.last_beat >= self.beat_every:
+            self.beat()
 
     def commit(self, manifest: Manifest) -> None:
         tier = self.tier
@@ -662,6 +703,7 @@ class _GuardedWriter:
     def write(self, data: bytes | memoryview, /) -> None:
         with self.sink.tier._errors(f"upload of {self.writer.key}"):
             self.writer.write(data)
+            self.sink.maybe_beat()
 
     def finish(self) -> None:
         with self.sink.tier._errors(f"upload of {self.writer.key}"):
