@@ -152,6 +152,10 @@ def run_prune(
             Catalog(settings, index).reconcile()
         if hold is not None and not result.stopped:
             after_held_pass(settings, index, hold, kinds, force)
+        if not result.stopped and any(t.shared for t in settings.tiers):
+            from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
+
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *after_pass(settings, index)))
     failed = [
         f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
         for a, err in result.failed
