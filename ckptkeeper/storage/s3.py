@@ -518,13 +518,16 @@ class S3TierStorage(FleetObjects, TierStorage):
         return sorted(n for n in nodes if isinstance(n, str) and n and n != self.node)
 
     def _marker_docs(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
-        """Staging marker key -> its JSON body ({} when unreadable: an old or foreign marker)."""
+        """Staging marker key -> its JSON body ({} when gone or not a JSON object: an old marker).
+
+        A failed read raises: a marker whose node is unknown must not pass for one of ours.
+        """
         out: dict[str, dict[str, Any]] = {}
         for key in keys:
+            body = self._get(key)
             try:
-                body = self._get(key)
                 doc = json.loads(body) if body else {}
-            except (ValueError, RecursionError, StorageError, OSError):
+            except (ValueError, RecursionError):
                 doc = {}
             out[key] = doc if isinstance(doc, dict) else {}
         return out
