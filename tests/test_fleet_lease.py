@@ -134,9 +134,10 @@ def test_lease_holder_cleans_a_gone_nodes_litter_exactly_once(
     live_marker = _abandoned_copy(tmp_path, s3_bucket, s3_storage_options, "node-y")
     tier = _shared(s3_bucket, s3_storage_options, "node-a")
     write_beat(tier, "node-z", runs_held=1, checkpoints_held=1, newest_verified=None, now=now - 7200)
-    write_beat(tier, "node-y", runs_held=1, checkpoints_held=1, newest_verified=None, now=now)
+    later = now + 3700  # both markers are older than heartbeat_ttl then; both heartbeat objects
+    # are older than orphan_after by the store's clock, but node-y's says it passed just now
+    write_beat(tier, "node-y", runs_held=1, checkpoints_held=1, newest_verified=None, now=later)
     assert len(_uploads(s3_client, s3_bucket)) == 2
-    later = now + 600  # both markers are older than heartbeat_ttl by then; only node-z is gone
     notes = {}
     for name in ("node-a", "node-b"):
         cfg = _node_config(tmp_path, name, s3_bucket, s3_reset, orphan_after="1h", heartbeat_ttl="5m")

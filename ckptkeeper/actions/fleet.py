@@ -14,7 +14,7 @@ from typing import Any
 from ckptkeeper.config import Settings
 from ckptkeeper.fleet.cleanup import clean_gone_nodes, gone_nodes
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
-from ckptkeeper.fleet.nodes import fleet_view, read_beats, write_beat
+from ckptkeeper.fleet.nodes import NODES_DIR, fleet_view, read_beat, read_beats, write_beat
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
@@ -59,7 +59,14 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
             if not conditional_writes(tier, settings.node):
                 notes.append(f"{tier.name}: {NO_CONDITIONAL_WRITES}")
                 continue
-            beats, _bad = read_beats(tier)
+            # One listing; only heartbeats the store itself dates older than orphan_after are read
+            # (a pass costs what this node owns, not one GET per node of the fleet).
+            stale = [
+                name
+                for name, mtime in tier.list_fleet_objects(NODES_DIR)
+                if t - mtime > settings.fleet.orphan_after and name.endswith(".json") and "/" not in name
+            ]
+            beats = [b for b in (read_beat(tier, name) for name in stale) if b is not None]
             gone = gone_nodes(beats, settings.node, t, settings.fleet.orphan_after)
             if not gone:
                 continue

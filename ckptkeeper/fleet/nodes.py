@@ -18,7 +18,7 @@ from ckptkeeper import __version__
 from ckptkeeper.fleet.lease import LeaseInfo
 from ckptkeeper.storage import S3TierStorage
 
-__all__ = ["NodeBeat", "fleet_view", "read_beats", "write_beat"]
+__all__ = ["NODES_DIR", "NodeBeat", "fleet_view", "read_beat", "read_beats", "write_beat"]
 
 NODES_DIR = "nodes"
 _MAX_BEAT_BYTES = 1 << 20
@@ -82,6 +82,13 @@ def write_beat(
     return beat
 
 
+def read_beat(tier: S3TierStorage, name: str) -> NodeBeat | None:
+    """The heartbeat object ``nodes/<name>`` (None: gone, unreadable, or naming another node)."""
+    got = tier.get_fleet_object(f"{NODES_DIR}/{name}")
+    beat = NodeBeat.parse(got[0]) if got is not None else None
+    return beat if beat is not None and f"{beat.node}.json" == name else None
+
+
 def read_beats(tier: S3TierStorage) -> tuple[list[NodeBeat], list[str]]:
     """Every node's heartbeat (one listing + one small GET each) and the names of unreadable ones."""
     beats: list[NodeBeat] = []
@@ -89,9 +96,8 @@ def read_beats(tier: S3TierStorage) -> tuple[list[NodeBeat], list[str]]:
     for name, _mtime in tier.list_fleet_objects(NODES_DIR):
         if not name.endswith(".json") or "/" in name:
             continue
-        got = tier.get_fleet_object(f"{NODES_DIR}/{name}")
-        beat = NodeBeat.parse(got[0]) if got is not None else None
-        if beat is None or f"{beat.node}.json" != name:
+        beat = read_beat(tier, name)
+        if beat is None:
             bad.append(name)
         else:
             beats.append(beat)
