@@ -21,7 +21,6 @@ from ckptkeeper.core.reaper import MULTIPART_UPLOAD
 __all__ = ["not_ours", "without_foreign", "without_others_litter"]
 
 
-
 def not_ours(owner: str) -> str:
     """The keep reason of a copy another node wrote (shown by ``prune --dry-run``)."""
     return f"owned by node {owner}: not ours"
@@ -81,7 +80,9 @@ def without_others_litter(
     for r in reaps:
         a = by_id.get((r.tier or "", r.path or "", r.upload_id)) if r.step is None else None
         if a is not None and a.node and a.node != me:
-            notes.append(f"{r.tier}:{r.path}: {a.kind} of node {a.node}: not ours (the fleet lease holder cleans it)")
+            notes.append(
+                f"{r.tier}:{r.path}: {a.kind} of node {a.node}: not ours (the fleet lease holder cleans it)"
+            )
         else:
             out.append(r)
     return out
