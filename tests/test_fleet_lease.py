@@ -238,3 +238,20 @@ def test_fleet_command_shows_every_node(tmp_path: Path, s3_bucket: str, s3_reset
     alone = _cli(tmp_path / "node-a" / "config.toml", "fleet")
     assert alone.returncode == 0
     assert STAGING_MARK not in shown.stdout
+
+
+def test_two_machines_with_one_node_name_are_reported(
+    tmp_path: Path, s3_bucket: str, s3_reset: str, s3_storage_options: dict[str, Any]
+) -> None:
+    from ckptkeeper.fleet.nodes import name_clash
+
+    assert name_clash(NodeBeat("n", T - 10, host="box-1"), "box-2", T, 3600) is not None
+    assert name_clash(NodeBeat("n", T - 10, host="box-1"), "box-1", T, 3600) is None
+    assert name_clash(NodeBeat("n", T - 7200, host="box-1"), "box-2", T, 3600) is None  # moved long ago
+    tier = _shared(s3_bucket, s3_storage_options, "node-a")
+    other = NodeBeat("node-a", time.time(), host="some-other-box")
+    tier.put_fleet_object("nodes/node-a.json", other.to_json())
+    settings = load_settings(_node_config(tmp_path, "node-a", s3_bucket, s3_reset))
+    with Index(settings.index) as ix:
+        notes = fleet_action.after_pass(settings, ix)
+    assert any("node name 'node-a' is also used by host 'some-other-box'" in n for n in notes), notes

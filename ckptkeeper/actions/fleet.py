@@ -8,13 +8,14 @@ Without conditional writes there is no lease and no fleet-wide delete, with one 
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.fleet.cleanup import clean_gone_nodes, gone_nodes
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
-from ckptkeeper.fleet.nodes import NODES_DIR, fleet_view, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.nodes import NODES_DIR, fleet_view, name_clash, read_beat, read_beats, write_beat
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
@@ -53,6 +54,12 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
         t = time.time() if now is None else now
         try:
             runs, ckpts, newest = index.tier_holdings(tier.name, settings.node)
+            clash = name_clash(
+                read_beat(tier, f"{settings.node}.json"), socket.gethostname(), t, settings.fleet.orphan_after
+            )
+            if clash is not None:
+                log.error(clash, tier=tier.name)
+                notes.append(f"{tier.name}: {clash}")
             write_beat(
                 tier, settings.node, runs_held=runs, checkpoints_held=ckpts, newest_verified=newest, now=t
             )

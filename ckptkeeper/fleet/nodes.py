@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +37,8 @@ class NodeBeat:
     checkpoints_held: int = 0
     newest_verified: float | None = None
     """``created_at`` of the newest checkpoint this node holds a verified copy of in the tier."""
+    host: str = ""
+    """The machine that wrote it: two machines writing one node's heartbeat share a ``node`` name."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -55,6 +58,7 @@ class NodeBeat:
                 runs_held=int(doc.get("runs_held") or 0),
                 checkpoints_held=int(doc.get("checkpoints_held") or 0),
                 newest_verified=None if newest is None else float(newest),
+                host=str(doc.get("host") or ""),
             )
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
@@ -77,9 +81,23 @@ def write_beat(
         runs_held=runs_held,
         checkpoints_held=checkpoints_held,
         newest_verified=newest_verified,
+        host=socket.gethostname(),
     )
     tier.put_fleet_object(f"{NODES_DIR}/{node}.json", beat.to_json())
     return beat
+
+
+def name_clash(previous: NodeBeat | None, host: str, now: float, orphan_after: float) -> str | None:
+    """Another machine wrote this node's heartbeat recently: two machines use one ``node`` name
+    (DESIGN §10: a config error; their copies would share keys). The message, or None (pure)."""
+    if previous is None or not previous.host or previous.host == host:
+        return None
+    if now - previous.last_pass > orphan_after:
+        return None  # the node moved to this machine long ago
+    return (
+        f"node name {previous.node!r} is also used by host {previous.host!r} (heartbeat "
+        f"{max(0.0, now - previous.last_pass):.0f}s ago): give every machine its own `node`"
+    )
 
 
 def read_beat(tier: S3TierStorage, name: str) -> NodeBeat | None:
