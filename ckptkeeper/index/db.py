@@ -417,7 +417,8 @@ class Index:
                 last_write=r["last_write"],
                 run=r["run"],
                 upload_id=r["upload_id"] or None,
-                node=r["node"],
+                # a read-only index not yet migrated has no node column (sqlite3.Row: `in` tests values)
+                node=r["node"] if "node" in r.keys() else "",  # noqa: SIM118
             )
             for r in rows
         ]
