@@ -52,7 +52,8 @@ class DaemonProcess:
             {"name": "hot", "url": str(self.hot)},  # no rules: keep everything, the jobs move nothing
             {"name": "warm", "url": str(self.warm)},
         ]
-        self.daemon = {"metrics_addr": "", "settle_seconds": 30, **(daemon or {})}
+        # trees are back-dated to simulate settled checkpoints: judge them by mtime
+        self.daemon = {"metrics_addr": "", "settle_seconds": 30, "trust_mtimes": True, **(daemon or {})}
         self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "daemon.log"

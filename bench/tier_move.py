@@ -8,6 +8,12 @@ shell commands a cron job would use.
   manifest, files and directories fsync-ed, manifest, atomic rename) and ``delete``.
 * same filesystem: hot and warm on disk. Baseline: ``mv`` (and, for reference, ``mv`` + ``sync``
   of both parent directories, the durable equivalent). ckptkeeper: the executor's rename path.
+* the re-check of the survivor (issue #13): before the delete of a move, every other copy is
+  checked in storage against the manifest (a GET of the manifest and a HEAD per object for S3).
+  Measured against what it guards, a hot → cold move through the executor (upload, verify,
+  commit, re-check, delete) on a moto server in its own process; and, for a checkpoint of many
+  small objects, the concurrent re-check (16 requests in flight) against the same one request at
+  a time. Requests are counted on the client (botocore's ``before-call`` event).
 
 The checkpoint is a Hugging Face Trainer directory: two large tensors files and the usual small
 files. Before each measurement the source is recreated from a template (untimed, mtimes kept so
@@ -78,7 +84,7 @@ def _settings(hot: Path, warm: Path, index: Path) -> object:
                 {"name": "hot", "url": str(hot), "keep_last": 1},
                 {"name": "warm", "url": str(warm), "keep_last": 10},
             ],
-            "daemon": {"metrics_addr": ""},
+            "daemon": {"metrics_addr": "", "trust_mtimes": True},  # back-dated checkpoint
         }
     )
 
@@ -230,6 +236,186 @@ def run(cfg: Config) -> list[Row]:
                 ok=None,
                 baseline_label="mv + sync dirs",
                 samples={"baseline": base_sync, "ckptkeeper": ours_mv},
+            )
+        )
+    rows.extend(cold_rows(cfg))
+    return rows
+
+
+def _cold_settings(hot: Path, url: str, index: Path) -> object:
+    from bench.s3_transfer import _AWS_ENV, BUCKET
+    from ckptkeeper.config import settings_from_mapping
+
+    options = {
+        "endpoint_url": url,
+        "key": _AWS_ENV["AWS_ACCESS_KEY_ID"],
+        "secret": _AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+    }
+    return settings_from_mapping(
+        {
+            "index": str(index),
+            "tiers": [
+                {"name": "hot", "url": str(hot), "keep_last": 1},
+                {"name": "cold", "url": f"s3://{BUCKET}/ckpt", "storage_options": options},
+            ],
+            "daemon": {"metrics_addr": ""},
+        }
+    )
+
+
+class _ColdMover:
+    """hot (tmpfs) → cold (moto) moves through the executor, and re-checks of the committed copy."""
+
+    def __init__(self, template: Path, root: Path, url: str) -> None:
+        self.name = template.name
+        self.template = template
+        self.root = root
+        self.url = url
+        self.hot = root / "hot"
+        self.state = root / "state"
+        self.requests = 0
+        self.objects = 0
+
+    def _fresh(self) -> tuple[object, object]:
+        from bench.s3_transfer import _reset
+        from ckptkeeper.index import Index
+        from ckptkeeper.ingest.catalog import Catalog
+
+        _reset(self.url)
+        for d in (self.hot, self.state):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        (self.hot / RUN).mkdir()
+        subprocess.run(["cp", "-a", str(self.template), str(self.hot / RUN / self.name)], check=True)
+        settings = _cold_settings(self.hot, self.url, self.state / "index.db")
+        index = Index(self.state / "index.db")
+        Catalog(settings, index).reconcile()
+        return settings, index
+
+    def move(self) -> float:
+        """Copy + delete through the executor; the delete re-checks the cold copy first."""
+        from ckptkeeper.core.model import Action, ActionKind, Plan
+        from ckptkeeper.executor import Executor
+
+        settings, index = self._fresh()
+        try:
+            row = index.checkpoint(RUN, self.name)  # type: ignore[attr-defined]
+            assert row is not None and row.state.value == "complete", row
+            path = f"{RUN}/{self.name}"
+            plan = Plan(
+                actions=(
+                    Action(ActionKind.COPY, "bench", RUN, 1000, "hot", "cold", path, row.bytes, "demote"),
+                    Action(ActionKind.DELETE, "bench", RUN, 1000, "hot", None, path, row.bytes, "moved"),
+                ),
+                keep=(),
+                reclaim_bytes={},
+            )
+            executor = Executor(index, settings.tier_specs())  # type: ignore[arg-type, attr-defined]
+            t0 = time.perf_counter()
+            result = executor.apply(plan)
+            elapsed = time.perf_counter() - t0
+        finally:
+            index.close()  # type: ignore[attr-defined]
+        if not result.ok or len(result.done) != 2:
+            raise RuntimeError(f"executor move failed: {result.failed} {result.skipped}")
+        return elapsed
+
+    def recheck(self, concurrency: int) -> float:
+        """One re-check of the committed cold copy (the move above left it), requests counted."""
+        from ckptkeeper.core.model import Manifest
+        from ckptkeeper.storage import S3TierStorage, TierStorage
+
+        settings = _cold_settings(self.hot, self.url, self.state / "index.db")
+        storage = TierStorage(settings.tier_specs()[1])  # type: ignore[attr-defined]
+        assert isinstance(storage, S3TierStorage)
+        storage.recheck_concurrency = concurrency
+        manifest = storage.read_manifest(f"{RUN}/{self.name}")
+        assert isinstance(manifest, Manifest)
+        count = [0]
+
+        def on_call(**_: object) -> None:
+            count[0] += 1
+
+        storage.fs.s3.meta.events.register("before-call.s3", on_call)
+        t0 = time.perf_counter()
+        problems = storage.recheck(manifest)
+        elapsed = time.perf_counter() - t0
+        if problems:
+            raise RuntimeError(f"re-check of an intact copy failed: {problems}")
+        self.requests, self.objects = count[0], len(manifest.files)
+        return elapsed
+
+
+def _many_files_template(root: Path, n: int, size: int) -> Path:
+    """A torch DCP directory of ``n`` shards (many objects per checkpoint)."""
+    ckpt = root / "step_1000"
+    ckpt.mkdir(parents=True)
+    for i in range(n):
+        (ckpt / f"__{i}_0.distcp").write_bytes(os.urandom(size))
+    (ckpt / ".metadata").write_bytes(os.urandom(4096))
+    old = time.time() - 3 * 3600
+    for p in [*ckpt.rglob("*"), ckpt]:
+        os.utime(p, (old, old))
+    return ckpt
+
+
+def cold_rows(cfg: Config) -> list[Row]:
+    """The survivor re-check's cost: per move, and concurrent vs one request at a time."""
+    from bench.s3_transfer import moto_server
+
+    size = cfg.pick(1024 * MiB, 256 * MiB, 8 * MiB)
+    reps = cfg.pick(cfg.reps, 3, 1)
+    n_small = cfg.pick(200, 200, 20)
+    rows: list[Row] = []
+    with (
+        cfg.tempdir(cfg.fast_dir, "recheck-fast") as fast,
+        cfg.tempdir(cfg.disk_dir, "recheck-moto") as moto_tmp,
+        moto_server(moto_tmp) as url,
+    ):
+        template = make_template(fast / "template", size)
+        mover = _ColdMover(template, fast / "node", url)
+        moves: list[float] = []
+        checks: list[float] = []
+        for i in range(reps):
+            moves.append(mover.move())
+            checks.append(mover.recheck(16))
+            cfg.log(f"rep {i + 1}/{reps}: move {moves[-1]:.3f} s, re-check {checks[-1] * 1e3:.1f} ms")
+        ratio = median(checks) / median(moves)
+        rows.append(
+            Row(
+                metric=f"survivor re-check before the hot delete of a move to cold, {size // MiB} MiB "
+                f"({mover.objects} objects)",
+                baseline=median(moves),
+                ours=median(checks),
+                unit="s",
+                ratio=ratio,
+                target="<= 0.05x",
+                ok=ratio <= 0.05,
+                baseline_label="the whole move (executor)",
+                note=f"{mover.requests} extra requests per move (1 GET of the manifest + 1 HEAD per object); "
+                f"{median(checks) / median(moves) * 100:.2f} % of the move's time",
+                samples={"baseline": moves, "ckptkeeper": checks},
+            )
+        )
+        shutil.rmtree(fast / "template", ignore_errors=True)
+
+        small = _many_files_template(fast / "small-template", n_small, 64 * 1024)
+        many = _ColdMover(small, fast / "node-small", url)
+        many.move()
+        one, sixteen = alternate(lambda: many.recheck(1), lambda: many.recheck(16), reps, log=cfg.log)
+        ratio = median(one) / median(sixteen)
+        rows.append(
+            Row(
+                metric=f"  same, {many.objects} small objects: 16 requests in flight",
+                baseline=median(one),
+                ours=median(sixteen),
+                unit="s",
+                ratio=ratio,
+                target="info",
+                ok=None,
+                baseline_label="one request at a time",
+                note=f"{many.requests} requests per re-check",
+                samples={"baseline": one, "ckptkeeper": sixteen},
             )
         )
     return rows

@@ -195,6 +195,11 @@ class TierConfig(_Strict):
 
 class DaemonConfig(_Strict):
     settle_seconds: Duration = 30.0
+    trust_mtimes: bool = False
+    """Judge when a checkpoint was last written by mtimes alone (settling, partial and run ages).
+    Off (the default), ctime counts too: ``cp -a`` / ``rsync -a`` into the hot tier keep old mtimes,
+    and a copy in progress would look settled (moved half-done) or abandoned (reaped). On only where
+    nothing copies checkpoints into hot that way."""
     retention_interval: JobInterval = 300.0
     reap_interval: JobInterval = 900.0
     rescan_interval: JobInterval = 3600.0

@@ -58,6 +58,10 @@ class _CrashPoints:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SurvivorDamaged(StorageError):
+    """A delete was refused: a copy it would leave as a survivor is not whole in storage."""
+
+
 @dataclass
 class ExecResult:
     done: list[Action] = field(default_factory=list)
@@ -323,10 +327,50 @@ class Executor:
             return "refusing: no other verified copy exists"
         if action.tier == self.hot and self._changed_since_cataloged(row):
             return "written to since it was cataloged"
+        if not expiring:
+            self._recheck_survivors(row, others)
         self._remove(action, row, reason="expired" if expiring else "moved")
         if not (set(row.locations) - {action.tier}):
             self.index.delete_checkpoint(row.id)
         return None
+
+    def _recheck_survivors(self, row: CheckpointRow, survivors: frozenset[str]) -> None:
+        """Check in storage, now, every other copy a delete leaves; raise if any is not whole.
+
+        The index says where verified copies are; storage may disagree since (a replica's objects
+        deleted behind our back, a warm disk that lost files). Each survivor's files are stat-ed
+        (local) or HEAD-ed (S3, concurrently) against the manifest. A damaged one is marked so in
+        the index, which makes the next plan copy it again, and the delete does not happen
+        (:class:`SurvivorDamaged`). A survivor that cannot be checked fails the delete too.
+        """
+        manifest = row.manifest()
+        if manifest is None:
+            raise StorageError(f"{row.run}/{row.name}: no manifest recorded to re-check its copies against")
+        order = [t.name for t in self.tiers]
+        damaged: dict[str, list[str]] = {}
+        for tier in sorted(survivors, key=order.index):
+            problems = self.storage(tier).recheck(manifest)
+            if problems:
+                damaged[tier] = problems
+        if not damaged:
+            return
+        with self.index.transaction():
+            for tier, problems in damaged.items():
+                self.index.mark_damaged(row.id, tier, "; ".join(problems))
+        for tier, problems in damaged.items():
+            log.error(
+                "surviving copy is damaged; delete refused, the copy is made again next pass",
+                path=f"{row.run}/{row.name}",
+                tier=tier,
+                problems=problems[:5],
+            )
+        raise SurvivorDamaged(
+            "; ".join(
+                f"copy in {tier} is damaged ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})"
+                for tier, problems in damaged.items()
+            )
+            + ": not deleted; marked damaged, copied again on the next pass"
+        )
 
     def _reap(self, action: Action) -> str | None:
         assert action.tier and action.path

@@ -171,6 +171,7 @@ def manifest_of(root: Path, run: str, step: int, *, name: str | None = None, **f
 
 FAST_DAEMON = {
     "settle_seconds": "1s",
+    "trust_mtimes": True,  # tests back-date trees with utime to mean "settled"
     "retention_interval": "1s",
     "reap_interval": "1s",
     "rescan_interval": "1h",

@@ -9,7 +9,9 @@ header too, so SigV4 signatures stay valid) and, for a seeded fraction of reques
   cannot know (the ambiguous case: a lost CreateMultipartUpload or manifest PUT reply);
 * ``truncate``      — forward, send the headers and half the body, then reset;
 * ``latency``       — sleep a little (bounded) before forwarding;
-* ``denied``        — answer ``403 AccessDenied`` (not retried by anyone; only used through rules).
+* ``denied``        — answer ``403 AccessDenied`` (not retried by anyone; only used through rules);
+* ``not_implemented`` — answer ``501 NotImplemented``, as a store lacking a feature does (only
+  through rules).
 
 Whether a request is faulted depends only on (seed, method, target, how many times that exact
 request was seen), not on the interleaving of concurrent requests, so a seed reproduces a run.
@@ -54,10 +56,23 @@ SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
 )
+NOT_IMPLEMENTED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code>'
+    b"<Message>A header you provided implies functionality that is not implemented.</Message>"
+    b"<RequestId>faultproxy</RequestId></Error>"
+)
 DENIED_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
     b"<Message>Access Denied</Message><RequestId>faultproxy</RequestId></Error>"
 )
+
+
+_CANNED = {
+    "slowdown": (503, "Slow Down", SLOWDOWN_BODY),
+    "denied": (403, "Forbidden", DENIED_BODY),
+    "not_implemented": (501, "Not Implemented", NOT_IMPLEMENTED_BODY),
+}
+"""Faults answered by the proxy itself: status, reason, body."""
 
 
 @dataclass(frozen=True)
@@ -213,12 +228,8 @@ class FaultProxy:
                         self.upstream_host, self.upstream_port, timeout=self.timeout
                     )
                 action = self._decide(request)
-                if action in ("slowdown", "denied"):
-                    status, reason, body_out = (
-                        (503, "Slow Down", SLOWDOWN_BODY)
-                        if action == "slowdown"
-                        else (403, "Forbidden", DENIED_BODY)
-                    )
+                if action in _CANNED:
+                    status, reason, body_out = _CANNED[action]
                     head_only = request.method == "HEAD"  # a HEAD reply carries no body
                     _send_response(
                         conn,

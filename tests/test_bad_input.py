@@ -81,6 +81,7 @@ class Node:
             index=tmp / "index.db",
             daemon={
                 "settle_seconds": "1s",
+                "trust_mtimes": True,
                 "metrics_addr": "",
                 "retention_interval": "1s",
                 "reap_interval": "1s",

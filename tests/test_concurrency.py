@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,11 @@ def test_pin_from_another_process_during_a_slow_prune_saves_the_checkpoint(
     assert node.cli("scan").returncode == 0  # so the rows exist for `pin` while the prune runs
     proc = slow_prune(node)
     try:
-        for run, step in (("train", "400"), ("failed", "100")):
-            pinned = node.cli("pin", run, step)
+        # Both at once, as two operators would: a pin also writes its pin object to every slower
+        # tier (S3 included), so one after the other could outlast the copies.
+        with ThreadPoolExecutor(2) as pool:
+            pins = list(pool.map(lambda key: node.cli("pin", *key), (("train", "400"), ("failed", "100"))))
+        for pinned in pins:
             assert pinned.returncode == 0, pinned.stderr
         assert proc.poll() is None, "the race was lost: the prune finished before the pins"
         for args in (("ls", "--json"), ("status", "--json")):
@@ -227,7 +231,11 @@ def test_another_process_can_write_the_index_while_the_catalog_hashes(
     for p in hot.rglob("*"):
         os.utime(p, (old, old))
     settings = settings_from_mapping(
-        {"index": str(tmp_path / "index.db"), "tiers": [{"name": "hot", "url": str(hot)}]}
+        {
+            "index": str(tmp_path / "index.db"),
+            "daemon": {"trust_mtimes": True},  # back-dated above to mean "settled"
+            "tiers": [{"name": "hot", "url": str(hot)}],
+        }
     )
     real_hash = catalog_module.hash_file
     attempts: list[str] = []

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -38,7 +40,14 @@ def free_port() -> int:
 
 
 class Notifications:
-    """The systemd side of sd_notify: a bound datagram socket and what arrived on it."""
+    """The systemd side of sd_notify: a bound datagram socket, read continuously, and what arrived.
+
+    Read by a thread from the start, as systemd reads its notify socket: Linux queues only
+    ``net.unix.max_dgram_qlen`` (10) unread datagrams, and a receiver that read only inside
+    :meth:`wait_for` let a daemon's status lines fill the queue while a test polled something else
+    (a settle loop); the daemon's next send then waited for room, and at SIGTERM the test waited
+    for the daemon to exit before reading again: neither moved (test_daemon_e2e under load).
+    """
 
     def __init__(self, *, abstract: bool = False) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -53,26 +62,44 @@ class Notifications:
             self.address = os.path.join(self._dir, "notify")
             self.sock.bind(self.address)
         self.messages: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        """Held across each read and its append: arrival order is kept, and :meth:`drain` can wait
+        out a datagram the reader has taken off the socket but not recorded yet."""
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="test-notify-reader", daemon=True)
+        self._reader.start()
 
     def close(self) -> None:
+        self._closing.set()
+        self._reader.join()
         self.sock.close()
         if self._dir is not None:
             for name in os.listdir(self._dir):
                 os.unlink(os.path.join(self._dir, name))
             os.rmdir(self._dir)
 
+    def _read_loop(self) -> None:
+        while not self._closing.is_set():
+            self._pump(0.05)
+
+    def _pump(self, wait: float) -> None:
+        """Record every datagram queued, after waiting up to ``wait`` for the first."""
+        readable, _, _ = select.select([self.sock], [], [], wait)
+        with self._lock:
+            while readable:
+                try:
+                    data = self.sock.recv(65536, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+                self.messages.append((time.monotonic(), data.decode()))
+
     def drain(self, timeout: float = 0.0) -> None:
-        self.sock.settimeout(timeout if timeout > 0 else 0.0001)
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (TimeoutError, BlockingIOError):
-                return
-            self.messages.append((time.monotonic(), data.decode()))
-            self.sock.settimeout(0.0001)
+        """Everything sent before this call is in :attr:`messages` when it returns."""
+        self._pump(timeout)
 
     def lines(self) -> list[str]:
-        return [line for _t, m in self.messages for line in m.splitlines()]
+        with self._lock:
+            return [line for _t, m in self.messages for line in m.splitlines()]
 
     def wait_for(self, line: str, timeout: float, *, after: int = 0) -> bool:
         deadline = time.monotonic() + timeout
@@ -119,6 +146,7 @@ class Node:
             index=self.index_path,
             daemon={
                 "settle_seconds": f"{SETTLE}s",
+                "trust_mtimes": True,
                 "metrics_addr": f"127.0.0.1:{self.port}",
                 **(daemon or {}),
             },
@@ -552,7 +580,7 @@ def test_prune_textfile_is_written_atomically_with_index_metrics(tmp_path: Path)
     settings = settings_from_mapping(
         {
             "index": str(tmp_path / "index.db"),
-            "daemon": {"textfile": str(prom)},
+            "daemon": {"textfile": str(prom), "trust_mtimes": True},  # `settled` back-dates
             "tiers": [{"name": "hot", "url": str(hot)}, {"name": "cold", "url": "s3://bucket/x"}],
         }
     )
@@ -581,3 +609,33 @@ def test_prune_textfile_is_written_atomically_with_index_metrics(tmp_path: Path)
     assert 'ckptkeeper_job_last_success_timestamp_seconds{job="prune"}' in body
     assert 'ckptkeeper_newest_checkpoint_age_seconds{tier="hot"}' in body
     assert sorted(p.name for p in prom.parent.iterdir()) == ["ckptkeeper.prom"]  # no temp file left
+
+
+def test_sd_notify_never_blocks_on_a_manager_that_stopped_reading() -> None:
+    """Regression: a full notify queue (Linux: 10 unread datagrams) blocked ``notify`` for good,
+    from the job thread after each pass and from the main thread at SIGTERM: the daemon stopped
+    running passes and never exited."""
+    from ckptkeeper.daemon import sdnotify
+
+    name = f"ckptkeeper-test-{uuid.uuid4().hex}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # bound, never read
+    sock.bind("\0" + name)
+    env = {"NOTIFY_SOCKET": "@" + name}
+    results: list[bool] = []
+
+    def send_until_dropped() -> None:
+        for i in range(1000):
+            results.append(sdnotify.notify(f"STATUS={i}", env=env))
+            if not results[-1]:
+                return
+
+    sender = threading.Thread(target=send_until_dropped, name="test-notify-sender", daemon=True)
+    try:
+        sender.start()
+        sender.join(60)  # a hang is what this tests; the one dropped send takes SEND_TIMEOUT
+        assert not sender.is_alive(), "notify blocked on a full socket queue"
+        assert results[0] is True and results[-1] is False, results
+        sock.recv(65536)
+        assert sdnotify.notify("STOPPING=1", env=env) is True  # room again: delivered
+    finally:
+        sock.close()

@@ -176,7 +176,7 @@ def test_failed_or_partial_listing_deletes_nothing_restic_4612(
     )
     proxy.rules.append(rule)
     result = node.cli("prune", "--json")
-    assert result.returncode in (0, 1, 3), result.stderr[-3000:]
+    assert result.returncode in (1, 4), result.stderr[-3000:]  # never 0: the policy was held
     assert "treating it as unknown" in result.stderr, result.stderr[-3000:]
     assert s3_snapshot(s3_client, s3_bucket) == before_s3  # not one object deleted from S3
     after = node.placement()
@@ -229,7 +229,7 @@ def test_a_warm_tier_that_cannot_be_listed_is_unknown_not_empty(
     node.config.write_text(node.config.read_text().replace("keep_last = 4", "keep_last = 1"))
     hidden = node.warm.rename(tmp_path / "warm-unmounted")
     result = node.cli("prune")
-    assert result.returncode in (0, 1, 3), result.stderr[-3000:]
+    assert result.returncode in (1, 4), result.stderr[-3000:]  # never 0: the policy was held
     assert "treating it as unknown" in result.stderr
     hidden.rename(node.warm)
     after = node.placement()
@@ -240,7 +240,7 @@ def test_a_warm_tier_that_cannot_be_listed_is_unknown_not_empty(
 
 
 def test_single_put_outlasting_botocore_retries_is_resent_whole(
-    tmp_path: Path, s3_bucket: str, s3_client: Any, proxy_factory: Any
+    tmp_path: Path, s3_bucket: str, s3_client: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A one-request object (up to a part size) whose PUT is cut off after the server took it, more
     times than botocore retries (3): the attempts after that are ours (the rewinding loop parts
@@ -269,9 +269,55 @@ def test_single_put_outlasting_botocore_retries_is_resent_whole(
     cold = TierStorage(tier("cold", f"s3://{s3_bucket}/cold", storage_options=options))
     manifest = cataloged(hot_root, "run1", "model.pt", 100)
 
-    cold.copy_from(hot, manifest)
+    with caplog.at_level("WARNING", logger="ckptkeeper.storage"):
+        cold.copy_from(hot, manifest)
 
     assert resets["left"] == 0, "the rule never fired: the test did not exercise the retry"
+    # botocore's attempts all met a reset; the one after them is ours, and it says so
+    assert any("resending it whole" in r.getMessage() for r in caplog.records), caplog.text[-2000:]
     stored = s3_client.get_object(Bucket=s3_bucket, Key="cold/run1/model.pt")["Body"].read()
     assert stored == payload
     assert cold.verify(manifest) == []
+
+
+@pytest.mark.parametrize("kind", ["reset_before", "reset_after"])
+@pytest.mark.parametrize("method", ["HEAD", "GET", "PUT"])
+def test_a_reset_idempotent_request_is_retried_visibly(
+    method: str,
+    kind: str,
+    s3_bucket: str,
+    s3_client: Any,
+    proxy_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression (20 % scenario, flaky under load): aiohttp resent a reset GET/HEAD/PUT once on
+    its own, below botocore, so the failure was neither logged nor bounded by ``max_attempts``;
+    only resets that happened to hit a POST showed in the log."""
+    from builders import tier
+
+    from ckptkeeper.storage import TierStorage
+
+    s3_client.put_object(Bucket=s3_bucket, Key="cold/obj", Body=b"payload" * 100)
+    left = {"n": 1}
+
+    def reset_once(request: Request) -> str | None:
+        if request.method == method and request.path == f"/{s3_bucket}/cold/obj" and left["n"]:
+            left["n"] -= 1
+            return kind
+        return None
+
+    proxy = proxy_factory(rate=0.0, rules=[reset_once])
+    options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+    cold: Any = TierStorage(tier("cold", f"s3://{s3_bucket}/cold", storage_options=options))
+    cold._call("list_objects_v2", Bucket=s3_bucket)  # a pooled keep-alive connection, as in a copy
+    with caplog.at_level("WARNING", logger="ckptkeeper.storage"):
+        if method == "HEAD":
+            assert cold._head("cold/obj")["ContentLength"] == 700
+        elif method == "GET":
+            assert cold._get("cold/obj") == b"payload" * 100
+        else:
+            cold._put_json("cold/obj", {"replaced": True})
+    assert left["n"] == 0, "the rule never fired"
+    retries = [r.getMessage() for r in caplog.records if "failed on attempt 1" in r.getMessage()]
+    assert len(retries) == 1, [r.getMessage() for r in caplog.records]
+    assert re.search(r"Connect|closed|reset", retries[0], re.I), retries[0]

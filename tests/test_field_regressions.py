@@ -71,7 +71,7 @@ class Node:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s"},
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
             tiers=[local_tier("hot", self.hot, **hot), *more],
             **top,
         )

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import builders
 import pytest
 
 from ckptkeeper.core import planner
@@ -70,33 +71,20 @@ def ckpt(
     run: str = "a",
     created_at: float | None = None,
     tiers: Sequence[str] = ("hot",),
-    state: CheckpointState = CheckpointState.COMPLETE,
     nbytes: int = 100,
-    metrics: Mapping[str, float] | None = None,
-    pinned: bool = False,
+    **fields: Any,
 ) -> Checkpoint:
-    return Checkpoint(
-        run=run,
-        step=step,
-        name=f"checkpoint-{step}",
-        layout="hf",
-        state=state,
-        created_at=T0 + step * 36 if created_at is None else created_at,
-        bytes=nbytes,
-        metrics=dict(metrics or {}),
-        pinned=pinned,
-        tiers=frozenset(tiers),
-    )
+    """``builders.checkpoint`` on this module's clock (one step every 36 s from T0) and defaults."""
+    at = T0 + step * 36 if created_at is None else created_at
+    return builders.checkpoint(run, step, created_at=at, tiers=tiers, nbytes=nbytes, **fields)
 
 
 def tier(name: str, **policy: Any) -> TierSpec:
-    return TierSpec(name=name, url=f"/tiers/{name}", policy=TierPolicy(**policy))
+    return builders.tier(name, **policy)
 
 
 def snap(*cps: Checkpoint, runs: Sequence[Run] = (), unknown: Sequence[str] = ()) -> Snapshot:
-    names = sorted({c.run for c in cps} - {r.name for r in runs})
-    all_runs = (*runs, *(Run(n, RunState.FINISHED, T0) for n in names))
-    return Snapshot(runs=all_runs, checkpoints=cps, unknown_tiers=frozenset(unknown))
+    return builders.snapshot(*cps, runs=runs, unknown=unknown, implicit_runs=RunState.FINISHED, last_seen=T0)
 
 
 def summarize(p: Plan, tier_order: Sequence[str]) -> dict[str, Any]:

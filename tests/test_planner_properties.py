@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import tier_policies
 
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import (
@@ -56,30 +57,8 @@ class Scenario:
 # --------------------------------------------------------------------------- strategies
 
 
-@st.composite
-def policies(draw: st.DrawFn, first: bool) -> TierPolicy:
-    maybe = st.integers(0, 2).map(lambda v: v == 0)  # each rule present about a third of the time
-    kw: dict[str, object] = {}
-    if draw(maybe):
-        kw["keep_last"] = draw(st.integers(0, 4))
-    if draw(maybe):
-        kw["keep_best"] = draw(st.integers(0, 2))
-        kw["metric"] = "loss"
-        kw["mode"] = draw(st.sampled_from(["min", "max"]))
-    if draw(maybe):
-        kw["keep_every"] = draw(st.sampled_from([100, 200, 300, 500]))
-    if draw(maybe):
-        kw["keep_within"] = draw(st.sampled_from([0.0, 3600.0, DAY, 7 * DAY]))
-    if draw(maybe):
-        bucket = draw(st.sampled_from(["keep_hourly", "keep_daily", "keep_weekly", "keep_monthly"]))
-        kw[bucket] = draw(st.integers(0, 3))
-    if not first and draw(maybe):
-        kw["replicate"] = True
-    if draw(st.booleans()):
-        high = draw(st.sampled_from([0.5, 0.7, 0.9]))
-        kw["high_watermark"] = high
-        kw["low_watermark"] = draw(st.sampled_from([None, high * 0.6, high]))
-    return TierPolicy(**kw)  # type: ignore[arg-type]
+def policies(first: bool) -> st.SearchStrategy[TierPolicy]:
+    return tier_policies(first)
 
 
 @st.composite

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import tier_policies
 
 from ckptkeeper.core.model import (
     Artifact,
@@ -37,30 +38,17 @@ TIER_NAMES = ("hot", "warm", "cold")
 RUN_NAMES = ("a", "b", "c")
 
 
-@st.composite
-def policies(draw: st.DrawFn, first: bool) -> TierPolicy:
-    maybe = st.integers(0, 2).map(lambda v: v == 0)
-    kw: dict[str, object] = {}
-    if draw(maybe):
-        kw["keep_last"] = draw(st.integers(0, 3))
-    if draw(maybe):
-        kw["keep_best"] = draw(st.integers(0, 2))
-        kw["metric"] = "loss"
-        kw["mode"] = draw(st.sampled_from(["min", "max"]))
-    if draw(maybe):
-        kw["keep_every"] = draw(st.sampled_from([200, 300]))
-    if draw(maybe):
-        kw["keep_within"] = draw(st.sampled_from([0.0, HOUR, DAY]))
-    if draw(maybe):
-        bucket = draw(st.sampled_from(["keep_hourly", "keep_daily", "keep_weekly", "keep_monthly"]))
-        kw[bucket] = draw(st.integers(0, 2))
-    if not first and draw(st.booleans()):
-        kw["replicate"] = True
-    if draw(st.booleans()):
-        high = draw(st.sampled_from([0.3, 0.5, 0.8]))
-        kw["high_watermark"] = high
-        kw["low_watermark"] = draw(st.sampled_from([None, high / 2, high]))
-    return TierPolicy(**kw)  # type: ignore[arg-type]
+def policies(first: bool) -> st.SearchStrategy[TierPolicy]:
+    return tier_policies(
+        first,
+        keep_last_max=3,
+        keep_every=(200, 300),
+        keep_within=(0.0, HOUR, DAY),
+        bucket_max=2,
+        high_watermarks=(0.3, 0.5, 0.8),
+        low_fraction=0.5,
+        replicate_odds=2,
+    )
 
 
 @st.composite

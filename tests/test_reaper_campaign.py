@@ -156,7 +156,7 @@ class Campaign:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": "1s"},
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
             tiers=[local_tier("hot", self.hot), s3_tier("cold", bucket, endpoint)],
             reaper={"failed_after": "2h", "partial_after": "3s", "keep_last_of_failed": 1},
         )

@@ -36,7 +36,7 @@ class Hot:
         write_config(
             self.config,
             index=tmp / "index.db",
-            daemon={"settle_seconds": settle},
+            daemon={"settle_seconds": settle, "trust_mtimes": True},
             tiers=[local_tier("hot", self.root)],
         )
 

@@ -99,7 +99,7 @@ class Node:
             self.config,
             index=self.index,
             max_delete=max_delete,
-            daemon={"settle_seconds": "1s"},
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
             tiers=[
                 local_tier("hot", self.hot, keep_last=2, keep_best=1, metric="eval_loss", mode="min"),
                 local_tier("warm", self.warm, keep_last=5),

@@ -38,7 +38,7 @@ class Env:
         self.settings: Settings = settings_from_mapping(
             {
                 "index": str(tmp_path / "index.db"),
-                "daemon": {"settle_seconds": SETTLE, "metrics_addr": "", **daemon},
+                "daemon": {"settle_seconds": SETTLE, "trust_mtimes": True, "metrics_addr": "", **daemon},
                 "tiers": [
                     {"name": "hot", "url": str(self.hot), "keep_last": 2},
                     {"name": "warm", "url": str(self.warm)},
@@ -324,7 +324,7 @@ def test_hot_root_may_be_a_symlink(tmp_path: Path) -> None:
     e.settings = settings_from_mapping(
         {
             "index": str(tmp_path / "index.db"),
-            "daemon": {"settle_seconds": SETTLE, "metrics_addr": ""},
+            "daemon": {"settle_seconds": SETTLE, "trust_mtimes": True, "metrics_addr": ""},
             "tiers": [{"name": "hot", "url": str(link)}, {"name": "warm", "url": str(e.warm)}],
         }
     )

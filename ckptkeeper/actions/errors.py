@@ -13,6 +13,9 @@ EXIT_USAGE = 2
 """Bad arguments or configuration."""
 EXIT_REFUSED = 3
 """Refused by a guard (``max_delete``, an empty policy)."""
+EXIT_POLICY_HELD = 4
+"""The policy could not be fully applied: a tier it needs is unavailable (its listing failed), so
+copies to it and deletes that depend on it are held. Nothing was lost; the rest was done."""
 EXIT_LOCKED = 11
 """Another process holds the executor lock."""
 

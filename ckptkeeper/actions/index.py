@@ -1,8 +1,12 @@
-"""The index as an action: open it, and repair a corrupt one from the tiers.
+"""The index as an action: open it, and repair a corrupt, missing or replaced one from the tiers.
 
-A corrupt index is moved aside and rebuilt from the tiers (every tier is self-describing); what only
-the index knew — pins, the journal — is lost with it, so deletes are held (``<index>.deletes-held``)
-until every tier has been reconciled again. The hold is written here, applied to each prune plan
+A corrupt index is moved aside and rebuilt from the tiers (every tier is self-describing); a missing
+one (``rm index.db*``) is rebuilt the same way when the tiers hold copies, and a daemon whose index
+file was deleted or replaced under it (:meth:`Index.identity_problem`, checked before every pass and
+every write) reopens the path and rebuilds too (:func:`reopen_after_loss`). Pins are read back from
+the pin objects in the slower tiers (``actions.pins``); what only the index knew — the journal —
+is lost with it, so deletes are held (``<index>.deletes-held``) until every tier has been
+reconciled again. The hold is written here, applied to each prune plan
 (:func:`apply_hold`) and advanced or released after each pass (:func:`after_held_pass`).
 :func:`executor_lock` serialises everything that changes the tiers or rebuilds the index.
 """
@@ -23,7 +27,7 @@ from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.index import Index, IndexCorrupt
-from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.ingest.catalog import Catalog, ReconcileReport
 from ckptkeeper.util.lock import ExecutorLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
@@ -103,6 +107,10 @@ def _corruption(exc: BaseException) -> bool:
 def open_index(settings: Settings, *, check: bool = False, rebuild: bool = False) -> Index:
     """Open the index; with ``check`` run SQLite's ``quick_check`` first.
 
+    A missing index is rebuilt from the tiers with ``rebuild`` (deletes held when the tiers hold
+    copies, see :func:`_finish_loss`); without it an empty in-memory index stands in, so that a
+    read-only command never creates the file.
+
     A corrupt index (unreadable, or failing the check) is moved aside as
     ``<index>.corrupt-<time>`` and, with ``rebuild``, rebuilt from the tiers: the hot tier is
     scanned and every slower tier listed through the manifests beside its copies. What only the
@@ -111,6 +119,19 @@ def open_index(settings: Settings, *, check: bool = False, rebuild: bool = False
     copies but deletes and reaps nothing, and releases the hold once a reconcile listed every
     tier. Without ``rebuild`` a corrupt index raises :class:`IndexUnusable`.
     """
+    if not _index_exists(settings):
+        if not rebuild:
+            # Read-only uses (ls, status, pin, a dry run) must not create the file: an empty index
+            # on disk would hide the loss from the next scan or prune, which rebuild it.
+            log.debug(
+                "index does not exist: `ckptkeeper scan` builds it from the tiers", index=str(settings.index)
+            )
+            return Index(":memory:")
+        # Never created, or lost (``rm index.db*``): rebuilt from the tiers, and when they hold
+        # copies the first pass deletes nothing, exactly as after corruption.
+        with executor_lock(settings, timeout=60.0):
+            if not _index_exists(settings):
+                return _rebuild_missing(settings)
     ix: Index | None = None
     try:
         ix = Index(settings.index)
@@ -153,9 +174,11 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     report = Catalog(settings, ix).reconcile()
     wanted = sorted(set(pins or ()))
     restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
-    # Relaxed only once every pin is back in the index: a crash before this, or a pinned checkpoint
-    # in a tier that could not be listed, keeps the strict hold.
-    if pins is not None and restored == len(wanted):
+    in_tiers = _pins_read_from_tiers(settings, report)
+    # Relaxed only once every pin is back in the index — salvaged from the damaged file, or read
+    # from the pin objects of every slower tier: a crash before this, or a pinned checkpoint in a
+    # tier that could not be listed, keeps the strict hold.
+    if (pins is not None and restored == len(wanted)) or in_tiers:
         write_hold(settings, {**hold, "pins_salvaged": True})
     log.warning(
         "index rebuilt from the tiers",
@@ -163,8 +186,9 @@ def _rebuild(settings: Settings, problem: str) -> Index:
         tiers_failed=sorted(report.tiers_failed),
         pins_salvaged=None if pins is None else len(wanted),
         pins_restored=restored,
+        pins_read_from_tiers=in_tiers,
     )
-    if pins is None or restored != len(wanted):
+    if not in_tiers and (pins is None or restored != len(wanted)):
         log.error(
             "pins could not all be restored from the damaged index: expiries and reaps stay held; re-pin "
             "what must be kept (ckptkeeper pin), then run `ckptkeeper prune --force`",
@@ -172,6 +196,98 @@ def _rebuild(settings: Settings, problem: str) -> Index:
             pins_salvaged=None if pins is None else len(wanted),
         )
     return ix
+
+
+def _index_exists(settings: Settings) -> bool:
+    try:
+        os.stat(settings.index)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # exists but cannot be examined: opening it reports the real problem
+    return True
+
+
+def _pins_read_from_tiers(settings: Settings, report: ReconcileReport) -> bool:
+    """Every slower tier was listed, pin objects included: the pins are all known again."""
+    slower = [t.name for t in settings.tiers[1:]]
+    return bool(slower) and not any(t in report.tiers_failed for t in slower)
+
+
+def _tiers_hold_copies(catalog: Catalog) -> bool:
+    """Copies this node wrote into a slower tier (their manifests name it) prove it had an index
+    before: a missing one was lost. Copies of other nodes only (a new node on a shared tier), or
+    none, are a first start."""
+    return any(catalog.own_copies.values())
+
+
+def _finish_loss(
+    settings: Settings, index: Index, hold: dict[str, Any], catalog: Catalog, report: ReconcileReport
+) -> None:
+    """After a lost index was rebuilt into ``index``: keep, relax or drop the hold written first."""
+    if not report.tiers_failed and not _tiers_hold_copies(catalog):
+        deletes_held_path(settings).unlink(missing_ok=True)  # a first start: nothing was lost
+        log.info("new index built from the tiers", index=str(settings.index))
+        return
+    in_tiers = _pins_read_from_tiers(settings, report)
+    if in_tiers:
+        write_hold(settings, {**hold, "pins_salvaged": True})
+    log.error(
+        "index rebuilt from the tiers; deletes held until every tier is reconciled",
+        index=str(settings.index),
+        checkpoints=len(index.checkpoints()),
+        tiers_failed=sorted(report.tiers_failed),
+        pins_read_from_tiers=in_tiers,
+        pinned=len(index.pinned_names()),
+    )
+
+
+def _loss_hold(settings: Settings, problem: str) -> dict[str, Any]:
+    reason = f"index rebuilt from the tiers at {time.strftime('%Y-%m-%d %H:%M:%S')} ({problem})"
+    hold = {"reason": reason, "pins_salvaged": False, "first_pass_done": False}
+    # The hold first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
+    write_hold(settings, hold)
+    return hold
+
+
+def _rebuild_missing(settings: Settings) -> Index:
+    problem = f"index {settings.index} was missing"
+    hold = _loss_hold(settings, problem)
+    ix = Index(settings.index)
+    catalog = Catalog(settings, ix)
+    report = catalog.reconcile()
+    _finish_loss(settings, ix, hold, catalog, report)
+    return ix
+
+
+def reopen_after_loss(settings: Settings, index: Index, problem: str) -> bool:
+    """The file ``index`` was opened from is deleted or replaced (the daemon keeps one connection
+    for its life): reopen the path in place and rebuild it from the tiers, deletes held, pins
+    kept — those still readable through the old connection, and those in the tiers. Returns
+    False if, under the executor lock, the index turned out to be fine after all."""
+    with executor_lock(settings, timeout=60.0):
+        problem = index.identity_problem() or ""
+        if not problem:
+            return False
+        hold = _loss_hold(settings, problem)
+        try:
+            # the old file is deleted but still open: its pins are one more source
+            salvaged = index.pinned_names()
+        except Exception:
+            salvaged = set()
+        log.error(
+            "index deleted or replaced while open: reopening it and rebuilding from the tiers, deletes held",
+            index=str(settings.index),
+            problem=problem,
+        )
+        index.reopen()
+        catalog = Catalog(settings, index)
+        report = catalog.reconcile()
+        restored = index.pin_by_name(sorted(salvaged))
+        if restored:
+            log.warning("pins carried over from the lost index", pins=restored)
+        _finish_loss(settings, index, hold, catalog, report)
+        return True
 
 
 def _salvage_pins(aside: Path) -> list[tuple[str, int]] | None:
@@ -228,7 +344,8 @@ def after_held_pass(
             if failing:
                 log.warning("deletes stay held: tiers not listed since the rebuild", tiers=failing)
             return
-        if hold.get("pins_salvaged"):
+        # Every slower tier has now been listed, pin objects included: the pins are known again.
+        if hold.get("pins_salvaged") or len(settings.tiers) > 1:
             deletes_held_path(settings).unlink(missing_ok=True)
             log.warning(
                 "every tier reconciled since the index was rebuilt: deletes resume from the next pass"

@@ -12,14 +12,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_REFUSED
+from ckptkeeper.actions.errors import (
+    EXIT_ACTION_FAILED,
+    EXIT_OK,
+    EXIT_POLICY_HELD,
+    EXIT_REFUSED,
+    IndexUnusable,
+)
+from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
 from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, read_hold
+from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot
 from ckptkeeper.executor import ExecResult, Executor, Progress
-from ckptkeeper.index import Index
+from ckptkeeper.index import Index, IndexReplaced
 from ckptkeeper.ingest.catalog import Catalog
 from ckptkeeper.util.gc import gc_paused
 from ckptkeeper.util.logs import get_logger
@@ -64,6 +72,10 @@ class PruneOutcome:
     failed: list[str] = field(default_factory=list)
     reclaimed_bytes: int = 0
     dry_run: bool = False
+    held: dict[str, TierHeld] = field(default_factory=dict)
+    """Unavailable tiers that held back part of the policy (exit :data:`EXIT_POLICY_HELD`)."""
+    damaged: dict[str, str] = field(default_factory=dict)
+    """``tier:path`` -> problem, for each copy the reconcile found damaged (copied again)."""
 
 
 def make_plan(
@@ -117,16 +129,19 @@ def run_prune(
     now: Callable[[], float] = time.time,
 ) -> PruneOutcome:
     """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs."""
+    names = [t.name for t in settings.tiers]
+    damaged: dict[str, str] = {}
     if dry_run:
         with index.in_memory_copy() as scratch:
             if rescan:
-                Catalog(settings, scratch).reconcile()
+                damaged = Catalog(settings, scratch).reconcile().damaged
             plan = make_plan(settings, scratch, now=now(), force=force, run=run, kinds=kinds)
+            held = _held(plan, scratch, names, run)
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
-        code = EXIT_REFUSED if plan.refused else EXIT_OK
-        return PruneOutcome(plan=plan, result=None, exit_code=code, dry_run=True)
+        code = _exit_code([], held, plan)
+        return PruneOutcome(plan=plan, result=None, exit_code=code, dry_run=True, held=held, damaged=damaged)
 
     with executor_lock(settings, lock_timeout):
         executor = Executor(
@@ -139,11 +154,23 @@ def run_prune(
         )
         recovered = executor.recover()
         if rescan:
-            Catalog(settings, index).reconcile()
+            catalog = Catalog(settings, index)
+            damaged = catalog.reconcile().damaged
+            store_missing_pins(settings, index, catalog.tier_pins)
         plan = make_plan(settings, index, now=now(), force=force, run=run, kinds=kinds)
+        held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:
             plan = apply_hold(plan, hold, force)
+        try:
+            # The plan was made from this connection's file: if the path now names another file
+            # (or none), its pins and its journal are not what we planned from.
+            index.check_identity()
+        except IndexReplaced as exc:
+            raise IndexUnusable(
+                f"{exc}: nothing was done; run the command again (a lost index is rebuilt from the "
+                "tiers with deletes held)"
+            ) from exc
         result = executor.apply(plan)
         result.recovered = recovered + result.recovered
         if rescan and (result.done or result.failed):
@@ -156,15 +183,48 @@ def run_prune(
             from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
 
             plan = dataclasses.replace(plan, notes=(*plan.notes, *after_pass(settings, index)))
+        if "retention" in kinds and run is None and not result.stopped:
+            try:
+                record_policy_held(settings, held)
+            except OSError as exc:  # advisory: status loses it, the exit code still says it
+                log.warning("cannot record the held policy for status", error=str(exc))
+    for tier in held.values():
+        log.warning(
+            "policy held: tier unavailable", tier=tier.tier, checkpoints=tier.checkpoints, error=tier.error
+        )
     failed = [
         f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
         for a, err in result.failed
     ]
-    code = EXIT_ACTION_FAILED if failed else (EXIT_REFUSED if plan.refused else EXIT_OK)
     return PruneOutcome(
         plan=plan,
         result=result,
-        exit_code=code,
+        exit_code=_exit_code(failed, held, plan),
         failed=failed,
         reclaimed_bytes=sum(result.reclaimed_bytes.values()),
+        held=held,
+        damaged=damaged,
     )
+
+
+def _held(plan: Plan, index: Index, names: list[str], run: str | None) -> dict[str, TierHeld]:
+    """What unavailable tiers held back (cheap when every tier is available: no second snapshot)."""
+    statuses = index.tier_statuses()
+    if all(statuses.get(n) is not None and statuses[n].ok for n in names):
+        return {}
+    snapshot, _ = one_per_step(index.snapshot(names))
+    if run is not None:
+        snapshot = dataclasses.replace(
+            snapshot, checkpoints=tuple(c for c in snapshot.checkpoints if c.run == run)
+        )
+    return held_by_tiers(plan, snapshot, statuses)
+
+
+def _exit_code(failed: Sequence[str], held: dict[str, TierHeld], plan: Plan) -> int:
+    """The worst of: an action failed (1), an unavailable tier held the policy back (4), a guard
+    refused (3); else 0."""
+    if failed:
+        return EXIT_ACTION_FAILED
+    if held:
+        return EXIT_POLICY_HELD
+    return EXIT_REFUSED if plan.refused else EXIT_OK

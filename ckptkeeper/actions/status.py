@@ -11,12 +11,13 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import Index, JobRun
+from ckptkeeper.index import Index, JobRun, Quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,13 @@ class StatusSummary:
     journal_open: int
     """Interrupted executor steps the next prune (or daemon start) finishes or undoes."""
     deletes_held: str | None
+    policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
+    """Unavailable tiers that held back the last retention pass (copies to them, deletes that
+    depend on them), per tier."""
+    damaged: int = 0
+    """Copies the index marks damaged (found not matching their manifest; copied again)."""
+    quarantined: tuple[Quarantined, ...] = ()
+    """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -87,6 +95,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     reclaimed = index.reclaimed()
     jobs = index.job_runs()
     journal = index.journal_open()
+    quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     tiers = []
     for t in settings.tiers:
@@ -119,4 +128,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         jobs=jobs,
         journal_open=len(journal),
         deletes_held=held_text,
+        policy_held=read_policy_held(settings),
+        damaged=sum(len(c.damaged) for c in checkpoints),
+        quarantined=quarantined,
     )

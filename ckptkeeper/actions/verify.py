@@ -25,7 +25,8 @@ class VerifyReport:
 
 
 def verify(settings: Settings, index: Index, run: str | None = None) -> VerifyReport:
-    """Re-hash the copies of ``run`` (every run when None), fastest tier first.
+    """Re-hash the copies of ``run`` (every run when None), fastest tier first; copies the index
+    marks damaged are checked too (and are a problem until a scan or a copy repairs them).
 
     A tier that cannot be read is a problem of each copy in it, not an exception: the other
     tiers are still checked.
@@ -37,11 +38,15 @@ def verify(settings: Settings, index: Index, run: str | None = None) -> VerifyRe
         manifest = row.manifest()
         if manifest is None:
             continue
-        for tier in sorted(row.verified_tiers, key=order.index):
+        damaged = row.damaged
+        for tier in sorted((row.verified_tiers | damaged.keys()) & storages.keys(), key=order.index):
             report.checked += 1
             try:
                 found = storages[tier].verify(manifest)
             except StorageError as exc:
                 found = [f"cannot verify: {exc}"]
+            if tier in damaged and not found:
+                # whole again (put back by hand?): the next scan records it as a copy again
+                found = [f"marked damaged ({damaged[tier]}) but whole now; `ckptkeeper scan` records it"]
             report.problems.extend(Mismatch(row.run, row.step, tier, p) for p in found)
     return report

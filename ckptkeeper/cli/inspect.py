@@ -37,6 +37,8 @@ def scan(app: Context, as_json: bool) -> None:
         "corrupt": report.corrupt,
         "hashed_bytes": report.hashed_bytes,
         "tiers_failed": report.tiers_failed,
+        "damaged": report.damaged,
+        "quarantined": report.quarantined,
     }
     if as_json:
         emit_json(doc)
@@ -46,9 +48,19 @@ def scan(app: Context, as_json: bool) -> None:
             f"{report.unchanged} unchanged, {report.removed} removed, {report.partial} partial, "
             f"{report.corrupt} corrupt; hashed {human_bytes(report.hashed_bytes)}"
         )
+        if report.quarantined:
+            click.echo(
+                f"{report.quarantined} document(s) quarantined (ignored, nothing deleted for them): "
+                "see `ckptkeeper ls` / `ckptkeeper status`",
+                err=True,
+            )
         for tier, error in report.tiers_failed.items():
             click.echo(
                 f"tier {tier} unavailable (treated as unknown, nothing deleted from it): {error}", err=True
+            )
+        for where, error in sorted(report.damaged.items()):
+            click.echo(
+                f"damaged copy {where} not counted (the next prune copies it again): {error}", err=True
             )
     if report.tiers_failed:
         sys.exit(EXIT_ACTION_FAILED)
@@ -71,6 +83,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
     with app.index() as ix:
         runs = [r for r in ix.runs() if run is None or r.name == run]
         checkpoints = ix.checkpoints(run)
+        quarantined = [q for q in ix.quarantined() if run is None or q.run == run]
     if run is not None and not runs and not checkpoints:
         fail(f"no run named {run!r} in the index (try `ckptkeeper scan`)", EXIT_USAGE)
     by_run: dict[str, list[Any]] = {}
@@ -98,15 +111,17 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                         "version": c.version,
                         "created_at": c.created_at,
                         "problem": c.problem,
+                        "damaged": c.damaged,
                     }
                     for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
                 ],
+                "quarantined": [q.to_dict() for q in quarantined if q.run == r.name],
             }
         )
     if as_json:
-        emit_json({"runs": doc_runs})
+        emit_json({"runs": doc_runs, "quarantined": [q.to_dict() for q in quarantined]})
         return
-    if not doc_runs:
+    if not doc_runs and not quarantined:
         click.echo("no runs cataloged (run `ckptkeeper scan`, or start the daemon)")
         return
     for i, doc in enumerate(doc_runs):
@@ -119,7 +134,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
                 c["step"],
                 c["state"],
                 c["layout"],
-                ",".join(c["tiers"]) or "-",
+                ",".join([*c["tiers"], *(f"{t}:DAMAGED" for t in sorted(c["damaged"]))]) or "-",
                 human_bytes(c["bytes"]),
                 format_metrics(c["metrics"]),
                 "pinned" if c["pinned"] else "",
@@ -130,6 +145,20 @@ def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
         click.echo(
             table(["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"], rows, right=(0, 4))
         )
+        for c in doc["checkpoints"]:
+            for tier, problem in sorted(c["damaged"].items()):
+                click.echo(
+                    f"damaged copy of step {c['step']} in {tier} (the next prune copies it again): {problem}"
+                )
+        for q in doc["quarantined"]:
+            click.echo(f"quarantined {q['kind']} {q['tier']}:{q['path']}: {q['reason']}")
+    listed = {r["name"] for r in doc_runs}
+    others = [q for q in quarantined if q.run not in listed]
+    if others:
+        if doc_runs:
+            click.echo()
+        for q in others:
+            click.echo(f"quarantined {q.kind} {q.tier}:{q.path}: {q.reason}")
 
 
 # -- status -------------------------------------------------------------------------------
@@ -173,6 +202,12 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "pending": {"journal": s.journal_open},
         "deletes_held": s.deletes_held,
+        "policy_held": {
+            t.tier: {"error": t.error, "checkpoints": t.checkpoints, "since": t.since}
+            for t in s.policy_held.values()
+        },
+        "damaged_copies": s.damaged,
+        "quarantined": [q.to_dict() for q in s.quarantined],
     }
 
 
@@ -208,6 +243,19 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    for held in s.policy_held.values():
+        since = f" for {human_age(s.now - held.since)}" if held.since is not None else ""
+        click.echo(f"policy held{since}: {held.describe()}")
+    if s.damaged:
+        click.echo(f"damaged copies: {s.damaged} (see `ckptkeeper ls`; the next prune copies them again)")
+    if s.quarantined:
+        click.echo(
+            f"quarantined: {len(s.quarantined)} document(s) ignored (never trusted, never a reason to delete)"
+        )
+        for q in s.quarantined[:20]:
+            click.echo(f"  {q.kind} {q.tier}:{q.path}: {q.reason}")
+        if len(s.quarantined) > 20:
+            click.echo(f"  … and {len(s.quarantined) - 20} more (ckptkeeper status --json)")
 
 
 @click.command()
@@ -229,11 +277,30 @@ def status(app: Context, as_json: bool) -> None:
 
 
 def _set_pin(app: Context, run: str, step: int, pinned: bool) -> None:
+    from ckptkeeper.actions.pins import set_pin  # storage backends: not for --help
+
     with app.index() as ix:
-        changed = ix.set_pinned(run, step, pinned)
-    if not changed:
+        outcome = set_pin(app.settings, ix, run, step, pinned)
+    if not outcome.names:
         fail(f"no checkpoint {run}@{step} in the index (try `ckptkeeper ls {run}`)", EXIT_USAGE)
-    click.echo(f"{'pinned' if pinned else 'unpinned'} {run}@{step}")
+    verb = "pin" if pinned else "unpin"
+    if outcome.failed and not pinned:
+        for tier, error in sorted(outcome.failed.items()):
+            click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
+        fail(
+            f"{run}@{step} stays pinned: its pin object could not be removed from "
+            f"{', '.join(sorted(outcome.failed))} (it would pin it again); run `ckptkeeper unpin` again",
+            EXIT_ACTION_FAILED,
+        )
+    click.echo(f"{verb}ned {run}@{step}")
+    if outcome.failed:
+        for tier, error in sorted(outcome.failed.items()):
+            click.echo(f"ckptkeeper: tier {tier}: {error}", err=True)
+        fail(
+            f"{run}@{step} is pinned in the index, but its pin object is missing from "
+            f"{', '.join(sorted(outcome.failed))}: a lost index would lose this pin; run `ckptkeeper pin` again",
+            EXIT_ACTION_FAILED,
+        )
 
 
 @click.command()

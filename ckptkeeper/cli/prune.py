@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.actions.errors import Locked
-from ckptkeeper.cli.context import EXIT_LOCKED, Context, fail, pass_ctx
+from ckptkeeper.actions.errors import IndexUnusable, Locked
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, Context, fail, pass_ctx
 from ckptkeeper.util.fmt import format_duration, human_bytes, table
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ def prune(
             )
         except Locked as exc:
             fail(f"{exc}; try again later", EXIT_LOCKED)
+        except IndexUnusable as exc:
+            fail(str(exc), EXIT_ACTION_FAILED)
         if settings.daemon.textfile and not dry_run:
             _write_textfile(settings, ix, outcome)
     plan = outcome.plan
@@ -173,6 +175,10 @@ def prune(
             "total": summary.total,
         }
         doc["dry_run"] = dry_run
+        doc["policy_held"] = {
+            t.tier: {"error": t.error, "checkpoints": t.checkpoints} for t in outcome.held.values()
+        }
+        doc["damaged"] = outcome.damaged
         if outcome.result is not None:
             r = outcome.result
             doc["result"] = {
@@ -197,6 +203,10 @@ def prune(
                 click.echo(f"failed: {line}", err=True)
             for a, why in r.skipped:
                 click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
+        for where, problem in sorted(outcome.damaged.items()):
+            click.echo(f"damaged copy {where} not counted, copied again: {problem}", err=True)
+        for t in outcome.held.values():
+            click.echo(f"policy held: {t.describe()}", err=True)
     sys.exit(outcome.exit_code)
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
 
+from ckptkeeper.hook import schema
+
 MANIFEST_VERSION = 1
 MANIFEST_SUFFIX = ".ckptkeeper-manifest.json"
 """A slower tier stores ``<run>/<checkpoint><MANIFEST_SUFFIX>`` beside each copy."""
@@ -90,28 +92,49 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
-        """Parse a manifest; raises ValueError on anything malformed (callers mark it corrupt)."""
-        try:
-            doc = json.loads(text)
-            if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
-                raise ValueError("unsupported manifest version")
-            files = tuple(
-                FileEntry(path=str(f["path"]), size=int(f["size"]), hash=str(f["hash"])) for f in doc["files"]
+        """Parse and validate a manifest (a tier is untrusted input: another node, a bug, an attacker).
+
+        Every field goes through the one schema (:mod:`ckptkeeper.hook.schema`): steps and sizes are
+        integers that fit SQLite INTEGER, times finite and between 1970 and 3000, strings bounded and
+        without NUL, paths relative. Raises ValueError (a ``SchemaError`` naming the field) on anything
+        else; callers quarantine the copy with that reason.
+        """
+        doc = schema.mapping(schema.parse_json(text, "malformed manifest"), "malformed manifest", max_len=64)
+        version = doc.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != MANIFEST_VERSION:
+            raise schema.SchemaError("version", f"unsupported manifest version {schema.describe(version)}")
+        raw_files = schema.array(doc.get("files"), "files", max_len=schema.MAX_FILES)
+        files = []
+        total = 0
+        for i, raw in enumerate(raw_files):
+            entry = schema.mapping(raw, f"files[{i}]", max_len=16)
+            size = schema.size(entry.get("size"), f"files[{i}].size")
+            total += size
+            files.append(
+                FileEntry(
+                    path=schema.rel_path(entry.get("path"), f"files[{i}].path", empty=True),
+                    size=size,
+                    hash=schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256),
+                )
             )
-            manifest = cls(
-                run=str(doc["run"]),
-                step=int(doc["step"]),
-                name=str(doc["name"]),
-                layout=str(doc["layout"]),
-                is_dir=bool(doc["is_dir"]),
-                files=files,
-                metrics={str(k): float(v) for k, v in dict(doc.get("metrics") or {}).items()},
-                created_at=float(doc.get("created_at") or 0.0),
-                node=str(doc.get("node") or ""),
-                algorithm=str(doc.get("algorithm") or HASH_ALGORITHM),
-            )
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"malformed manifest: {exc}") from exc
+        if total > schema.MAX_BYTES:
+            raise schema.SchemaError("files", f"sizes add up to more than {schema.MAX_BYTES} bytes")
+        metrics, dropped = schema.metrics(doc.get("metrics"))
+        if dropped:
+            raise schema.SchemaError("metrics", f"not finite numbers: {', '.join(sorted(dropped)[:5])}")
+        created_at = doc.get("created_at")
+        manifest = cls(
+            run=schema.rel_path(doc.get("run"), "run"),
+            step=schema.step(doc.get("step")),
+            name=schema.rel_path(doc.get("name"), "name"),
+            layout=schema.text(doc.get("layout"), "layout", max_len=64),
+            is_dir=schema.boolean(doc.get("is_dir"), "is_dir"),
+            files=tuple(files),
+            metrics=metrics,
+            created_at=0.0 if created_at is None else schema.timestamp(created_at, "created_at"),
+            node=schema.text(doc.get("node") or "", "node", max_len=255),
+            algorithm=schema.text(doc.get("algorithm") or HASH_ALGORITHM, "algorithm", max_len=64),
+        )
         if "digest" in doc and doc["digest"] != manifest.digest:
             raise ValueError("manifest digest does not match its file list")
         return manifest

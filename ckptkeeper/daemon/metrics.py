@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -166,7 +167,20 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         tier_up.add_metric([tier.name], 1 if tier.ok else 0)
         if tier.usage is not None:
             used.add_metric([tier.name], tier.usage.fraction)
-    yield from (count, size, age, tier_up, used)
+    held = GaugeMetricFamily(
+        "ckptkeeper_policy_held",
+        "Checkpoints whose copies or deletes the last retention pass held because the tier was unavailable",
+        labels=["tier"],
+    )
+    damaged = GaugeMetricFamily(
+        "ckptkeeper_damaged_copies",
+        "Copies found not matching their manifest (files missing or of another size); copied again",
+    )
+    damaged.add_metric([], summary.damaged)
+    for tier in summary.tiers:
+        h = summary.policy_held.get(tier.name)
+        held.add_metric([tier.name], h.checkpoints if h is not None else 0)
+    yield from (count, size, age, tier_up, used, held, damaged)
 
     states = GaugeMetricFamily(
         "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]
@@ -200,6 +214,15 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
             last.add_metric([job.job], job.last_success)
     yield last
 
+    quarantined = GaugeMetricFamily(
+        "ckptkeeper_quarantined",
+        "Documents (manifests, run.json, commit logs, heartbeats, markers) that failed the schema and are "
+        "ignored, by tier and kind; `ckptkeeper status` lists them with their reasons",
+        labels=["tier", "kind"],
+    )
+    for (tier_name, kind), n in sorted(Counter((q.tier, q.kind) for q in summary.quarantined).items()):
+        quarantined.add_metric([tier_name, kind], n)
+    yield quarantined
     pending = GaugeMetricFamily(
         "ckptkeeper_journal_open_entries", "Interrupted executor steps waiting to be finished or undone"
     )

@@ -32,18 +32,37 @@ def _address(env: Mapping[str, str]) -> str | None:
     return addr
 
 
+SEND_TIMEOUT = 1.0
+"""Seconds a message may wait for room in the manager's socket queue before it is dropped.
+
+Linux queues only ``net.unix.max_dgram_qlen`` (default 10) unread datagrams per socket; past that a
+blocking send waits until the receiver reads. systemd reads at once, so this bound is only ever
+reached when the manager is not reading (stalled, re-executing, a test's fake): the daemon sends
+from its job thread after every pass and from the main thread while stopping, and an unbounded
+wait there stopped both (no further passes; SIGTERM never completed)."""
+
+
 def notify(message: str, *, env: Mapping[str, str] | None = None) -> bool:
     """Send ``message`` (e.g. ``"READY=1"``, ``"STATUS=..."``) to systemd; False if not sent.
 
-    Never raises: losing a status line must not take the daemon down.
+    Never raises and never blocks longer than :data:`SEND_TIMEOUT`: losing a status line must not
+    take the daemon down, nor hold up a job or a stop.
     """
     addr = _address(os.environ if env is None else env)
     if addr is None:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(SEND_TIMEOUT)
             sock.connect(addr)
             sock.sendall(message.encode("utf-8", "replace"))
+    except TimeoutError:
+        log.warning(
+            "sd_notify dropped: the service manager is not reading its socket",
+            message=message.split("\n", 1)[0],
+            waited=SEND_TIMEOUT,
+        )
+        return False
     except OSError as exc:
         log.debug("sd_notify failed", error=str(exc))
         return False

@@ -313,11 +313,17 @@ class Daemon:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         assert self.index is not None
+        # misfire_grace_time=None: a run that starts late (waiting for the one worker behind the
+        # other job, or a scheduler thread woken late on a loaded machine) still runs; coalesce
+        # folds every run time missed meanwhile into that one. With a grace time, a pass queued
+        # behind a pass longer than the grace was dropped on dequeue ("missed by 3s"), and its next
+        # run time, due while it sat in the queue, was refused too ("maximum number of running
+        # instances"): with 1 s intervals on a loaded machine one job could starve indefinitely.
         scheduler = BackgroundScheduler(
             timezone=UTC,
             jobstores={"default": MemoryJobStore()},
             executors={"default": ThreadPoolExecutor(max_workers=1)},
-            job_defaults={"coalesce": True, "max_instances": 1},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         )
         now = datetime.now(UTC)
         pending = len(self.index.journal_open())
@@ -339,7 +345,6 @@ class Daemon:
                 id=job_id,
                 name=job_id,
                 next_run_time=first,
-                misfire_grace_time=max(1, int(interval)),
             )
         return scheduler
 
@@ -354,6 +359,8 @@ class Daemon:
     def _run_job(self, job: str, body: Callable[[], str | None]) -> None:
         """Record start/finish in the index; a job error is logged and counted, never raised."""
         if self.stopping.is_set() or self.index is None:
+            return
+        if not self._index_still_ours(job):
             return
         started = time.monotonic()
         try:
@@ -381,6 +388,31 @@ class Daemon:
         _release_memory()
         notify(self._status_line())
 
+    def _index_still_ours(self, job: str) -> bool:
+        """Before each pass: is the index file the one we opened (one ``stat``)? A deleted or
+        replaced index is reopened and rebuilt from the tiers with deletes held; until then the
+        daemon would go on planning from a deleted file that no ``pin`` reaches."""
+        from ckptkeeper.actions.index import reopen_after_loss
+
+        assert self.index is not None
+        problem = self.index.identity_problem()
+        if problem is None:
+            return True
+        try:
+            with self._reconcile_lock:  # no watcher reconcile while the connection is swapped
+                reopen_after_loss(self.settings, self.index, problem)
+        except Locked as exc:
+            log.warning("index lost; rebuild waits for the executor lock", job=job, detail=str(exc))
+            return False
+        except Exception:
+            log.exception("index lost and could not be rebuilt; this pass is skipped", job=job)
+            if self.metrics is not None:
+                self.metrics.record_error("job")
+            return False
+        if self.watcher is not None:
+            self.watcher.request_full()
+        return True
+
     def _rescan(self) -> str | None:
         if self.watcher is None:
             return "the hot tier is not being watched (see the watcher errors above)"
@@ -395,6 +427,7 @@ class Daemon:
         return None
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
+        from ckptkeeper.actions.pins import store_missing_pins
         from ckptkeeper.actions.prune import run_prune
 
         if self.watcher is None or self.index is None:
@@ -427,6 +460,10 @@ class Daemon:
             self.watcher.request_full()
             raise
         self._resync_after(outcome)
+        try:
+            store_missing_pins(self.settings, self.index, self.watcher.catalog.tier_pins)
+        except Exception:  # best effort, retried next pass; the prune itself is done
+            log.exception("cannot store pin objects in the tiers", job=job)
         if self.metrics is not None:
             self.metrics.record_outcome(outcome)
         log.info(
@@ -445,6 +482,8 @@ class Daemon:
             return None
         if outcome.failed:
             return f"{len(outcome.failed)} action(s) failed; first: {outcome.failed[0]}"
+        if outcome.held:
+            return "policy held: " + "; ".join(t.describe() for t in outcome.held.values())
         if outcome.plan.refused:
             return f"refused by a guard: {outcome.plan.refused}"
         return f"prune exited with code {outcome.exit_code}"
@@ -600,7 +639,6 @@ class Daemon:
             if before[job_id] == after[job_id]:
                 continue
             self.scheduler.reschedule_job(job_id, trigger="interval", seconds=after[job_id])
-            self.scheduler.modify_job(job_id, misfire_grace_time=max(1, int(after[job_id])))
             log.info("job rescheduled", job=job_id, interval=format_duration(after[job_id]))
 
     def _check_health(self) -> None:

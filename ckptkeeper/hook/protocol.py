@@ -34,14 +34,15 @@ The daemon side reads the same files with :func:`read_run_dir`, :func:`read_comm
 from __future__ import annotations
 
 import fcntl
-import json
-import math
 import os
 import socket
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
+
+from ckptkeeper.hook import schema
 
 PROTOCOL_VERSION = 1
 STATE_DIR = ".ckptkeeper"
@@ -150,25 +151,32 @@ _KNOWN_RUN_KEYS = frozenset(
 )
 
 
-def _json_loads(text: str) -> Any:
-    """``json.loads`` where a nesting bomb is malformed input (ValueError), not a RecursionError that
-    would abort the daemon's whole catalog pass."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise json.JSONDecodeError("nested too deeply", text, 0) from None
-
-
 def _state_path(run_dir: StrPath, name: str) -> str:
     return os.path.join(os.fspath(run_dir), STATE_DIR, name)
 
 
 def heartbeat_mtime(run_dir: StrPath) -> float | None:
-    """mtime of ``<run_dir>/.ckptkeeper/heartbeat``, or ``None`` when there is none (or it is unreadable)."""
+    """mtime of ``<run_dir>/.ckptkeeper/heartbeat``, or ``None`` when there is none, it is unreadable,
+    or its mtime is not a sane time (see :func:`read_heartbeat`)."""
+    return read_heartbeat(run_dir)[0]
+
+
+def read_heartbeat(run_dir: StrPath) -> tuple[float | None, str | None]:
+    """(mtime, None) of the heartbeat file; (None, None) when there is none; (None, problem) when it is
+    not a regular file or its mtime is outside 1970..3000 (a hostile or broken clock): such a
+    heartbeat proves nothing and is reported, not used."""
     try:
-        return os.stat(_state_path(run_dir, HEARTBEAT_FILE)).st_mtime
-    except OSError:
-        return None
+        st = os.lstat(_state_path(run_dir, HEARTBEAT_FILE))
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{HEARTBEAT_FILE}: cannot stat: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{HEARTBEAT_FILE}: not a regular file"
+    try:
+        return schema.timestamp(st.st_mtime, f"{HEARTBEAT_FILE} mtime"), None
+    except schema.SchemaError as exc:
+        return None, str(exc)
 
 
 def read_run_dir(run_dir: StrPath) -> RunInfo | None:
@@ -181,6 +189,7 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
     path = _state_path(run_dir, RUN_FILE)
     errors: list[str] = []
     doc: Any = None
+    parsed = False
     try:
         with open(path, "rb") as f:
             raw = f.read(1 << 20)
@@ -191,40 +200,38 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
         raw = b""
     if raw:
         try:
-            doc = _json_loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            errors.append(f"{RUN_FILE} is not UTF-8")
-        except ValueError as exc:
-            errors.append(f"{RUN_FILE} is not valid JSON: {exc}")
+            doc = schema.parse_json(raw, RUN_FILE)
+            parsed = True
+        except schema.SchemaError as exc:
+            errors.append(str(exc))
     elif not errors:
         errors.append(f"{RUN_FILE} is empty")
-    if doc is not None and not isinstance(doc, dict):
+    if parsed and not isinstance(doc, dict):
         errors.append(f"{RUN_FILE} is not a JSON object")
         doc = None
     d: dict[str, Any] = doc or {}
 
-    def pick(key: str, kind: type | tuple[type, ...], *, optional: bool = True) -> Any:
+    def pick(key: str, check: Any, *, optional: bool = True, **bounds: Any) -> Any:
+        """The field checked by the schema, or None (and the reason in ``errors``)."""
         value = d.get(key)
         if value is None:
             if not optional and doc is not None:
                 errors.append(f"{key}: missing")
             return None
-        if isinstance(value, bool) or not isinstance(value, kind):
-            errors.append(f"{key}: unexpected {type(value).__name__}")
+        try:
+            return check(value, key, **bounds)
+        except schema.SchemaError as exc:
+            errors.append(str(exc))
             return None
-        return value
 
-    version = pick("version", int, optional=False)
+    version = pick("version", schema.integer, optional=False)
     if version is not None and version != PROTOCOL_VERSION:
         errors.append(f"version: unsupported protocol version {version}")
-    state = pick("state", str, optional=False)
+    state = pick("state", schema.text, optional=False)
     if state is not None and state not in _STATES:
-        errors.append(f"state: unknown state {state!r}")
+        errors.append(f"state: unknown state {schema.describe(state)}")
         state = None
-    pid = pick("pid", int)
-    started = _finite_or_none(pick("started", (int, float)), "started", errors)
-    ended = _finite_or_none(pick("ended", (int, float)), "ended", errors)
-    interval = _finite_or_none(pick("heartbeat_interval", (int, float)), "heartbeat_interval", errors)
+    interval = pick("heartbeat_interval", schema.number, lo=0.0, hi=schema.MAX_INTERVAL)
     parent: ParentRef | None = None
     raw_parent = d.get("parent")
     if raw_parent is not None:
@@ -234,20 +241,20 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
             errors.append(f"parent: {exc}")
     return RunInfo(
         run_dir=os.fspath(run_dir),
-        name=pick("name", str),
+        name=pick("name", schema.text),
         state=state,
-        host=pick("host", str),
-        pid=pid,
-        started=started,
-        ended=ended,
-        reason=pick("reason", str),
+        host=pick("host", schema.text, max_len=255),
+        pid=pick("pid", schema.integer, lo=1, hi=schema.MAX_PID),
+        started=pick("started", schema.timestamp),
+        ended=pick("ended", schema.timestamp),
+        reason=pick("reason", schema.text),
         parent=None if parent is None else (parent.run, parent.step),
         parent_path=None if parent is None else parent.path,
         heartbeat_interval=interval,
         heartbeat=heartbeat_mtime(run_dir),
         version=version,
-        error="; ".join(errors) or None,
-        extra={k: v for k, v in d.items() if k not in _KNOWN_RUN_KEYS},
+        error="; ".join(schema.capped(errors)) or None,
+        extra={k: v for k, v in list(d.items())[: schema.MAX_METRICS] if k not in _KNOWN_RUN_KEYS},
     )
 
 
@@ -301,7 +308,7 @@ def read_commits(run_dir: StrPath) -> tuple[list[Commit], list[str]]:
             f"{COMMITS_FILE}:{len(lines) + 1}: incomplete last line ({len(tail)} bytes, no newline; "
             "the writer probably died mid-append)"
         )
-    return commits, errors
+    return commits, schema.capped(errors)
 
 
 def _parse_commit_line(line: bytes, number: int) -> tuple[Commit | None, str | None]:
@@ -309,40 +316,21 @@ def _parse_commit_line(line: bytes, number: int) -> tuple[Commit | None, str | N
     if b"\0" in line:
         return None, "contains NUL bytes (zero-filled block after a crash?)"
     try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    try:
-        doc = _json_loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg}): {_preview(text)}"
+        doc = schema.parse_json(line, "")
+    except schema.SchemaError as exc:
+        return None, f"{exc.problem}: {_preview(line.decode('utf-8', 'replace'))}"
     if not isinstance(doc, dict):
-        return None, f"not a JSON object: {_preview(text)}"
-    rel = doc.get("path")
-    if not isinstance(rel, str) or not rel:
-        return None, "path: missing or not a string"
-    parts = rel.split("/")
-    if rel.startswith("/") or ".." in parts or "\0" in rel or parts[0] == STATE_DIR:
-        return None, f"path: {rel!r} is not a path inside the run dir"
-    step = doc.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return None, f"step: {step!r} is not a non-negative integer"
-    when = doc.get("time")
-    if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
-        return None, f"time: {when!r} is not a finite number"
-    raw_metrics = doc.get("metrics", {})
-    if raw_metrics is None:
-        raw_metrics = {}
-    if not isinstance(raw_metrics, dict):
-        return None, "metrics: not a JSON object"
-    metrics: dict[str, float] = {}
-    dropped: list[str] = []
-    for key, value in raw_metrics.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            dropped.append(key)
-        else:
-            metrics[key] = float(value)
-    commit = Commit(path=rel, step=step, metrics=metrics, time=float(when), line=number)
+        return None, f"not a JSON object: {_preview(line.decode('utf-8', 'replace'))}"
+    try:
+        rel = schema.rel_path(doc.get("path"), "path")
+        if rel.split("/")[0] == STATE_DIR:
+            raise schema.SchemaError("path", f"{schema.describe(rel)} is not a path inside the run dir")
+        step = schema.step(doc.get("step"))
+        when = schema.timestamp(doc.get("time"), "time")
+        metrics, dropped = schema.metrics(doc.get("metrics"))
+    except schema.SchemaError as exc:
+        return None, str(exc)
+    commit = Commit(path=rel, step=step, metrics=metrics, time=when, line=number)
     note = f"metrics {sorted(dropped)!r} dropped: not finite numbers" if dropped else None
     return commit, note
 
@@ -351,25 +339,14 @@ def _preview(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
-def _finite_or_none(value: Any, key: str, errors: list[str]) -> float | None:
-    if value is None:
-        return None
-    if not math.isfinite(value):
-        errors.append(f"{key}: not finite")
-        return None
-    return float(value)
-
-
 def _parent_from_json(raw: Any) -> ParentRef:
     if not isinstance(raw, dict):
         raise TypeError(f"expected an object, got {type(raw).__name__}")
-    run, step, path = raw.get("run"), raw.get("step"), raw.get("path")
-    if not isinstance(run, str) or not run:
-        raise ValueError("run: missing or not a string")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step: {step!r} is not a non-negative integer")
-    if path is not None and not isinstance(path, str):
-        raise ValueError("path: not a string")
+    run = schema.text(raw.get("run"), "run", empty=False)
+    step = schema.step(raw.get("step"))
+    path = raw.get("path")
+    if path is not None:
+        path = schema.text(path, "path")
     return ParentRef(run=run, step=step, path=path)
 
 

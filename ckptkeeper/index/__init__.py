@@ -5,18 +5,29 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 ``schema`` holds the migrations, ``rows`` the typed rows it returns, ``db`` the queries.
 """
 
-from ckptkeeper.index.db import Index
-from ckptkeeper.index.rows import CheckpointRow, JobRun, JournalEntry, RunRow, TierStatus
+from ckptkeeper.index.db import Index, IndexReplaced
+from ckptkeeper.index.rows import (
+    DAMAGED,
+    CheckpointRow,
+    JobRun,
+    JournalEntry,
+    Quarantined,
+    RunRow,
+    TierStatus,
+)
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
+    "DAMAGED",
     "SCHEMA_VERSION",
     "CheckpointRow",
     "Index",
     "IndexCorrupt",
+    "IndexReplaced",
     "JobRun",
     "JournalEntry",
+    "Quarantined",
     "RunRow",
     "TierStatus",
 ]

@@ -7,7 +7,9 @@ Readers (``ls``, the metrics endpoint) never block the daemon's writer in WAL mo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -24,15 +26,27 @@ from ckptkeeper.core.model import (
     Snapshot,
 )
 from ckptkeeper.index.rows import (
+    DAMAGED,
     CheckpointRow,
     JobRun,
     JournalEntry,
+    Quarantined,
     RunRow,
     TierStatus,
     checkpoint_row,
     run_row,
 )
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, MIGRATIONS, SCHEMA_VERSION, IndexCorrupt
+
+
+class IndexReplaced(Exception):
+    """The index file at the configured path is gone or is another file than the one this
+    connection opened (``rm index.db*``, a restore from backup): its writes would land in a
+    deleted file that nobody reads, and its reads miss what others wrote (pins). The caller
+    reopens the path and rebuilds with deletes held (``actions.index.reopen_after_loss``)."""
+
+
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 class _Result:
@@ -66,6 +80,7 @@ class Index:
         self._lock = threading.RLock()
         self.reconcile_lock = threading.RLock()
         """Serialises catalog reconciles that share this connection (watcher vs scheduled jobs)."""
+        self._identity: tuple[int, int] | None = None
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
@@ -79,6 +94,51 @@ class Index:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             self._migrate()
+        self._identity = self._file_identity()
+        """(st_dev, st_ino) of the file this connection opened; None: not a file (``:memory:``),
+        or not known yet (migrations run before it is taken)."""
+
+    # -- identity --------------------------------------------------------------------------
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def identity_problem(self) -> str | None:
+        """Why the file at ``path`` is not the one this connection uses (None: it is).
+
+        One ``stat``: cheap enough before every pass and every write.
+        """
+        if self._identity is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return f"index {self.path} was deleted while open"
+        except OSError as exc:
+            return f"index {self.path} cannot be checked: {exc.strerror or exc}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"index {self.path} was replaced by another file while open"
+        return None
+
+    def check_identity(self) -> None:
+        """Raise :class:`IndexReplaced` unless the path still names this connection's file."""
+        problem = self.identity_problem()
+        if problem is not None:
+            raise IndexReplaced(problem)
+
+    def reopen(self) -> None:
+        """Close this connection and open the file now at ``path`` (created if missing), in place:
+        the watcher, the catalog and the jobs keep their reference to this object."""
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            fresh = Index(self.path)
+            self._db = fresh._db
+            self._identity = fresh._identity
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -130,6 +190,7 @@ class Index:
         clone._lock = threading.RLock()
         clone.reconcile_lock = threading.RLock()
         clone._db = mem
+        clone._identity = None
         mem.row_factory = sqlite3.Row
         mem.execute("PRAGMA foreign_keys = ON")
         try:
@@ -148,6 +209,7 @@ class Index:
             if self._db.in_transaction:
                 yield
                 return
+            self.check_identity()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield
@@ -163,6 +225,24 @@ class Index:
                     self._db.execute("ROLLBACK")
                 raise
 
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested atomic unit inside a transaction: on an exception only its own writes are undone
+        (one bad document must not leave half its rows behind, nor roll back everyone else's)."""
+        with self._lock:
+            if not self._db.in_transaction:
+                with self.transaction():
+                    yield
+                return
+            self._db.execute("SAVEPOINT one_document")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK TO one_document")
+                self._db.execute("RELEASE one_document")
+                raise
+            self._db.execute("RELEASE one_document")
+
     def _exec(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> _Result:
         """Run one statement and fetch all it returns while holding the lock.
 
@@ -171,6 +251,8 @@ class Index:
         - SQL statements in progress").
         """
         with self._lock:
+            if not self._db.in_transaction and sql.lstrip()[:7].upper().startswith(_WRITES):
+                self.check_identity()  # a write into a deleted or replaced file is lost
             return _Result(self._db.execute(sql, params))
 
     # -- runs ------------------------------------------------------------------------------
@@ -323,6 +405,21 @@ class Index:
         )
         return cur.rowcount
 
+    def pin_by_name(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Pin the checkpoints ``(run, name)`` that exist and are not pinned yet (pins read back
+        from the tiers; never unpins). Returns how many rows changed."""
+        changed = 0
+        with self.transaction():
+            for run, name in keys:
+                changed += self._exec(
+                    "UPDATE checkpoints SET pinned = 1 WHERE run = ? AND name = ? AND pinned = 0", (run, name)
+                ).rowcount
+        return changed
+
+    def pinned_names(self) -> set[tuple[str, str]]:
+        """(run, name) of every pinned checkpoint."""
+        return {(r[0], r[1]) for r in self._exec("SELECT run, name FROM checkpoints WHERE pinned = 1")}
+
     # -- locations -------------------------------------------------------------------------
 
     def set_location(
@@ -341,6 +438,10 @@ class Index:
                  verified_at = excluded.verified_at, node = excluded.node""",
             (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at, node),
         )
+
+    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str) -> None:
+        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`)."""
+        self.set_location(checkpoint_id, tier, DAMAGED + " ".join(problem.split())[:500])
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
@@ -419,6 +520,61 @@ class Index:
                 upload_id=r["upload_id"] or None,
                 # a read-only index not yet migrated has no node column (sqlite3.Row: `in` tests values)
                 node=r["node"] if "node" in r.keys() else "",  # noqa: SIM118
+            )
+            for r in rows
+        ]
+
+    def replace_quarantine(
+        self,
+        tier: str,
+        entries: Iterable[Quarantined],
+        *,
+        run: str | None = None,
+        kinds: Sequence[str] | None = None,
+    ) -> None:
+        """Replace what is quarantined in ``tier`` (optionally only for one run, or some kinds):
+        entries still present keep their ``first_seen``, the rest are forgotten (fixed or gone)."""
+        where, params = "tier = ?", [tier]
+        if run is not None:
+            where += " AND run = ?"
+            params.append(run)
+        if kinds is not None:
+            where += f" AND kind IN ({','.join('?' * len(kinds))})"
+            params.extend(kinds)
+        now = time.time()
+        with self.transaction():
+            first = {
+                (r["path"], r["kind"]): r["first_seen"]
+                for r in self._exec(f"SELECT path, kind, first_seen FROM quarantine WHERE {where}", params)
+            }
+            self._exec(f"DELETE FROM quarantine WHERE {where}", params)
+            for q in entries:
+                path, reason = _safe_text(q.path, 4096), _safe_text(q.reason, 2000)
+                self._exec(
+                    """INSERT OR REPLACE INTO quarantine (tier, path, kind, run, reason, first_seen, last_seen)
+                       VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                    (
+                        tier,
+                        path,
+                        q.kind,
+                        None if q.run is None else _safe_text(q.run, 4096),
+                        reason,
+                        first.get((path, q.kind), now),
+                        now,
+                    ),
+                )
+
+    def quarantined(self) -> list[Quarantined]:
+        rows = self._exec("SELECT * FROM quarantine ORDER BY tier, path, kind").fetchall()
+        return [
+            Quarantined(
+                tier=r["tier"],
+                path=r["path"],
+                kind=r["kind"],
+                reason=r["reason"],
+                run=r["run"],
+                first_seen=r["first_seen"],
+                last_seen=r["last_seen"],
             )
             for r in rows
         ]
@@ -511,6 +667,10 @@ class Index:
             locations = by_id.get(cid)
             if locations:
                 verified = frozenset(t for t, v in locations if v == version)
+                if not verified and any(v.startswith(DAMAGED) for _, v in locations):
+                    # Its only copies are damaged: nothing the planner can keep, move or count as
+                    # a run's newest (that protection belongs to a checkpoint that exists).
+                    continue
                 tiers = shared.setdefault(verified, verified)  # a handful of distinct sets
             out.append(
                 Checkpoint(
@@ -618,3 +778,9 @@ class Index:
             )
             for r in rows
         }
+
+
+def _safe_text(value: str, limit: int) -> str:
+    """Hostile text made storable: non-UTF-8 bytes escaped, NULs shown, length bounded."""
+    text = value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+    return text if len(text) <= limit else text[:limit] + "…"

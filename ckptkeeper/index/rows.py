@@ -10,6 +10,41 @@ from typing import Any
 
 from ckptkeeper.core.model import Checkpoint, CheckpointState, Manifest, Run, RunState
 
+DAMAGED = "damaged: "
+"""Prefix of a location's version when the copy was found damaged in storage (files missing, of
+another size or type than its manifest says): ``damaged: <what was wrong>``. Never equal to a
+checkpoint's version, so the copy counts nowhere (planner, restore, deletes of other copies) and the
+planner copies it again; kept in the index (not dropped) so ``ls`` and ``verify`` can say so. The
+next listing that finds the copy whole again, or a copy that repairs it, records its real version.
+Stored in the version column rather than a new one: the locations table stays as it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A document that failed the schema: ignored (never trusted, never a reason to delete), and
+    shown with its reason until it is fixed or removed."""
+
+    tier: str
+    path: str
+    """Relative to the tier root (``<run>/.ckptkeeper/run.json``, ``<run>/<ckpt>.ckptkeeper-manifest.json``)."""
+    kind: str
+    """``manifest``, ``run.json``, ``commits.jsonl``, ``heartbeat``, ``marker`` or ``checkpoint``."""
+    reason: str
+    run: str | None = None
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "path": self.path,
+            "kind": self.kind,
+            "run": self.run,
+            "reason": self.reason,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRow:
@@ -36,6 +71,11 @@ class CheckpointRow:
     def verified_tiers(self) -> frozenset[str]:
         """Tiers holding a copy of the current version."""
         return frozenset(t for t, v in self.locations.items() if v == self.version)
+
+    @property
+    def damaged(self) -> dict[str, str]:
+        """Tiers whose copy was found damaged -> what was wrong with it."""
+        return {t: v.removeprefix(DAMAGED) for t, v in self.locations.items() if v.startswith(DAMAGED)}
 
     def manifest(self) -> Manifest | None:
         return Manifest.from_json(self.manifest_json) if self.manifest_json else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,19 +19,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, RunState
+from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, FileEntry, Manifest, RunState
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
-from ckptkeeper.hook import protocol
+from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
-from ckptkeeper.index import CheckpointRow, Index
+from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import layouts
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.catalog")
 
-MAX_STEP = 2**63 - 1
+MAX_STEP = schema.MAX_STEP
 """SQLite integers are 64-bit; a larger "step" is not a step anyone trains to."""
+
+_HOSTILE = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    UnicodeError,
+    sqlite3.IntegrityError,
+    sqlite3.InterfaceError,
+)
+"""What a document the schema let through could still raise on its way into the index. Caught per
+document (never per pass) as a last line of defence: that document is quarantined, the others go on.
+Never ``sqlite3.DatabaseError`` as such: a damaged index must reach the rebuild."""
 
 
 @dataclass
@@ -44,6 +58,9 @@ class ReconcileReport:
     corrupt: int = 0
     hashed_bytes: int = 0
     tiers_failed: dict[str, str] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
+    """``tier:path`` -> what is wrong, for each copy whose data does not match its manifest."""
+    quarantined: int = 0
 
     def merge(self, other: ReconcileReport) -> None:
         for name in (
@@ -55,9 +72,11 @@ class ReconcileReport:
             "partial",
             "corrupt",
             "hashed_bytes",
+            "quarantined",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)
+        self.damaged.update(other.damaged)
 
 
 class Catalog:
@@ -77,6 +96,11 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
+        self.tier_pins: dict[str, set[tuple[str, str]]] = {}
+        self.own_copies: dict[str, int] = {}
+        """Copies each slower tier held at its last listing whose manifest names this node: they
+        prove this node had an index before (a missing one was lost, not never made)."""
+        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
 
     # -- the hot tier ----------------------------------------------------------------------
 
@@ -127,7 +151,20 @@ class Catalog:
         # Two reconciles of one run (watcher + a prune job) must not interleave: the slower one
         # would write an older view over a newer one.
         with self.index.reconcile_lock:
-            return self._reconcile_run(run, run_dir)
+            try:
+                return self._reconcile_run(run, run_dir)
+            except _HOSTILE as exc:
+                # One run's hostile files must not stop the pass over the others (nor the daemon).
+                log.error(
+                    "run could not be reconciled; quarantined", run=run, error=f"{type(exc).__name__}: {exc}"
+                )
+                reason = f"could not be cataloged: {type(exc).__name__}: {str(exc)[:500]}"
+                self.index.replace_quarantine(
+                    self.settings.hot.name,
+                    [Quarantined(self.settings.hot.name, run, "run", reason, run=run)],
+                    run=run,
+                )
+                return ReconcileReport(runs=1, quarantined=1)
 
     def _reconcile_run(self, run: str, run_dir: Path | None) -> ReconcileReport:
         run_dir = run_dir or self.hot_root / run
@@ -147,8 +184,20 @@ class Catalog:
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
         commits, commit_errors = protocol.read_commits(run_dir)
-        for err in commit_errors:
+        for err in commit_errors:  # at most schema.MAX_ERRORS + 1 (read_commits caps them)
             log.warning("malformed hook commit line", run=run, error=err)
+        hot = self.settings.hot.name
+        held: list[Quarantined] = []
+        if commit_errors:
+            held.append(
+                Quarantined(
+                    hot,
+                    f"{run}/{STATE_DIR}/{protocol.COMMITS_FILE}",
+                    protocol.COMMITS_FILE,
+                    f"{len(commit_errors)} line(s) ignored: " + "; ".join(commit_errors[:5]),
+                    run=run,
+                )
+            )
         committed = {c.path: c for c in commits}
         candidates = {c.name: c for c in scan.candidates}
         for c in commits:
@@ -158,18 +207,26 @@ class Catalog:
                     candidates[extra.name] = extra
 
         existing = {row.name: row for row in self.index.checkpoints(run)}
-        hot = self.settings.hot.name
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [c.last_write for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
         managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
         for name, cand in sorted(candidates.items()):
             if cand.step > MAX_STEP:
-                log.warning("step out of range, ignored", run=run, name=name, step=cand.step)
+                log.warning("step out of range, ignored", run=run, name=name, step=schema.describe(cand.step))
+                held.append(
+                    Quarantined(
+                        hot,
+                        f"{run}/{name}",
+                        "checkpoint",
+                        f"step {schema.describe(cand.step)} is out of range [0, {MAX_STEP}]: never managed",
+                        run=run,
+                    )
+                )
                 continue
-            newest_write = max(newest_write, cand.last_write)
+            newest_write = max(newest_write, self._written(cand))
             if _has_surrogates(name):
                 # Non-UTF-8 bytes in the name: SQLite text cannot hold it. Never managed, so
                 # never moved or reaped either.
@@ -182,6 +239,8 @@ class Catalog:
             commit = committed.get(name) or next(
                 (c for p, c in committed.items() if p.startswith(name + "/")), None
             )
+            if cand.rejected:
+                held.append(Quarantined(hot, f"{run}/{name}", "marker", "; ".join(cand.rejected), run=run))
             managed.append((cand, commit))
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
@@ -189,7 +248,7 @@ class Catalog:
             cand.name: self._try_hash(run_dir, cand, commit)
             for cand, commit in managed
             if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot)
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
         }
         with self.index.transaction():
             for cand, commit in managed:
@@ -213,17 +272,31 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            self._update_run_state(run, run_dir, newest_write, now)
+            held.extend(self._update_run_state(run, run_dir, newest_write, now))
+            self.index.replace_quarantine(hot, held, run=run)
+        report.quarantined += len(held)
         return report
 
-    def _state_of(self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float) -> CheckpointState:
-        if cand.corrupt and now - cand.last_write < self.settings.daemon.settle_seconds:
+    def _written(self, cand: layouts.Candidate) -> float:
+        """When a checkpoint was last written, for settling and for partial and run ages: by mtime
+        and ctime, because ``cp -a`` / ``rsync -a`` copy old mtimes (a copy in progress looked
+        settled, or long abandoned, and was moved half-done or reaped); ``daemon.trust_mtimes``
+        goes by mtimes alone."""
+        if self.settings.daemon.trust_mtimes:
+            return cand.last_write
+        return max(cand.last_write, cand.changed_at)
+
+    def _state_of(
+        self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
+    ) -> CheckpointState:
+        # Settled means untouched for settle_seconds by mtime AND ctime (see _written).
+        changed = self._written(cand)
+        settle = self.settings.daemon.settle_seconds
+        if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
-        if commit is not None or (
-            cand.complete and now - cand.last_write >= self.settings.daemon.settle_seconds
-        ):
+        if commit is not None or (cand.complete and now - changed >= settle):
             return CheckpointState.COMPLETE
         return CheckpointState.WRITING
 
@@ -233,7 +306,7 @@ class Catalog:
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         try:
             return self._hash_candidate(
-                run_dir, cand, metrics, created_at=commit.time if commit else cand.last_write
+                run_dir, cand, metrics, created_at=commit.time if commit else _sane_time(cand.last_write)
             )
         except OSError as exc:
             return exc
@@ -266,8 +339,10 @@ class Catalog:
                 step=cand.step,
                 layout=cand.layout,
                 state=state,
-                created_at=manifest.created_at if manifest else (row.created_at if row else cand.last_write),
-                last_write=cand.last_write,
+                created_at=manifest.created_at
+                if manifest
+                else (row.created_at if row else _sane_time(cand.last_write)),
+                last_write=self._written(cand),
                 bytes=manifest.total_bytes if manifest else cand.bytes,
                 metrics=metrics,
                 committed=commit is not None,
@@ -312,7 +387,9 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(self, run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
+    def _committed_candidate(
+        self, run_dir: Path, run: str, commit: protocol.Commit
+    ) -> layouts.Candidate | None:
         """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
         path = run_dir / commit.path
         found = layouts.recognize(path, run_dir, run)
@@ -337,6 +414,7 @@ class Catalog:
                 complete=True,
                 files=("",),
                 last_write=st.st_mtime,
+                changed_at=max(st.st_mtime, st.st_ctime),
                 bytes=st.st_size,
                 metrics={},
                 problem=None,
@@ -344,8 +422,11 @@ class Catalog:
         if not stat.S_ISDIR(st.st_mode):
             return None
         files: list[str] = []
-        total, newest = 0, st.st_mtime
+        total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
+        mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            base = os.path.relpath(dirpath, path).replace(os.sep, "/")
+            dirnames[:] = [d for d in dirnames if (d if base == "." else f"{base}/{d}") not in mounts]
             for fname in filenames:
                 full = os.path.join(dirpath, fname)
                 fst = os.lstat(full)
@@ -353,8 +434,11 @@ class Catalog:
                     files.append(os.path.relpath(full, path).replace(os.sep, "/"))
                     total += fst.st_size
                     newest = max(newest, fst.st_mtime)
+                    changed = max(changed, fst.st_mtime, fst.st_ctime)
             for dname in dirnames:
-                newest = max(newest, os.lstat(os.path.join(dirpath, dname)).st_mtime)
+                dst = os.lstat(os.path.join(dirpath, dname))
+                newest = max(newest, dst.st_mtime)
+                changed = max(changed, dst.st_mtime, dst.st_ctime)
         return layouts.Candidate(
             run=run,
             step=commit.step,
@@ -364,6 +448,7 @@ class Catalog:
             complete=True,
             files=tuple(sorted(files)),
             last_write=newest,
+            changed_at=changed,
             bytes=total,
             metrics={},
             problem=None,
@@ -389,9 +474,30 @@ class Catalog:
             node=self.settings.node,
         )
 
-    def _update_run_state(self, run: str, run_dir: Path, newest_write: float, now: float) -> None:
+    def _update_run_state(
+        self, run: str, run_dir: Path, newest_write: float, now: float
+    ) -> list[Quarantined]:
+        """Record the run's state from its hook files; return those that failed the schema."""
+        hot = self.settings.hot.name
+        held: list[Quarantined] = []
         info = protocol.read_run_dir(run_dir)
-        heartbeat = protocol.heartbeat_mtime(run_dir)
+        heartbeat, heartbeat_problem = protocol.read_heartbeat(run_dir)
+        if info is not None and info.error:
+            held.append(
+                Quarantined(
+                    hot, f"{run}/{STATE_DIR}/{protocol.RUN_FILE}", protocol.RUN_FILE, info.error, run=run
+                )
+            )
+        if heartbeat_problem is not None:
+            held.append(
+                Quarantined(
+                    hot,
+                    f"{run}/{STATE_DIR}/{protocol.HEARTBEAT_FILE}",
+                    protocol.HEARTBEAT_FILE,
+                    f"{heartbeat_problem}: ignored as a sign of life",
+                    run=run,
+                )
+            )
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None
@@ -417,6 +523,7 @@ class Catalog:
             pid=pid,
             on_hot=True,
         )
+        return held
 
     def _run_gone_from_hot(self, run: str) -> None:
         """The run directory disappeared: its hot copies are gone; copies elsewhere stay cataloged."""
@@ -427,6 +534,7 @@ class Catalog:
                 if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
                     self.index.delete_checkpoint(row.id)
             self.index.replace_artifacts(hot, [], run=run)
+            self.index.replace_quarantine(hot, [], run=run)
             prev = self.index.run(run)
             if not self.index.checkpoints(run):
                 self.index.delete_run(run)
@@ -457,7 +565,7 @@ class Catalog:
             return self._reconcile_tier(tier_name)
 
     def _reconcile_tier(self, tier_name: str) -> ReconcileReport:
-        from ckptkeeper.storage import TierStorage, TierUnavailable
+        from ckptkeeper.storage import DAMAGED_COPY, TierStorage, TierUnavailable
 
         report = ReconcileReport()
         tier = next(t for t in self.settings.tiers if t.name == tier_name)
@@ -466,6 +574,7 @@ class Catalog:
             listing = storage.list_manifests()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
+            pins = storage.list_pins()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",
@@ -477,49 +586,92 @@ class Catalog:
             return report
         known = self.index.locations_in_tier(tier_name)
         listed: set[tuple[str, str]] = set()
+        held: list[Quarantined] = []
+
+        def quarantine(rel: str, why: str) -> None:
+            log.warning("manifest in tier quarantined, copy ignored", tier=tier_name, path=rel, error=why)
+            where = rel + MANIFEST_SUFFIX
+            held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
+            report.corrupt += 1
+
+        self.own_copies[tier_name] = sum(
+            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+        )
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if manifest is None:
-                    log.warning(
-                        "unreadable manifest in tier, copy ignored", tier=tier_name, path=rel, error=error
-                    )
-                    report.corrupt += 1
+                    quarantine(rel, error or "unreadable")
                     continue
-                key = (manifest.run, manifest.name)
-                listed.add(key)
-                row = self.index.checkpoint(*key)
-                if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
-                    cid = self.index.upsert_checkpoint(
-                        run=manifest.run,
-                        name=manifest.name,
-                        step=manifest.step,
-                        layout=manifest.layout,
-                        state=CheckpointState.COMPLETE,
-                        created_at=manifest.created_at,
-                        last_write=manifest.created_at,
-                        bytes=manifest.total_bytes,
-                        metrics=manifest.metrics,
-                        committed=False,
-                        version=manifest.digest,
-                        manifest_json=manifest.to_json(),
-                        problem=None,
-                    )
-                    report.new += 1
-                    if self.index.run(manifest.run) is None:
-                        self._mark_off_hot(manifest.run, manifest.created_at, None)
-                else:
-                    cid = row.id
-                    if known.get(key, (0, ""))[1] == manifest.digest:
-                        report.unchanged += 1
-                self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
+                if error is not None:
+                    # A manifest over missing or changed data is no copy: recorded as damaged (so
+                    # the planner copies it again and `ls`/`verify` say so), never as a location.
+                    log.warning("damaged copy in tier: not counted", tier=tier_name, path=rel, error=error)
+                    report.damaged[f"{tier_name}:{rel}"] = error
+                try:
+                    with self.index.savepoint():
+                        self._apply_manifest(
+                            tier_name, manifest, known, report, error and error.removeprefix(DAMAGED_COPY)
+                        )
+                except _HOSTILE as exc:
+                    quarantine(rel, f"could not be cataloged: {type(exc).__name__}: {str(exc)[:500]}")
+                    continue
+                listed.add((manifest.run, manifest.name))
             for key, (cid, _version) in known.items():
                 if key not in listed:
                     self.index.remove_location(cid, tier_name)
                     report.removed += 1
             self.index.prune_orphans()
             self.index.replace_artifacts(tier_name, [*staging, *uploads])
+            self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
+            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
+            # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
+            restored = self.index.pin_by_name(sorted(pins))
+            if restored:
+                log.warning("pins read back from the tier", tier=tier_name, pins=restored)
+            self.tier_pins[tier_name] = pins
             self.index.set_tier_status(tier_name, True)
+        report.quarantined += len(held)
         return report
+
+    def _apply_manifest(
+        self,
+        tier_name: str,
+        manifest: Manifest,
+        known: dict[tuple[str, str], tuple[int, str]],
+        report: ReconcileReport,
+        error: str | None = None,
+    ) -> None:
+        """Record one copy a slower tier holds, from its (validated) manifest; ``error``: its data
+        does not match the manifest (the copy is marked damaged, never a location)."""
+        key = (manifest.run, manifest.name)
+        row = self.index.checkpoint(*key)
+        if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
+            cid = self.index.upsert_checkpoint(
+                run=manifest.run,
+                name=manifest.name,
+                step=manifest.step,
+                layout=manifest.layout,
+                state=CheckpointState.COMPLETE,
+                created_at=manifest.created_at,
+                last_write=manifest.created_at,
+                bytes=manifest.total_bytes,
+                metrics=manifest.metrics,
+                committed=False,
+                version=manifest.digest,
+                manifest_json=manifest.to_json(),
+                problem=None,
+            )
+            report.new += 1
+            if self.index.run(manifest.run) is None:
+                self._mark_off_hot(manifest.run, manifest.created_at, None)
+        else:
+            cid = row.id
+            if error is None and known.get(key, (0, ""))[1] == manifest.digest:
+                report.unchanged += 1
+        if error is not None:
+            self.index.mark_damaged(cid, tier_name, error)
+        else:
+            self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
 
     def reconcile(self, *, slower_tiers: bool = True) -> ReconcileReport:
         report = self.reconcile_hot()
@@ -529,7 +681,7 @@ class Catalog:
         return report
 
 
-def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str) -> bool:
+def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str, written: float) -> bool:
     """The index holds a verified hot copy of exactly these bytes (same size and newest mtime):
     no need to read it again, which keeps ``scan`` idempotent and cheap."""
     return (
@@ -538,7 +690,7 @@ def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: s
         and row.manifest_json is not None
         and row.state is CheckpointState.COMPLETE
         and row.bytes == cand.bytes
-        and row.last_write == cand.last_write
+        and row.last_write == written
         and row.locations.get(hot) == row.version
     )
 
@@ -562,3 +714,9 @@ def _has_surrogates(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _sane_time(when: float) -> float:
+    """A file's mtime as a creation time: any clock (``touch -d``, ``cp -a``) can set it to 1901 or
+    2400, but a time the retention rules turn into a date must lie between 1970 and 3000."""
+    return min(max(when, 0.0), schema.MAX_TIME)

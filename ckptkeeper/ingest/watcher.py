@@ -627,7 +627,7 @@ class Watcher:
         for row in rows:
             if row.state.value != "writing":
                 continue
-            settles_at = row.last_write + settle
+            settles_at = row.last_write + settle  # by mtime and ctime (Catalog._written)
             if settles_at <= since:
                 continue  # had settled when the catalog looked: settling is not what keeps it incomplete
             soonest[row.run] = min(soonest.get(row.run, settles_at), settles_at)

@@ -66,6 +66,7 @@ This package re-exports the public names; patch internals where they are defined
 """
 
 from ckptkeeper.storage.base import (
+    DAMAGED_COPY,
     MULTIPART_KIND,
     STAGING_KIND,
     Progress,
@@ -78,6 +79,7 @@ from ckptkeeper.storage.s3 import S3TierStorage
 from ckptkeeper.storage.tier import TierStorage
 
 __all__ = [
+    "DAMAGED_COPY",
     "MULTIPART_KIND",
     "STAGING_KIND",
     "LocalTierStorage",

@@ -23,6 +23,11 @@ log = logging.getLogger("ckptkeeper.storage")
 """The one logger of the package (its name predates the split into modules; log lines keep it)."""
 
 STAGING_KIND = "ckptkeeper-staging"
+PIN_SUFFIX = ".ckptkeeper-pin.json"
+"""A pin object beside a checkpoint's manifest, ``<run>/<name>.ckptkeeper-pin.json`` (DESIGN §10):
+pins survive a lost index, and other nodes see them. Written to every slower tier on ``pin``
+(whether or not the tier holds a copy yet), removed on ``unpin``, read back by every listing."""
+_MAX_PIN_BYTES = 64 * 1024
 MULTIPART_KIND = "multipart-upload"
 
 Progress = Callable[[int], None]
@@ -31,6 +36,10 @@ Progress = Callable[[int], None]
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
 _MAX_MANIFEST_BYTES = 256 * 2**20
+
+DAMAGED_COPY = "damaged copy: "
+"""Start of the error :meth:`TierStorage.list_manifests` gives, beside a valid manifest, for a copy
+whose data does not match it (files missing, of another size or type)."""
 
 
 class StorageError(Exception):
@@ -136,3 +145,43 @@ def _parse_manifest(rel: str, text: bytes) -> Manifest:
     if _rel_of(manifest) != rel:
         raise StorageError(f"manifest found at {rel} describes {_rel_of(manifest)}")
     return manifest
+
+
+def _pin_doc(run: str, name: str, step: int, node: str) -> bytes:
+    import json
+    import time
+
+    return json.dumps(
+        {
+            "kind": "ckptkeeper-pin",
+            "run": run,
+            "name": name,
+            "step": step,
+            "node": node,
+            "pinned_at": time.time(),
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def _parse_pin(rel: str, data: bytes) -> tuple[str, str] | None:
+    """(run, name) of a pin object found at ``rel`` (the checkpoint's path); None if it is not a
+    valid pin for that path (untrusted input: ignored, never a crash)."""
+    import json
+
+    if len(data) > _MAX_PIN_BYTES:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    run, name = doc.get("run"), doc.get("name")
+    if not isinstance(run, str) or not isinstance(name, str) or f"{run}/{name}" != rel:
+        return None
+    try:
+        _split_rel(rel)
+    except StorageError:
+        return None
+    return run, name

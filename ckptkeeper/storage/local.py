@@ -19,19 +19,25 @@ from ckptkeeper.core.model import (
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import (
     _MAX_MANIFEST_BYTES,
+    _MAX_PIN_BYTES,
     _O_CLOEXEC,
+    DAMAGED_COPY,
+    PIN_SUFFIX,
     StorageError,
     TierUnavailable,
     VerificationError,
     _check_manifest,
     _describe,
     _parse_manifest,
+    _parse_pin,
+    _pin_doc,
     _Reader,
     _rel_of,
     _Sink,
     _split_rel,
     _staging_artifact,
     _token,
+    log,
 )
 from ckptkeeper.storage.localfs import (
     _exists_at,
@@ -41,7 +47,8 @@ from ckptkeeper.storage.localfs import (
     _scan_tree,
     _write_file_atomic,
 )
-from ckptkeeper.storage.tier import TierStorage
+from ckptkeeper.storage.tier import TierStorage, _compare_sizes
+from ckptkeeper.util.mounts import mounts_crossed, mounts_under
 
 
 class LocalTierStorage(TierStorage):
@@ -79,6 +86,18 @@ class LocalTierStorage(TierStorage):
             yield fd
         finally:
             os.close(fd)
+
+    def _mounts_under(self) -> frozenset[str]:
+        """Mount points below the root (relative paths): never walked, copied or deleted into."""
+        return mounts_under(self.root)
+
+    def _refuse_mounts(self, rel: str, what: str) -> None:
+        crossed = mounts_crossed(self.root, rel)
+        if crossed:
+            raise StorageError(
+                f"tier {self.name!r}: refusing to {what} {rel}: mount point {', '.join(crossed)} "
+                "(mount points under a tier root, bind mounts included, are never crossed; unmount it)"
+            )
 
     def usage(self) -> TierUsage | None:
         try:
@@ -127,6 +146,7 @@ class LocalTierStorage(TierStorage):
                 if not stat.S_ISDIR(st.st_mode):
                     return None
                 out: dict[str, int | None] = {}
+                mounts = self._mounts_under()
 
                 def fail(exc: OSError) -> None:
                     raise exc
@@ -135,6 +155,9 @@ class LocalTierStorage(TierStorage):
                     parts[-1], dir_fd=dir_fd, follow_symlinks=False, onerror=fail
                 ):
                     base = dirpath[len(parts[-1]) + 1 :]
+                    inside = f"{rel}/{base}" if base else rel
+                    if mounts:  # a bind mount is not part of the copy: neither listed nor entered
+                        dirnames[:] = [d for d in dirnames if f"{inside}/{d}" not in mounts]
                     # fwalk lists a symlink to a directory among dirnames (without descending)
                     for fname in filenames + dirnames:
                         fst = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
@@ -173,6 +196,7 @@ class LocalTierStorage(TierStorage):
         if self.hot:
             raise StorageError(f"tier {self.name!r} is the hot tier: it holds no manifests")
         out: list[tuple[str, Manifest | None, str | None]] = []
+        mounts = self._mounts_under()
 
         def fail(exc: OSError) -> None:
             raise exc
@@ -183,6 +207,7 @@ class LocalTierStorage(TierStorage):
                     ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
                 ):
                     reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
                     present = set(dirnames) | set(filenames)
                     committed_dirs: set[str] = set()
                     for fname in filenames:
@@ -197,7 +222,9 @@ class LocalTierStorage(TierStorage):
                             fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
                             with os.fdopen(fd, "rb") as f:
                                 text = f.read(_MAX_MANIFEST_BYTES + 1)
-                            out.append((rel, _parse_manifest(rel, text), None))
+                            manifest = _parse_manifest(rel, text)
+                            damage = _damage_at(dfd, base, rel, manifest)
+                            out.append((rel, manifest, DAMAGED_COPY + "; ".join(damage) if damage else None))
                         except FileNotFoundError:
                             continue  # deleted while we listed
                         except OSError as exc:
@@ -223,6 +250,7 @@ class LocalTierStorage(TierStorage):
         filesystem makes the whole delete refuse before anything is removed.
         """
         parts = _split_rel(rel_path)
+        self._refuse_mounts(rel_path, "delete")
         try:
             with self._root_fd() as root_fd:
                 dev = os.fstat(root_fd).st_dev
@@ -261,6 +289,8 @@ class LocalTierStorage(TierStorage):
         _check_manifest(manifest)
         rel = _rel_of(manifest)
         parts = _split_rel(rel)
+        src._refuse_mounts(rel, "move")
+        self._refuse_mounts(rel, "move")
         problems = src.verify(manifest, deep=rehash)
         if problems:
             raise VerificationError(f"{src.name}:{rel} does not match its manifest: " + "; ".join(problems))
@@ -272,7 +302,7 @@ class LocalTierStorage(TierStorage):
                     _fd(_open_dirs(d_root, parts[:-1], create=True, dev=dev)) as d_dir,
                 ):
                     name = parts[-1]
-                    if _exists_at(d_dir, name):
+                    if _exists_at(d_dir, name) and self._drop_damaged(manifest):
                         raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
                     if not self.hot:
                         _write_file_atomic(d_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
@@ -290,8 +320,108 @@ class LocalTierStorage(TierStorage):
                 f"rename of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
 
+    def _drop_damaged(self, manifest: Manifest) -> bool:
+        """Before a rename onto ``manifest``'s path, which exists: remove it if it is a damaged
+        copy of this very version (a committed manifest over missing or changed files, issue #13),
+        as :meth:`copy_from` does; True if something else is there (the caller refuses)."""
+        rel = _rel_of(manifest)
+        existing = None if self.hot else self.read_manifest(rel)
+        if existing is None or existing.digest != manifest.digest:
+            return True
+        damage = self.recheck(manifest)
+        if not damage:
+            return True
+        log.warning(
+            "%s: %s holds a damaged copy of version %s (%s); replacing it",
+            self.name,
+            rel,
+            manifest.digest,
+            "; ".join(damage[:3]),
+        )
+        self.delete(rel)
+        return False
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        rel = f"{run}/{name}"
+        parts = _split_rel(rel)
+        if len(parts) > 1:
+            self._refuse_mounts("/".join(parts[:-1]), "pin")
+        try:
+            with self._root_fd() as root_fd:
+                dev = os.fstat(root_fd).st_dev
+                with _fd(_open_dirs(root_fd, parts[:-1], create=True, dev=dev)) as dir_fd:
+                    _write_file_atomic(dir_fd, parts[-1] + PIN_SUFFIX, _pin_doc(run, name, step, node))
+                    os.fsync(dir_fd)
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot write the pin of {rel}: {_describe(exc)}"
+            ) from exc
+
+    def remove_pin(self, run: str, name: str) -> None:
+        rel = f"{run}/{name}"
+        parts = _split_rel(rel)
+        try:
+            with self._parent_fd(parts) as dir_fd:
+                try:
+                    os.unlink(parts[-1] + PIN_SUFFIX, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    return
+                os.fsync(dir_fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(
+                f"tier {self.name!r}: cannot remove the pin of {rel}: {_describe(exc)}"
+            ) from exc
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        out: set[tuple[str, str]] = set()
+        mounts = self._mounts_under()
+
+        def fail(exc: OSError) -> None:
+            raise exc
+
+        with self._root_fd(TierUnavailable) as root_fd:
+            try:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
+                ):
+                    reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
+                    present = set(dirnames) | set(filenames)
+                    committed = set()
+                    for fname in filenames:
+                        if fname.endswith(MANIFEST_SUFFIX) and fname[: -len(MANIFEST_SUFFIX)] in present:
+                            committed.add(fname[: -len(MANIFEST_SUFFIX)])
+                        if not fname.endswith(PIN_SUFFIX) or STAGING_MARK in fname:
+                            continue
+                        base = fname[: -len(PIN_SUFFIX)]
+                        rel = base if reldir == "." else f"{reldir}/{base}"
+                        try:
+                            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+                            with os.fdopen(fd, "rb") as f:
+                                data = f.read(_MAX_PIN_BYTES + 1)
+                        except FileNotFoundError:
+                            continue  # unpinned while we listed
+                        except OSError as exc:
+                            if exc.errno != errno.ELOOP:
+                                raise
+                            continue  # a symlink is no pin of ours
+                        pin = _parse_pin(rel, data)
+                        if pin is not None:
+                            out.add(pin)
+                    dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed]
+            except OSError as exc:
+                raise TierUnavailable(
+                    f"tier {self.name!r}: listing pins under {self.root} failed: {_describe(exc)}"
+                ) from exc
+        return out
+
     def list_staging(self) -> list[Artifact]:
         out: list[Artifact] = []
+        mounts = self._mounts_under()
 
         def fail(exc: OSError) -> None:
             raise exc
@@ -303,6 +433,7 @@ class LocalTierStorage(TierStorage):
                     ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
                 ):
                     reldir = os.path.normpath(dirpath)
+                    _skip_mounts(dirnames, reldir, mounts)
                     present = set(dirnames) | set(filenames)
                     committed: set[str] = set()
                     for entry in sorted(present):
@@ -347,6 +478,34 @@ class LocalTierStorage(TierStorage):
                     f"tier {self.name!r}: cannot remove {artifact.path}: {_describe(exc)}"
                 ) from exc
         raise StorageError(f"{artifact.path} is not a ckptkeeper staging artifact")
+
+
+def _damage_at(dir_fd: int, base: str, rel: str, manifest: Manifest) -> list[str]:
+    """What of ``manifest`` is not under ``base`` in ``dir_fd``: one ``lstat`` per file, the cost
+    of keeping a listing from reporting a copy whose data is gone (issue #13). A vanished file
+    is damage; any other error makes the listing fail (unknown, not damaged)."""
+    if manifest.is_dir and manifest.files:
+        try:
+            top = os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return [f"{rel}: missing"]
+        if not stat.S_ISDIR(top.st_mode):
+            return [f"{rel}: not a directory"]
+    present: dict[str, int | None] = {}
+    for entry in manifest.files:
+        path = f"{base}/{entry.path}" if entry.path else base
+        try:
+            st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        present[entry.path] = st.st_size if stat.S_ISREG(st.st_mode) else None
+    return _compare_sizes(rel, manifest, present)
+
+
+def _skip_mounts(dirnames: list[str], reldir: str, mounts: frozenset[str]) -> None:
+    """Drop mount points from an ``fwalk`` listing (in place): they are never entered."""
+    if mounts:
+        dirnames[:] = [d for d in dirnames if (d if reldir == "." else f"{reldir}/{d}") not in mounts]
 
 
 @contextlib.contextmanager

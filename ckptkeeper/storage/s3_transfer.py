@@ -439,6 +439,12 @@ class _S3FileWriter:
             ChecksumCRC32=crc,
             **kwargs,
         )
+        # A connection reset or refused on every botocore attempt surfaces as botocore's
+        # ConnectionError (EndpointConnectionError), which s3fs does not count as retryable; for a
+        # PUT of a whole object or part, resending it is as safe as after any other transient error.
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+        retryable = (*S3_RETRYABLE_ERRORS, BotocoreConnectionError)
         attempt = 0
         while True:
             body.seek(0)
@@ -447,8 +453,16 @@ class _S3FileWriter:
             except Exception as exc:
                 _raise_body_failure(body, exc)
                 attempt += 1
-                if not isinstance(exc, S3_RETRYABLE_ERRORS) or attempt >= fs.retries:
+                if not isinstance(exc, retryable) or attempt >= fs.retries:
                     raise
+                log.warning(
+                    "%s: %s failed after botocore's retries (%s); resending it whole, attempt %d of %d",
+                    self.where,
+                    method,
+                    self.tier._redact(_describe(exc)),
+                    attempt + 1,
+                    fs.retries,
+                )
                 await asyncio.sleep(min(0.1 * 1.7**attempt, 15.0))
 
     def _drain(self, keep: int) -> None:

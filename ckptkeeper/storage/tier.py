@@ -91,7 +91,9 @@ class TierStorage:
         raise NotImplementedError
 
     def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
-        """``(rel_path, manifest, None)`` per committed copy, ``(rel_path, None, error)`` per bad one.
+        """``(rel_path, manifest, None)`` per committed copy, ``(rel_path, None, error)`` per bad one,
+        ``(rel_path, manifest, "damaged copy: …")`` when the manifest is fine but the data is not
+        what it says (a file missing, of another size or not a regular file): not a copy.
 
         Raises :class:`TierUnavailable` if the listing is incomplete for any reason.
         """
@@ -111,6 +113,19 @@ class TierStorage:
 
     def discard_staging(self, artifact: Artifact) -> int:
         """Remove one artifact reported by :meth:`list_staging`; return bytes freed."""
+        raise NotImplementedError
+
+    def write_pin(self, run: str, name: str, step: int, node: str) -> None:
+        """Store a pin object for checkpoint ``run/name`` (idempotent; the copy need not be here)."""
+        raise NotImplementedError
+
+    def remove_pin(self, run: str, name: str) -> None:
+        """Remove the pin object of ``run/name``; no error if there is none."""
+        raise NotImplementedError
+
+    def list_pins(self) -> set[tuple[str, str]]:
+        """(run, name) of every valid pin object. Raises :class:`TierUnavailable` if the listing
+        is incomplete: pins of a tier we could not list are unknown, not absent."""
         raise NotImplementedError
 
     def list_multipart_uploads(self) -> list[Artifact]:
@@ -140,10 +155,23 @@ class TierStorage:
         rel = _rel_of(manifest)
         if not self.hot:
             existing = self.read_manifest(rel)
-            if existing is not None:
-                if existing.digest == manifest.digest:
+            if existing is not None and existing.digest == manifest.digest:
+                damage = self.recheck(manifest)
+                if not damage:
                     log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
                     return
+                # A committed manifest over missing or changed data is not a copy: drop what is
+                # left of it (de-commit first, as every delete does) and copy it again.
+                log.warning(
+                    "%s: %s holds a damaged copy of version %s (%s); copying it again",
+                    self.name,
+                    rel,
+                    manifest.digest,
+                    "; ".join(damage[:3]),
+                )
+                self.delete(rel)
+                existing = None
+            if existing is not None:
                 raise StorageError(
                     f"tier {self.name!r} already holds a different version of {rel} "
                     f"({existing.digest}, not {manifest.digest}); delete it first"
@@ -193,22 +221,14 @@ class TierStorage:
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
-        problems: list[str] = []
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
+        problems = _compare_sizes(rel, manifest, present)
         for entry in manifest.files:
             where = f"{rel}/{entry.path}" if entry.path else rel
-            if entry.path not in present:
-                problems.append(f"{where}: missing")
-                continue
-            size = present[entry.path]
-            if size is None:
-                problems.append(f"{where}: not a regular file")
-                continue
-            if size != entry.size:
-                problems.append(f"{where}: size {size} != {entry.size} in manifest")
-                continue
+            if present.get(entry.path) != entry.size:
+                continue  # already reported by _compare_sizes
             if deep:
                 reader = self._open_read(rel, entry.path)
                 try:
@@ -223,6 +243,46 @@ class TierStorage:
         for path in sorted(set(present) - expected):
             problems.append(f"{rel}/{path}: not in manifest")
         return problems
+
+    def recheck(self, manifest: Manifest) -> list[str]:
+        """Is this tier's copy still what ``manifest`` says, in storage, now? ([] = intact).
+
+        The check made right before a delete that leaves this copy as a survivor (and before a
+        copy is skipped because the destination "already holds" it): the committed manifest is
+        there and names this version (slower tiers), and every file is present, a regular file,
+        of the manifest's size. Nothing is read or hashed, so it costs a stat per file here (a
+        HEAD per object in S3): cheap enough to run before every delete. Content changed in
+        place at the same size is :meth:`verify`'s job. Raises :class:`StorageError` when the
+        tier cannot answer: unknown is not damaged.
+        """
+        _check_manifest(manifest)
+        rel = _rel_of(manifest)
+        if not self.hot:
+            committed = self.read_manifest(rel)
+            if committed is None:
+                return [f"{rel}: no committed copy (manifest or data missing)"]
+            if committed.digest != manifest.digest:
+                return [f"{rel}: holds version {committed.digest}, not {manifest.digest}"]
+        present = self._list_files(rel, manifest.is_dir)
+        if present is None:
+            return [f"{rel}: missing"]
+        return _compare_sizes(rel, manifest, present)
+
+
+def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None]) -> list[str]:
+    """What is missing, not a regular file, or of another size than ``manifest`` says."""
+    problems: list[str] = []
+    for entry in manifest.files:
+        where = f"{rel}/{entry.path}" if entry.path else rel
+        if entry.path not in present:
+            problems.append(f"{where}: missing")
+            continue
+        size = present[entry.path]
+        if size is None:
+            problems.append(f"{where}: not a regular file")
+        elif size != entry.size:
+            problems.append(f"{where}: size {size} != {entry.size} in manifest")
+    return problems
 
 
 def _stream_checkpoint(

@@ -77,27 +77,40 @@ class FileLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this object")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # No O_TRUNC: the current holder's pid must survive our failed attempt.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            # No O_TRUNC: the current holder's pid must survive our failed attempt.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                self._lock_fd(fd, deadline)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, self.path):
+                break
+            # The file was deleted or replaced (`rm index.db*`) after we opened it: a lock on it
+            # excludes nobody who opens the path now. Lock the file the path names.
+            os.close(fd)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                        raise
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise LockHeld(self.path, _read_pid(fd), self.what) from None
-                    time.sleep(min(_RETRY_INTERVAL, remaining))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
+
+    def _lock_fd(self, fd: int, deadline: float) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise LockHeld(self.path, _read_pid(fd), self.what) from None
+                time.sleep(min(_RETRY_INTERVAL, remaining))
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -160,3 +173,12 @@ def _read_pid(fd: int) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)

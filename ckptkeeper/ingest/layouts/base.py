@@ -7,7 +7,6 @@ Family modules (``hf``, ``megatron``, …) import this module only; ``scan`` put
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from functools import cached_property
 from typing import Any, Final, Protocol
 
 from ckptkeeper.core import model
+from ckptkeeper.hook import schema
 
 MAX_MARKER_BYTES: Final = 64 * 1024 * 1024
 """Marker files are small; anything bigger is not parsed (reported as a problem, not corrupt)."""
@@ -46,14 +46,20 @@ class Candidate:
     """Regular files relative to the checkpoint path, sorted; ``("",)`` for a single-file checkpoint.
     Symlinks inside a checkpoint are not listed (never followed, never copied)."""
     last_write: float
-    """Newest ``st_mtime`` of the checkpoint path and everything under it (for settle/partial age)."""
+    """Newest ``st_mtime`` of the checkpoint path and everything under it (for partial age)."""
     bytes: int
     metrics: Mapping[str, float]
     problem: str | None
     """Why it is not complete; ``None`` when complete."""
+    changed_at: float = 0.0
+    """Newest ``max(st_mtime, st_ctime)`` under the checkpoint: what settling waits on. ``cp -a``
+    and ``rsync -a`` back-date mtimes of what they copy; ctime cannot be set back."""
     corrupt: bool = False
     """A per-checkpoint marker is present but unparseable. Like ``complete``, only a verdict once
     the checkpoint has settled: a marker being written looks malformed for a moment."""
+    rejected: tuple[str, ...] = ()
+    """What the schema refused in this checkpoint's markers (unparseable, values out of range): the
+    catalog quarantines the marker with these reasons."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +156,8 @@ class _Dir:
         self.parent = parent
         self.dev = dev
         self.is_root = is_root
+        self.mounts: frozenset[str] = frozenset()
+        """On the run's root: mount points below it (relative paths), never walked."""
 
     @cached_property
     def entries(self) -> dict[str, os.stat_result]:
@@ -228,12 +236,10 @@ class _Node:
 
 
 def _json(data: bytes | str) -> Any:
-    """``json.loads`` where a nesting bomb (``[[[[…``) is malformed input (ValueError, so the
-    checkpoint is judged corrupt) instead of a RecursionError that aborted every scan and prune."""
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+    """The schema's JSON parser: a nesting bomb (``[[[[…``), bad UTF-8 or an integer literal of
+    thousands of digits is malformed input (a ValueError, so the checkpoint is judged corrupt)
+    instead of an exception that aborted every scan and prune."""
+    return schema.parse_json(data, "JSON")
 
 
 def _read_small(path: str, limit: int = MAX_MARKER_BYTES) -> bytes:
@@ -297,20 +303,17 @@ def _safetensors_problem(path: str, size: int) -> tuple[str | None, bool]:
         for key, info in header.items():
             if key != "__metadata__":
                 end = max(end, int(info["data_offsets"][1]))
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
         return f"{name}: header unparseable ({exc})", True
     if size < 8 + header_len + end:
         return f"{name}: truncated ({size} bytes, header says {8 + header_len + end})", False
     return None, False
 
 
-def _numeric(items: Iterable[tuple[Any, Any]]) -> dict[str, float]:
-    """Finite numbers only: a NaN loss cannot be ranked, and bools are not metrics."""
-    out: dict[str, float] = {}
-    for key, value in items:
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            out[str(key)] = float(value)
-    return out
+def _numeric(items: Iterable[tuple[Any, Any]]) -> tuple[dict[str, float], list[str]]:
+    """Finite numbers only (a NaN loss cannot be ranked, and bools are not metrics), and the names
+    of numbers the schema refused (integers beyond the float range)."""
+    return schema.numeric_items(items)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,6 +325,8 @@ class _Verdict:
     problems: tuple[str, ...] = ()
     corrupt: bool = False
     metrics: Mapping[str, float] = field(default_factory=dict)
+    rejected: tuple[str, ...] = ()
+    """Reasons the schema refused (part of) a marker; see :attr:`Candidate.rejected`."""
 
 
 class _Recognizer(Protocol):

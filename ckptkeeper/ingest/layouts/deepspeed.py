@@ -63,7 +63,9 @@ class _DeepSpeed:
                 problems.append(f"'{DS_LATEST}' names {tag[:60]!r}, which is absent")
         if shards is not None:
             problems.extend(self._shard_problems(shards))
-        return _Verdict(problems=tuple(problems))
+        # A `latest` that is not a short UTF-8 tag is a broken or hostile marker, not a save in flight.
+        rejected = tuple(p for p in problems if p.startswith(f"'{DS_LATEST}' unparseable"))
+        return _Verdict(problems=tuple(problems), rejected=rejected)
 
     def _shard_problems(self, shards: _Dir) -> list[str]:
         problems: list[str] = []

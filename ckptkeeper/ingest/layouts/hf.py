@@ -30,15 +30,22 @@ class _Hf:
         step = self.step(node)
         try:
             doc = _json(_read_small(os.path.join(node.path, TRAINER_STATE)))
+            if not isinstance(doc, dict):
+                raise ValueError("not an object")
             history = doc.get("log_history", [])
             if not isinstance(history, list):
                 raise ValueError("log_history is not a list")
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            return _Verdict(problems=(f"{TRAINER_STATE} unparseable ({exc})",), corrupt=True)
-        except AttributeError:
-            return _Verdict(problems=(f"{TRAINER_STATE} unparseable (not an object)",), corrupt=True)
+        except ValueError as exc:  # SchemaError, JSONDecodeError and UnicodeDecodeError are ValueErrors
+            problem = f"{TRAINER_STATE} unparseable ({exc})"
+            return _Verdict(problems=(problem,), corrupt=True, rejected=(problem,))
         metrics: dict[str, float] = {}
+        dropped: list[str] = []
         for entry in history:
             if isinstance(entry, dict) and entry.get("step") == step:
-                metrics.update(_numeric((k, v) for k, v in entry.items() if k != "step"))
-        return _Verdict(metrics=metrics)
+                kept, bad = _numeric((k, v) for k, v in entry.items() if k != "step")
+                metrics.update(kept)
+                dropped.extend(bad)
+        rejected = (
+            (f"{TRAINER_STATE}: metrics {sorted(set(dropped))} dropped: out of range",) if dropped else ()
+        )
+        return _Verdict(metrics=metrics, rejected=rejected)

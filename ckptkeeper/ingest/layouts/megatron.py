@@ -36,6 +36,7 @@ class _Megatron:
 
     def check(self, node: _Node) -> _Verdict:
         problems: list[str] = []
+        rejected: list[str] = []
         step = self.step(node)
         tracker = node.parent.regular(MEGATRON_TRACKER)
         if tracker is None:
@@ -49,6 +50,7 @@ class _Megatron:
                 latest = _to_int(text) if text.isdigit() else None
                 if latest is None:
                     problems.append(f"{MEGATRON_TRACKER} holds {text[:40]!r}, not an iteration")
+                    rejected.append(problems[-1])
                 elif step is not None and latest < step:
                     problems.append(f"{MEGATRON_TRACKER} at {latest} < {step}: save not finished")
         entries = node.children.entries
@@ -63,4 +65,4 @@ class _Megatron:
                 sub = node.children.subdir(rank)
                 if sub is None or not sub.has_file("model_optim_rng.pt"):
                     problems.append(f"{rank}/model_optim_rng.pt missing")
-        return _Verdict(problems=tuple(problems))
+        return _Verdict(problems=tuple(problems), rejected=tuple(rejected))

@@ -57,6 +57,7 @@ class _Orbax:
         kids = node.children
         problems: list[str] = []
         metrics: dict[str, float] = {}
+        rejected: list[str] = []
         committed = kids.has_file(ORBAX_COMMIT_SUCCESS)
         if kids.has_file(ORBAX_CHECKPOINT_METADATA):
             try:
@@ -64,10 +65,15 @@ class _Orbax:
                 if not isinstance(doc, dict):
                     raise ValueError("not an object")
             except ValueError as exc:
-                return _Verdict(problems=(f"{ORBAX_CHECKPOINT_METADATA} unparseable ({exc})",), corrupt=True)
+                problem = f"{ORBAX_CHECKPOINT_METADATA} unparseable ({exc})"
+                return _Verdict(problems=(problem,), corrupt=True, rejected=(problem,))
             raw_metrics = doc.get("metrics")
             if isinstance(raw_metrics, dict):
-                metrics = _numeric(raw_metrics.items())
+                metrics, dropped = _numeric(raw_metrics.items())
+                if dropped:
+                    rejected.append(
+                        f"{ORBAX_CHECKPOINT_METADATA}: metrics {sorted(dropped)} dropped: out of range"
+                    )
             if "commit_timestamp_nsecs" in doc and doc["commit_timestamp_nsecs"] is None and not committed:
                 problems.append(f"{ORBAX_CHECKPOINT_METADATA} has no commit timestamp")
         elif not committed:
@@ -75,4 +81,4 @@ class _Orbax:
         tmp_items = sorted(n for n in kids.entries if ORBAX_TMP in n)
         if tmp_items:
             problems.append(f"item still in a temp dir: {tmp_items[0]}")
-        return _Verdict(problems=tuple(problems), metrics=metrics)
+        return _Verdict(problems=tuple(problems), metrics=metrics, rejected=tuple(rejected))

@@ -22,6 +22,7 @@ from ckptkeeper.ingest.layouts.nemo import NEMO_UNFINISHED, _NeMo
 from ckptkeeper.ingest.layouts.orbax import ORBAX_TMP, _Orbax
 from ckptkeeper.ingest.layouts.safetensors import _Safetensors
 from ckptkeeper.ingest.layouts.torch import _File, _Torch
+from ckptkeeper.util.mounts import mounts_under
 
 RECOGNIZERS: Final[tuple[_Recognizer, ...]] = (
     _Hf(),
@@ -109,18 +110,20 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     problems: list[str] = []
     corrupt = False
     metrics: dict[str, float] = {}
+    rejected: list[str] = []
     for recognizer in reversed(claiming):  # higher precedence last: its metrics win on a clash
         verdict = _safe_check(recognizer, node)
         problems[:0] = verdict.problems
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
+        rejected[:0] = verdict.rejected
     if node.is_dir:
         try:
-            files, total, newest = _tree(node.path, node.parent.dev)
+            files, total, newest, changed = _tree(node.path, node.parent.dev, _mounts_inside(node))
         except FileNotFoundError:
             return None
     else:
-        files, total, newest = ("",), node.st.st_size, node.st.st_mtime
+        files, total, newest, changed = ("",), node.st.st_size, node.st.st_mtime, _changed(node.st)
     return Candidate(
         run=run,
         step=step,
@@ -130,10 +133,12 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         complete=not problems and not corrupt,
         files=files,
         last_write=newest,
+        changed_at=changed,
         bytes=total,
         metrics=metrics,
         problem="; ".join(problems) or None,
         corrupt=corrupt,
+        rejected=tuple(rejected),
     )
 
 
@@ -149,9 +154,35 @@ def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
         raise _Unreadable(f"{node.rel}: {exc.strerror or exc}") from exc
 
 
-def _tree(root: str, dev: int) -> tuple[tuple[str, ...], int, float]:
-    """(regular files relative to root, their total size, newest mtime) without following links."""
-    newest = os.lstat(root).st_mtime
+def _changed(st: os.stat_result) -> float:
+    """When a path last changed: the later of mtime and ctime. ``cp -a`` and ``rsync -a`` set old
+    mtimes on what they copy, so mtime alone calls a tree settled while it is still being copied;
+    ctime cannot be set back (``utime`` itself moves it to now)."""
+    return max(st.st_mtime, st.st_ctime)
+
+
+def _mounts_inside(node: _Node) -> frozenset[str]:
+    """Mount points under ``node`` (relative to it), from the mount table the run's root read."""
+    directory: _Dir | None = node.parent
+    while directory is not None and not directory.is_root:
+        directory = directory.parent
+    if directory is None or not directory.mounts:
+        return frozenset()
+    prefix = node.rel + "/"
+    return frozenset(m[len(prefix) :] for m in directory.mounts if m.startswith(prefix))
+
+
+def _tree(
+    root: str, dev: int, mounts: frozenset[str] = frozenset()
+) -> tuple[tuple[str, ...], int, float, float]:
+    """(regular files relative to root, their total size, newest mtime, newest change — ctime
+    included, see :func:`_changed`) without following links.
+
+    Neither another filesystem (``st_dev``) nor a mount point of this one (``mounts``: paths
+    relative to ``root``, a bind mount shares ``st_dev``) is entered: not listed, so never copied
+    or hashed."""
+    top = os.lstat(root)
+    newest, changed = top.st_mtime, _changed(top)
     files: list[str] = []
     total = 0
     stack = [(root, "")]
@@ -171,14 +202,16 @@ def _tree(root: str, dev: int) -> tuple[tuple[str, ...], int, float]:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if stat.S_ISDIR(st.st_mode) and (st.st_dev != dev or f"{prefix}{entry.name}" in mounts):
+                    continue  # another filesystem or a mount point: not ours, its times are not our writes
                 newest = max(newest, st.st_mtime)
+                changed = max(changed, st.st_ctime, st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
-                    if st.st_dev == dev:
-                        stack.append((entry.path, f"{prefix}{entry.name}/"))
+                    stack.append((entry.path, f"{prefix}{entry.name}/"))
                 elif stat.S_ISREG(st.st_mode):
                     files.append(prefix + entry.name)
                     total += st.st_size
-    return tuple(sorted(files)), total, newest
+    return tuple(sorted(files)), total, newest, changed
 
 
 def _dir_bytes(path: str, st: os.stat_result) -> tuple[int, float]:
@@ -186,7 +219,7 @@ def _dir_bytes(path: str, st: os.stat_result) -> tuple[int, float]:
     if not stat.S_ISDIR(st.st_mode):
         return st.st_size, st.st_mtime
     try:
-        _, total, newest = _tree(path, st.st_dev)
+        _, total, newest, _changed_at = _tree(path, st.st_dev)
     except FileNotFoundError:
         return 0, st.st_mtime
     return total, newest
@@ -205,6 +238,7 @@ def _root(run_dir: Path | str) -> _Dir:
             errno.ENOTDIR, "run dir is not a directory (symlinks are not followed)", path
         )
     root = _Dir(path, None, dev=st.st_dev, is_root=True)
+    root.mounts = mounts_under(path)
     try:
         with os.scandir(path):
             pass
@@ -234,6 +268,8 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
             continue
         for name, st in entries:
             node = _Node(directory, name, st, prefix + name)
+            if node.rel in root.mounts:
+                continue  # a mount point (bind mounts included) is never walked, copied or deleted
             try:
                 outcome = _classify(node, run)
                 if isinstance(outcome, _Art):
@@ -254,7 +290,7 @@ def scan_run(run_dir: Path, run: str) -> RunScan:
                         run=run,
                     )
                 )
-            elif outcome == "descend":
+            elif outcome == "descend" and node.rel not in root.mounts:  # bind mounts are not walked
                 stack.append((node.children, f"{node.rel}/"))
     candidates.sort(key=lambda c: (c.step, c.name))
     artifacts.sort(key=lambda a: a.path)
@@ -274,6 +310,7 @@ def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:
         directory = _root(run_dir)
     except FileNotFoundError:
         return None
+    directory_root = directory
     rel = os.path.relpath(os.path.abspath(os.fsdecode(path)), directory.path)
     if rel == "." or rel == ".." or rel.startswith(".." + os.sep) or os.path.isabs(rel):
         return None
@@ -285,10 +322,12 @@ def recognize(path: Path, run_dir: Path, run: str) -> Candidate | None:
             except (FileNotFoundError, NotADirectoryError):
                 return None
             node = _Node(directory, name, st, "/".join(parts[: depth + 1]))
+            if node.rel in directory_root.mounts:
+                return None
             outcome = _classify(node, run)
             if isinstance(outcome, Candidate):
                 return outcome
-            if outcome != "descend":
+            if outcome != "descend" or node.rel in directory_root.mounts:
                 return None
             directory = node.children
     except _Unreadable as exc:

@@ -1,0 +1,103 @@
+"""``pin`` / ``unpin``: in the index, and as pin objects in every slower tier (DESIGN §10).
+
+The index alone is not a safe home for a pin: deleting it (``rm index.db*``) or losing it to
+corruption used to lose every pin, and the next prune expired what the user protected. A pin
+object beside the checkpoint's manifest (``<run>/<name>.ckptkeeper-pin.json``) in every slower
+tier — written whether or not the tier holds a copy yet, so a later move keeps it — is read back
+by every reconcile of that tier (``Catalog.reconcile_tier``), and by the rebuild of a lost index.
+
+Order, so that no failure leaves a checkpoint less protected than the user asked:
+
+* ``pin``: the index first — it protects at once, even from a prune already running (the
+  executor re-reads pins before each delete) — then the tiers. A tier that cannot be written
+  leaves the pin in the index and the command exits 1 naming the tier; a crash in between is
+  repaired by the next prune (:func:`store_missing_pins`);
+* ``unpin``: the tiers first; the index is unpinned only once every pin object is gone, since a
+  pin object left in a tier would pin the checkpoint again at the next reconcile.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from ckptkeeper.config import Settings
+from ckptkeeper.index import Index
+from ckptkeeper.util.logs import get_logger
+
+log = get_logger("ckptkeeper.actions.pins")
+
+
+@dataclass
+class PinOutcome:
+    names: list[str]
+    """Checkpoint names of ``run`` at ``step`` (empty: no such checkpoint in the index)."""
+    changed: int = 0
+    """Index rows whose pin changed."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """tier -> why its pin object could not be written / removed."""
+
+
+def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool) -> PinOutcome:
+    """Pin or unpin every checkpoint of ``run`` at ``step``, in the tiers and in the index."""
+    from ckptkeeper.storage import StorageError, TierStorage
+
+    names = sorted({row.name for row in index.checkpoints_at_step(run, step)})
+    outcome = PinOutcome(names=names)
+    if not names:
+        return outcome
+    if pinned:
+        outcome.changed = index.set_pinned(run, step, True)
+    node = socket.gethostname()
+    for tier in settings.tiers[1:]:
+        try:
+            storage = TierStorage(tier.to_spec())
+            for name in names:
+                if pinned:
+                    storage.write_pin(run, name, step, node)
+                else:
+                    storage.remove_pin(run, name)
+        except (StorageError, OSError) as exc:
+            outcome.failed[tier.name] = str(exc)
+            log.error(
+                "pin object not " + ("written" if pinned else "removed"),
+                tier=tier.name,
+                run=run,
+                step=step,
+                error=str(exc),
+            )
+    if not pinned and not outcome.failed:
+        outcome.changed = index.set_pinned(run, step, False)
+    return outcome
+
+
+def store_missing_pins(settings: Settings, index: Index, tier_pins: dict[str, set[tuple[str, str]]]) -> int:
+    """Write the pin objects a listed tier lacks for checkpoints pinned in the index (pins made
+    before pins lived in the tiers, or a tier added since). Best effort: a failure is logged and
+    retried at the next pass. Returns how many objects were written."""
+    from ckptkeeper.storage import StorageError, TierStorage
+
+    pinned = index.pinned_names()
+    if not pinned:
+        return 0
+    steps = {(c.run, c.name): c.step for c in index.checkpoints() if c.pinned}
+    node = socket.gethostname()
+    written = 0
+    for tier in settings.tiers[1:]:
+        listed = tier_pins.get(tier.name)
+        if listed is None:
+            continue  # not listed this pass: unknown, not missing
+        missing = sorted(pinned - listed)
+        if not missing:
+            continue
+        try:
+            storage = TierStorage(tier.to_spec())
+            for run, name in missing:
+                storage.write_pin(run, name, steps.get((run, name), 0), node)
+                listed.add((run, name))
+                written += 1
+        except (StorageError, OSError) as exc:
+            log.warning("cannot store pin objects; retried next pass", tier=tier.name, error=str(exc))
+    if written:
+        log.info("pin objects stored in the tiers", count=written)
+    return written
