@@ -40,7 +40,7 @@ def _node(base: Path, name: str, bucket: str, endpoint: str, *, shared: bool = T
         home / "config.toml",
         index=home / "index.db",
         node=name,
-        daemon={"settle_seconds": "1s", "metrics_addr": ""},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},  # back-dated mtimes
         tiers=[local_tier("hot", home / "hot", keep_last=5), cold],
     )
 
