@@ -89,6 +89,43 @@ def test_index_snapshot_reports_copies_other_nodes_wrote(tmp_path: Path) -> None
         assert ix.snapshot(["cold"]).foreign == {}
 
 
+def test_damaged_copy_of_another_node_stays_its_own(tmp_path: Path) -> None:
+    """A copy found damaged (version ``damaged: …``, issue #13) keeps its owner: marked by a
+    listing (owner from its manifest) or by a survivor re-check (owner already recorded), it is
+    still reported foreign, so this node's plan never deletes it."""
+    from ckptkeeper.core.model import CheckpointState
+
+    with Index(tmp_path / "i.db") as ix:
+        cids = {}
+        for step in (1, 2, 3):
+            cids[step] = ix.upsert_checkpoint(
+                run="exp",
+                name=f"checkpoint-{step}",
+                step=step,
+                layout="hf",
+                state=CheckpointState.COMPLETE,
+                created_at=0.0,
+                last_write=0.0,
+                bytes=1,
+                metrics={},
+                committed=False,
+                version=f"v{step}",
+                manifest_json=None,
+                problem=None,
+            )
+        ix.set_location(cids[1], "cold", "v1", node="node-a")
+        ix.mark_damaged(cids[1], "cold", "data missing")  # survivor re-check: owner unchanged
+        ix.mark_damaged(cids[2], "cold", "size differs", node="node-a")  # a listing: from the manifest
+        ix.set_location(cids[3], "cold", "v3", node="node-b")
+        ix.mark_damaged(cids[3], "cold", "gone")  # our own damaged copy stays ours
+        ix.set_tier_status("cold", True)
+        assert ix.checkpoint("exp", "checkpoint-1").damaged == {"cold": "data missing"}  # type: ignore[union-attr]
+        assert ix.snapshot(["cold"], node="node-b").foreign == {
+            ("exp", 1, "cold"): "node-a",
+            ("exp", 2, "cold"): "node-a",
+        }
+
+
 # --------------------------------------------------------------------------------------------
 # two real nodes, one bucket
 
@@ -117,7 +154,7 @@ def _node(
         home / "config.toml",
         index=home / "index.db",
         node=name,
-        daemon={"settle_seconds": "1s", "metrics_addr": ""},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},  # back-dated mtimes
         tiers=[local_tier("hot", home / "hot", keep_last=1), cold],
     )
 

@@ -439,9 +439,26 @@ class Index:
             (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at, node),
         )
 
-    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str) -> None:
-        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`)."""
-        self.set_location(checkpoint_id, tier, DAMAGED + " ".join(problem.split())[:500])
+    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str, *, node: str | None = None) -> None:
+        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`).
+
+        The copy keeps its owner: ``node`` when the manifest was just read, else the node already
+        recorded (a damaged copy another node wrote is still that node's: DESIGN §10).
+        """
+        self._exec(
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
+               ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
+                 verified_at = excluded.verified_at,
+                 node = CASE WHEN ? THEN excluded.node ELSE locations.node END""",
+            (
+                checkpoint_id,
+                tier,
+                DAMAGED + " ".join(problem.split())[:500],
+                time.time(),
+                node or "",
+                node is not None,
+            ),
+        )
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
@@ -625,11 +642,13 @@ class Index:
         )
 
     def _foreign_copies(self, node: str) -> dict[tuple[str, int, str], str]:
-        """(run, step, tier) -> owner of every verified copy another node wrote."""
+        """(run, step, tier) -> owner of every copy another node wrote: verified, or marked damaged
+        (a damaged copy is still its owner's; never this node's to delete or replace)."""
         rows = self._db.execute(
             """SELECT c.run, c.step, l.tier, l.node FROM locations l JOIN checkpoints c ON c.id = l.checkpoint_id
-               WHERE l.node != '' AND l.node != ? AND l.version = c.version""",
-            (node,),
+               WHERE l.node != '' AND l.node != ?
+                 AND (l.version = c.version OR substr(l.version, 1, ?) = ?)""",
+            (node, len(DAMAGED), DAMAGED),
         )
         return {(run, step, tier): owner for run, step, tier, owner in rows}
 

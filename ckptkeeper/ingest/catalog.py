@@ -668,8 +668,10 @@ class Catalog:
             cid = row.id
             if error is None and known.get(key, (0, ""))[1] == manifest.digest:
                 report.unchanged += 1
+        # the copy's owner (DESIGN §10) is recorded damaged or not: a damaged copy another node
+        # wrote is still that node's, never this node's to delete
         if error is not None:
-            self.index.mark_damaged(cid, tier_name, error)
+            self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
         else:
             self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
 
