@@ -595,7 +595,7 @@ class Catalog:
             report.corrupt += 1
 
         self.own_copies[tier_name] = sum(
-            1 for _, m, _ in listing if m is not None and m.node == self.hostname
+            1 for _, m, _ in listing if m is not None and m.node == self.settings.node
         )
         with self.index.transaction():
             for rel, manifest, error in listing:
