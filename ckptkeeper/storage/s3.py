@@ -693,6 +693,7 @@ class S3TierStorage(FleetObjects, TierStorage):
 
     def write_pin(self, run: str, name: str, step: int, node: str) -> None:
         rel = f"{run}/{name}"
+        self._check_writable(f"pin of {rel}")
         with self._errors(f"writing the pin of {rel}"):
             self._call(
                 "put_object",
@@ -704,6 +705,7 @@ class S3TierStorage(FleetObjects, TierStorage):
 
     def remove_pin(self, run: str, name: str) -> None:
         rel = f"{run}/{name}"
+        self._check_writable(f"unpin of {rel}")
         with self._errors(f"removing the pin of {rel}"):
             self._delete_keys([self._key(rel) + PIN_SUFFIX])
 
