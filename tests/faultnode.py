@@ -236,6 +236,12 @@ class FaultNode:
             warm.copy_from(template_tier, manifest)
             if step == 100:
                 cold.copy_from(template_tier, manifest)
+        # ... and this node's index, which it kept: tiers holding copies of ours while no index
+        # exists mean a lost index, rebuilt with deletes held (#13), which is not this scenario
+        from ckptkeeper.index import Index
+
+        with Index(self.index):
+            pass
 
     def direct_options(self) -> dict[str, Any]:
         """storage_options reaching moto directly (no fault proxy): for arranging state."""
