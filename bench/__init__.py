@@ -12,5 +12,6 @@ BENCHMARKS = (
     "daemon_idle",
     "trainer_slowdown",
     "campaign",
+    "fleet",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -21,7 +22,9 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -135,11 +138,24 @@ class TierConfig(_Strict):
     replicate: bool = False
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
+    shared: bool = False
+    """Several nodes write this tier (one bucket for a cluster): copies go under ``<prefix>/<node>/``
+    (DESIGN §10); only an ``s3://`` tier can be shared."""
+
+    _node: str = PrivateAttr(default="")
 
     @field_validator("url")
     @classmethod
     def _no_nul(cls, value: str) -> str:
         return _no_nul_byte(value)
+
+    @field_validator("shared")
+    @classmethod
+    def _shared_is_s3(cls, value: bool, info: ValidationInfo) -> bool:
+        url = str(info.data.get("url") or "")
+        if value and not url.lower().startswith(("s3://", "s3a://")):
+            raise ValueError("only an s3:// tier can be shared by several nodes")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
@@ -169,6 +185,8 @@ class TierConfig(_Strict):
             name=self.name,
             url=self.url,
             storage_options=dict(self.storage_options),
+            node=self._node,
+            shared=self.shared,
             policy=TierPolicy(
                 keep_last=self.keep_last,
                 keep_best=self.keep_best,
@@ -215,6 +233,18 @@ class DaemonConfig(_Strict):
         return value.strip()
 
 
+class FleetConfig(_Strict):
+    """Many nodes on one bucket (DESIGN §10): leases and node heartbeats in the shared tiers."""
+
+    orphan_after: JobInterval = 7 * 86400.0
+    """A node whose heartbeat object is older than this is gone: its litter (staging markers,
+    multipart uploads) is cleaned by the lease holder."""
+    lease_ttl: Annotated[float, BeforeValidator(parse_duration), Field(ge=5.0, le=86400.0)] = 300.0
+    """A lease not renewed for this long may be taken over by another node."""
+    heartbeat_ttl: Annotated[float, BeforeValidator(parse_duration), Field(ge=5.0, le=86400.0)] = 600.0
+    """A staging marker whose heartbeat is younger than this is a live copy: nobody reaps it."""
+
+
 class ReaperConfig(_Strict):
     failed_after: Duration = 7200.0
     partial_after: Duration = 3600.0
@@ -240,9 +270,23 @@ class Settings(BaseSettings):
     run_depth: Annotated[int, Field(ge=1, le=16)] = 1
     max_delete: Count = 100
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    node: str = Field(default_factory=lambda: _default_node())
+    """This node's name in shared tiers (DESIGN §10): recorded in every manifest and staging marker,
+    and the key prefix of its copies in a ``shared`` tier."""
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     tiers: list[TierConfig] = Field(min_length=1)
     reaper: ReaperConfig = Field(default_factory=ReaperConfig)
+
+    @field_validator("node")
+    @classmethod
+    def _check_node(cls, value: str) -> str:
+        if not NODE_NAME.fullmatch(value):
+            raise ValueError(
+                f"invalid node name {value!r}: 1-253 characters of A-Z a-z 0-9 . _ -, starting with a "
+                "letter or digit (it becomes an S3 key prefix in shared tiers)"
+            )
+        return value
 
     @field_validator("index")
     @classmethod
@@ -257,6 +301,10 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
+        if self.tiers[0].shared:
+            raise ValueError("the hot tier cannot be shared (set shared on a slower s3:// tier)")
+        for t in self.tiers:
+            t._node = self.node
         return self
 
     @classmethod
@@ -277,6 +325,16 @@ class Settings(BaseSettings):
 
     def tier_specs(self) -> list[TierSpec]:
         return [t.to_spec() for t in self.tiers]
+
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
+"""A node name: safe as one S3 key component and as a file name, never ``.`` or ``..``."""
+
+
+def _default_node() -> str:
+    """The hostname, as manifests recorded it before ``node`` existed (so a single node's copies stay
+    its own after an upgrade); one that is not a valid node name is a config error naming ``node``."""
+    return socket.gethostname()
 
 
 def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:

@@ -9,7 +9,7 @@ injected at any instant lands in one of them:
   than ``S3TierStorage.part_size``, so their uploads are multipart whatever that size is tuned to;
 * run ``failed`` (hot; the hook says failed): reaps of 100 and 200, a partial 400 reaped, 300 kept
   and replicated to cold; an old ``tmp-checkpoint-*`` dir in ``train`` is reaped too;
-* run ``old`` (seeded straight into warm, step 100 into cold as well, as another node would):
+* run ``old`` (seeded straight into warm, step 100 into cold as well, as this node left it):
   uploads warm→cold (300, 600), expiries from warm and from cold (100, 200);
 * a precious file outside every root, reachable through a symlink inside ``train``.
 
@@ -221,7 +221,9 @@ class FaultNode:
         age(tmpdir, old - 2 * HOUR)
         (self.outside / "precious.bin").write_bytes(b"never delete me" * 100)
         os.symlink(self.outside, self.hot / "train" / "link-out")
-        # run `old` as another node left it: copies with manifests in warm (and step 100 in cold)
+        # run `old` as this node left it after its hot dir was removed: copies with manifests in
+        # warm (and step 100 in cold), written under this node's name (another node's copies are
+        # read-only to this node since DESIGN §10: tests/test_fleet_ownership.py)
         template_tier = TierStorage(tier("template", str(src)), hot=True)
         warm = TierStorage(tier("warm", str(self.warm)))
         cold = TierStorage(
@@ -229,11 +231,17 @@ class FaultNode:
         )
         for step in OLD_STEPS:
             manifest = manifest_of(
-                src, "old", step, created_at=time.time() - 5 * HOUR + step, node="another-node"
+                src, "old", step, created_at=time.time() - 5 * HOUR + step, node=socket.gethostname()
             )
             warm.copy_from(template_tier, manifest)
             if step == 100:
                 cold.copy_from(template_tier, manifest)
+        # ... and this node's index, which it kept: tiers holding copies of ours while no index
+        # exists mean a lost index, rebuilt with deletes held (#13), which is not this scenario
+        from ckptkeeper.index import Index
+
+        with Index(self.index):
+            pass
 
     def direct_options(self) -> dict[str, Any]:
         """storage_options reaching moto directly (no fault proxy): for arranging state."""

@@ -280,6 +280,8 @@ def test_an_index_that_cannot_be_opened_is_left_alone_and_nothing_is_deleted(
     small: Template, tmp_path: Path, s3_bucket: str, s3_client: Any
 ) -> None:
     node = FaultNode(tmp_path, small, endpoint=s3_client.meta.endpoint_url, bucket=s3_bucket)
+    for made in node.index.parent.glob(node.index.name + "*"):  # the seeded node's index
+        made.unlink()
     node.index.mkdir()  # "unable to open database file": not corruption, maybe a failing disk
     before = files_of(node, s3_client)
     result = node.cli("daemon", timeout=30)

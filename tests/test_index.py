@@ -53,6 +53,57 @@ def test_newer_schema_refused(tmp_path: Path) -> None:
         Index(tmp_path / "i.db")
 
 
+def _index_at(path: Path, version: int) -> None:
+    """An index file as an older ckptkeeper left it: migrations 1..``version`` applied, with rows
+    in every table those migrations made (a checkpoint, two copies, an upload, a quarantine)."""
+    from ckptkeeper.index.schema import MIGRATIONS
+
+    db = sqlite3.connect(path)
+    for i in range(version):
+        db.executescript(MIGRATIONS[i])
+    db.execute(
+        """INSERT INTO checkpoints (id, run, name, step, layout, state, created_at, version)
+           VALUES (7, 'r', 'checkpoint-100', 100, 'hf', 'complete', 1.0, 'v1')"""
+    )
+    db.execute("INSERT INTO locations VALUES (7, 'hot', 'v1', 2.0), (7, 'cold', 'damaged: gone', 3.0)")
+    db.execute("INSERT INTO artifacts VALUES ('cold', 'r/x.ckptkeeper-staging', 'staging', 5, 4.0, 'r', '')")
+    if version >= 2:
+        db.execute("INSERT INTO quarantine VALUES ('hot', 'r/bad.json', 'manifest', 'r', 'too big', 5.0, 6.0)")
+    db.execute(f"PRAGMA user_version = {version}")
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["release-1", "quarantine-2"])
+def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: int) -> None:
+    """Migration 2 is the quarantine table, 3 the copies' owning node (DESIGN §10): an index at
+    version 2 gets 3 only; one at 1 gets 2 then 3. Rows survive; existing copies, damaged or
+    not, are this node's ('': the single-node default), as they were before."""
+    assert SCHEMA_VERSION == 3
+    path = tmp_path / "i.db"
+    _index_at(path, version)
+    with Index(path) as ix:
+        assert ix.schema_version == 3
+        row = ix.checkpoint("r", "checkpoint-100")
+        assert row is not None and row.locations == {"hot": "v1", "cold": "damaged: gone"}
+        assert row.damaged == {"cold": "gone"}
+        assert [tuple(r) for r in ix._db.execute("SELECT tier, node FROM locations ORDER BY tier")] == [
+            ("cold", ""),
+            ("hot", ""),
+        ]
+        assert [(a.path, a.node) for a in ix.artifacts()] == [("r/x.ckptkeeper-staging", "")]
+        quarantined = [tuple(r) for r in ix._db.execute("SELECT tier, path, reason FROM quarantine")]
+        assert quarantined == ([("hot", "r/bad.json", "too big")] if version == 2 else [])
+        ix.set_tier_status("hot", True)
+        ix.set_tier_status("cold", True)
+        assert ix.snapshot(["hot", "cold"], node="me").foreign == {}
+        # the new column is in use: a copy another node wrote is reported as its own
+        ix.set_location(7, "cold", "v1", node="node-b")
+        assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
+    with Index(path) as ix:  # reopened: not migrated again
+        assert ix.schema_version == 3
+
+
 def test_corrupt_file_detected(tmp_path: Path) -> None:
     path = tmp_path / "i.db"
     with Index(path) as ix:

@@ -90,7 +90,7 @@ def make_plan(
     kinds: Sequence[str] = KINDS,
 ) -> Plan:
     specs = settings.tier_specs()
-    snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs]))
+    snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs], node=settings.node))
     with gc_paused():  # a plan allocates millions of objects for a big catalog, none in cycles
         result = planner.plan(
             snapshot,
@@ -196,6 +196,10 @@ def run_prune(
             Catalog(settings, index).reconcile()
         if hold is not None and not result.stopped:
             after_held_pass(settings, index, hold, kinds, force)
+        if not result.stopped and any(t.shared for t in settings.tiers):
+            from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
+
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *after_pass(settings, index)))
         if "retention" in kinds and run is None and not result.stopped:
             try:
                 record_policy_held(settings, held)

@@ -178,6 +178,7 @@ def restore_to(
     progress: Callable[[int, int], None] | None = None,
     metric: str | None = None,
     mode: str | None = None,
+    node: str | None = None,
 ) -> Restored:
     """Materialise a verified copy from the fastest tier that holds it.
 
@@ -193,12 +194,24 @@ def restore_to(
     """
     if step != "best" and (metric is not None or mode is not None):
         raise LookupError("metric and mode only choose among checkpoints for step='best'")
-    if step == "latest":
-        candidates = _latest_candidates(index, run)
-    elif step == "best":
-        candidates = [find_best(settings, index, run, metric=metric, mode=mode)]
-    else:
-        candidates = [find_checkpoint(index, run, step)]
+    if node is not None and node != settings.node:
+        return _restore_from_fleet(
+            settings, run, step, Path(to), node=node, progress=progress, metric=metric, mode=mode
+        )
+    try:
+        if step == "latest":
+            candidates = _latest_candidates(index, run)
+        elif step == "best":
+            candidates = [find_best(settings, index, run, metric=metric, mode=mode)]
+        else:
+            candidates = [find_checkpoint(index, run, step)]
+    except LookupError:
+        # A run this node's index does not hold may be another node's, in the shared tiers.
+        if not any(t.shared for t in settings.tiers) or index.checkpoints(run):
+            raise
+        return _restore_from_fleet(
+            settings, run, step, Path(to), node=node, progress=progress, metric=metric, mode=mode
+        )
     skipped: list[tuple[int, str]] = []
     for i, row in enumerate(candidates):
         try:
@@ -275,9 +288,76 @@ def restore_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     metric: str | None = None,
     mode: str | None = None,
+    node: str | None = None,
 ) -> Path:
     """:func:`restore_to`, returning only the restored checkpoint's path."""
-    return restore_to(settings, index, run, step, to, progress=progress, metric=metric, mode=mode).path
+    return restore_to(
+        settings, index, run, step, to, progress=progress, metric=metric, mode=mode, node=node
+    ).path
+
+
+def _restore_from_fleet(
+    settings: Settings,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    node: str | None,
+    progress: Callable[[int, int], None] | None,
+    metric: str | None,
+    mode: str | None,
+) -> Restored:
+    """Restore a run of any node from the shared tiers, by the rule of :func:`choose_holder`."""
+    from ckptkeeper.fleet.view import choose_holder, run_holders, shared_tiers
+
+    tiers = shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers[1:]])
+    if not tiers:
+        raise LookupError("--node needs a tier with shared = true (config)")
+    try:
+        holders = run_holders(tiers, run)
+    except StorageError as exc:
+        raise LookupError(f"cannot list the shared tiers: {exc}") from exc
+    copies = choose_holder(holders, run, me=settings.node, node=node)
+    if step == "latest":
+        chosen = max(copies, key=lambda c: (c.manifest.step, c.manifest.name))
+    elif step == "best":
+        tier = next((t for t in settings.tiers if t.metric), None)
+        if metric is None:
+            if tier is None or tier.metric is None:
+                raise LookupError(
+                    "no tier names a metric (give --metric, or set `metric` on a tier, to use best)"
+                )
+            metric, mode = tier.metric, mode or tier.mode
+        sign = -1.0 if mode == "max" else 1.0
+        rated = [c for c in copies if metric in c.manifest.metrics]
+        if not rated:
+            raise LookupError(f"no checkpoint of run {run!r} reports {metric}")
+        chosen = min(rated, key=lambda c: (sign * c.manifest.metrics[metric], -c.manifest.step))
+    else:
+        wanted = [c for c in copies if c.manifest.step == int(step)]
+        if not wanted:
+            raise LookupError(f"run {run!r} of node {copies[0].node} has no checkpoint at step {step}")
+        chosen = max(wanted, key=lambda c: c.manifest.name)
+    total = chosen.manifest.total_bytes
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        path = chosen.storage.fetch(chosen.manifest, to, progress=on_bytes)
+    except StorageError as exc:
+        raise LookupError(
+            f"could not restore {run}@{chosen.manifest.step} from node {chosen.node}: {exc}"
+        ) from exc
+    _uniform_mtime(path, chosen.manifest.created_at or time.time())
+    log.info(
+        "restored from the fleet", run=run, step=chosen.manifest.step, node=chosen.node, tier=chosen.tier
+    )
+    return Restored(path, run, chosen.manifest.step, chosen.manifest.name, chosen.tier, total)
 
 
 def _uniform_mtime(path: Path, when: float) -> None:
@@ -310,12 +390,14 @@ def restore(
     *,
     metric: str | None = None,
     mode: str | None = None,
+    node: str | None = None,
 ) -> Path:
     """Local path of a verified checkpoint of ``run``: ``"latest"``, ``"best"`` or a step number.
 
     ``"best"``: by ``metric`` (``mode`` ``"min"``, the default, or ``"max"``) when given; else the
     framework's own record (HF ``best_model_checkpoint``, Lightning ``best_model_path``); else the
     first tier that names a metric; else LookupError saying which options there are.
+    ``node`` picks another node's run of that name from the shared tiers (DESIGN §10).
 
     ``to`` defaults to the run's directory in the hot tier: when the checkpoint is still there, that
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.
@@ -324,7 +406,7 @@ def restore(
     settings, index = _open(config, run)
     try:
         target = Path(to) if to is not None else settings.hot.local_path / run
-        return restore_checkpoint(settings, index, run, step, target, metric=metric, mode=mode)
+        return restore_checkpoint(settings, index, run, step, target, metric=metric, mode=mode, node=node)
     finally:
         index.close()
 

@@ -40,10 +40,22 @@ class _StepType(click.ParamType):
     default=None,
     help="With --step best: lower (min, the default) or higher (max) --metric is better.",
 )
+@click.option(
+    "--node",
+    default=None,
+    help="Restore another node's run of this name from the shared tiers (needed when several hold one).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print where it went as JSON.")
 @pass_ctx
 def restore(
-    app: Context, run: str, step: str | int, to: str, metric: str | None, mode: str | None, as_json: bool
+    app: Context,
+    run: str,
+    step: str | int,
+    to: str,
+    metric: str | None,
+    mode: str | None,
+    node: str | None,
+    as_json: bool,
 ) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified.
 
@@ -66,7 +78,7 @@ def restore(
     with app.index() as ix:
         try:
             restored = restore_to(
-                app.settings, ix, run, step, Path(to), progress=progress, metric=metric, mode=mode
+                app.settings, ix, run, step, Path(to), progress=progress, metric=metric, mode=mode, node=node
             )
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)

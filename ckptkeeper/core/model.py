@@ -199,6 +199,9 @@ class Artifact:
     run: str | None = None
     upload_id: str | None = None
     """For multipart uploads: the id to abort."""
+    node: str = ""
+    """The node that wrote it when known (a staging marker names it; an upload is matched to its
+    marker by upload id); "" = this node or unknown (DESIGN §10)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +246,10 @@ class TierSpec:
     url: str
     policy: TierPolicy
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    node: str = ""
+    """This node's name (DESIGN §10): written into manifests and staging markers; "" = unnamed."""
+    shared: bool = False
+    """Several nodes write this tier: this node's copies live under ``<node>/`` in it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +280,11 @@ class Snapshot:
     artifacts: tuple[Artifact, ...] = ()
     unknown_tiers: frozenset[str] = frozenset()
     """Tiers whose listing failed: never read as empty, no delete may depend on them."""
+    foreign: Mapping[tuple[str, int, str], str] = field(default_factory=dict)
+    """(run, step, tier) -> node, for copies another node wrote (its manifest names that node):
+    read-only to this node's rules (DESIGN §10, :mod:`ckptkeeper.core.ownership`)."""
+    node: str = ""
+    """This node's name: an artifact another node wrote (``Artifact.node``) is not ours to reap."""
 
 
 class ActionKind(StrEnum):

@@ -32,6 +32,9 @@ How a plan is made, in order:
    where the planner said.
 6. **Actions** from desired vs actual: copies to desired tiers lacking a verified copy, from the
    fastest known tier holding one; deletes from tiers holding a copy that is not desired there.
+6b. **Ownership** (DESIGN §10): a delete or reap of a copy another node wrote
+   (``Snapshot.foreign``) becomes a keep, "owned by node B: not ours" (:mod:`ckptkeeper.core.ownership`);
+   a staging marker or upload another node wrote is not reaped (only the fleet lease holder cleans it).
 7. **Guards**: ``max_delete`` and the empty-policy trap drop every delete and reap and set
    ``Plan.refused``; copies stay (they only add safety).
 
@@ -81,6 +84,7 @@ from ckptkeeper.core.emit import EXPIRED, emit
 from ckptkeeper.core.guard import guard
 from ckptkeeper.core.keep_reasons import INCOMPLETE, KeepReasons
 from ckptkeeper.core.model import ActionKind, Plan, ReaperPolicy, RunState, Snapshot, TierSpec, TierUsage
+from ckptkeeper.core.ownership import without_foreign, without_others_litter
 from ckptkeeper.core.placement import Placer
 from ckptkeeper.core.reaps import reaps
 from ckptkeeper.core.retention import rules_for
@@ -155,6 +159,12 @@ def plan(
             a.upload_id or "",
         )
     )
+
+    # 6b. Ownership (DESIGN §10): copies another node wrote are never deleted by our rules.
+    if snapshot.foreign:
+        deletes, reap_actions, keeps = without_foreign(deletes, reap_actions, keeps, snapshot.foreign, pos)
+    if reap_actions and snapshot.node:
+        reap_actions = without_others_litter(reap_actions, snapshot.artifacts, snapshot.node, notes)
 
     # 7. Guards: a plan that looks like a mistake keeps its copies only.
     refused = guard(deletes, reap_actions, rules, max_delete, force)

@@ -423,18 +423,42 @@ class Index:
     # -- locations -------------------------------------------------------------------------
 
     def set_location(
-        self, checkpoint_id: int, tier: str, version: str, verified_at: float | None = None
+        self,
+        checkpoint_id: int,
+        tier: str,
+        version: str,
+        verified_at: float | None = None,
+        *,
+        node: str = "",
     ) -> None:
+        """Record a verified copy; ``node`` is the node its manifest names ('' = this node)."""
         self._exec(
-            """INSERT INTO locations (checkpoint_id, tier, version, verified_at) VALUES (?, ?, ?, ?)
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
                ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
-                 verified_at = excluded.verified_at""",
-            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at),
+                 verified_at = excluded.verified_at, node = excluded.node""",
+            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at, node),
         )
 
-    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str) -> None:
-        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`)."""
-        self.set_location(checkpoint_id, tier, DAMAGED + " ".join(problem.split())[:500])
+    def mark_damaged(self, checkpoint_id: int, tier: str, problem: str, *, node: str | None = None) -> None:
+        """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`).
+
+        The copy keeps its owner: ``node`` when the manifest was just read, else the node already
+        recorded (a damaged copy another node wrote is still that node's: DESIGN §10).
+        """
+        self._exec(
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
+               ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
+                 verified_at = excluded.verified_at,
+                 node = CASE WHEN ? THEN excluded.node ELSE locations.node END""",
+            (
+                checkpoint_id,
+                tier,
+                DAMAGED + " ".join(problem.split())[:500],
+                time.time(),
+                node or "",
+                node is not None,
+            ),
+        )
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))
@@ -447,6 +471,17 @@ class Index:
             (tier,),
         ).fetchall()
         return {(r[0], r[1]): (r[2], r[3]) for r in rows}
+
+    def tier_holdings(self, tier: str, node: str = "") -> tuple[int, int, float | None]:
+        """(runs, checkpoints, newest ``created_at``) with a verified copy in ``tier`` written by this
+        node (location node '' or ``node``): what a node heartbeat reports (DESIGN §10)."""
+        row = self._exec(
+            """SELECT COUNT(DISTINCT c.run), COUNT(*), MAX(c.created_at) FROM locations l
+               JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.tier = ? AND l.version = c.version AND (l.node = '' OR l.node = ?)""",
+            (tier, node),
+        ).fetchone()
+        return int(row[0] or 0), int(row[1] or 0), None if row[2] is None else float(row[2])
 
     def prune_orphans(self) -> int:
         """Drop checkpoints with no location that are not in the hot tier's working set (gone everywhere)."""
@@ -478,9 +513,9 @@ class Index:
             self._exec(f"DELETE FROM artifacts WHERE {where}", params)
             for a in artifacts:
                 self._exec(
-                    """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id)
-                       VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                    (a.tier, a.path, a.kind, a.bytes, a.last_write, a.run, a.upload_id or ""),
+                    """INSERT OR REPLACE INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id, node)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (a.tier, a.path, a.kind, a.bytes, a.last_write, a.run, a.upload_id or "", a.node),
                 )
 
     def remove_artifact(self, tier: str, path: str, upload_id: str | None = None) -> None:
@@ -500,6 +535,8 @@ class Index:
                 last_write=r["last_write"],
                 run=r["run"],
                 upload_id=r["upload_id"] or None,
+                # a read-only index not yet migrated has no node column (sqlite3.Row: `in` tests values)
+                node=r["node"] if "node" in r.keys() else "",  # noqa: SIM118
             )
             for r in rows
         ]
@@ -573,11 +610,12 @@ class Index:
 
     # -- snapshot for the planner ----------------------------------------------------------
 
-    def snapshot(self, tier_names: Sequence[str] | None = None) -> Snapshot:
+    def snapshot(self, tier_names: Sequence[str] | None = None, *, node: str | None = None) -> Snapshot:
         """A consistent view for the planner (one read transaction).
 
         A tier whose last listing failed, or that was never listed, is unknown: the planner must
-        not read its absence of copies as "empty".
+        not read its absence of copies as "empty". With ``node`` (this node's name), copies whose
+        manifest names another node are reported in ``Snapshot.foreign`` (DESIGN §10).
         """
         with self._lock:
             self._db.execute("BEGIN")
@@ -586,6 +624,7 @@ class Index:
                 checkpoints = self._snapshot_checkpoints()
                 artifacts = tuple(self.artifacts())
                 statuses = self.tier_statuses()
+                foreign = self._foreign_copies(node) if node else {}
             finally:
                 self._db.execute("COMMIT")
         unknown = set()
@@ -594,8 +633,24 @@ class Index:
             if status is None or not status.ok:
                 unknown.add(name)
         return Snapshot(
-            runs=runs, checkpoints=checkpoints, artifacts=artifacts, unknown_tiers=frozenset(unknown)
+            runs=runs,
+            checkpoints=checkpoints,
+            artifacts=artifacts,
+            unknown_tiers=frozenset(unknown),
+            foreign=foreign,
+            node=node or "",
         )
+
+    def _foreign_copies(self, node: str) -> dict[tuple[str, int, str], str]:
+        """(run, step, tier) -> owner of every copy another node wrote: verified, or marked damaged
+        (a damaged copy is still its owner's; never this node's to delete or replace)."""
+        rows = self._db.execute(
+            """SELECT c.run, c.step, l.tier, l.node FROM locations l JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.node != '' AND l.node != ?
+                 AND (l.version = c.version OR substr(l.version, 1, ?) = ?)""",
+            (node, len(DAMAGED), DAMAGED),
+        )
+        return {(run, step, tier): owner for run, step, tier, owner in rows}
 
     def _snapshot_checkpoints(self) -> tuple[Checkpoint, ...]:
         """``CheckpointRow.to_model()`` of every row, without reading the manifests (the bulk of a

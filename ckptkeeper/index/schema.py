@@ -93,7 +93,7 @@ MIGRATIONS: tuple[str, ...] = (
         last_error_at REAL
     );
     """,
-    # 2: documents that failed the schema (hostile or broken manifests, run.json, commit lines,
+    # 1 -> 2: documents that failed the schema (hostile or broken manifests, run.json, commit lines,
     # heartbeats, framework markers), with the reason, for `ls`, `status` and the metrics.
     """
     CREATE TABLE quarantine (
@@ -107,6 +107,12 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (tier, path, kind)
     );
     CREATE INDEX quarantine_run ON quarantine (tier, run);
+    """,
+    # 2 -> 3: the node that wrote each copy (its manifest's ``node``; '' = this node or unknown),
+    # so the planner never lets this node's rules delete another node's copy (DESIGN §10).
+    """
+    ALTER TABLE locations ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    ALTER TABLE artifacts ADD COLUMN node TEXT NOT NULL DEFAULT '';
     """,
 )
 

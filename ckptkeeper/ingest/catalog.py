@@ -485,7 +485,7 @@ class Catalog:
             files=tuple(entries),
             metrics=dict(metrics),
             created_at=created_at,
-            node=self.hostname,
+            node=self.settings.node,
         )
 
     def _update_run_state(
@@ -610,7 +610,7 @@ class Catalog:
         self.own_copies[tier_name] = sum(
             1
             for _, m, _ in listing
-            if m is not None and m.node == self.hostname and not is_scratch_run(m.run)
+            if m is not None and m.node == self.settings.node and not is_scratch_run(m.run)
         )
         with self.index.transaction():
             for rel, manifest, error in listing:
@@ -687,10 +687,12 @@ class Catalog:
             cid = row.id
             if error is None and known.get(key, (0, ""))[1] == manifest.digest:
                 report.unchanged += 1
+        # the copy's owner (DESIGN §10) is recorded damaged or not: a damaged copy another node
+        # wrote is still that node's, never this node's to delete
         if error is not None:
-            self.index.mark_damaged(cid, tier_name, error)
+            self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
         else:
-            self.index.set_location(cid, tier_name, manifest.digest)
+            self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
 
     def reconcile(self, *, slower_tiers: bool = True) -> ReconcileReport:
         report = self.reconcile_hot()

@@ -59,6 +59,7 @@ Modules, each importing only those listed before it:
 * ``tier``: the contract, :class:`TierStorage`, which also picks the backend for a URL;
 * ``local``: :class:`LocalTierStorage`;
 * ``s3_transfer``: the S3 reader, single-PUT and multipart uploads, the S3 sink;
+* ``s3_fleet``: the fleet's lease and heartbeat objects in a shared bucket (conditional writes);
 * ``s3``: :class:`S3TierStorage`.
 
 This package re-exports the public names; patch internals where they are defined.

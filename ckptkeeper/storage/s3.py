@@ -4,6 +4,7 @@ package docstring for its commit protocol and verification)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -39,6 +40,7 @@ from ckptkeeper.storage.base import (
     _token,
     log,
 )
+from ckptkeeper.storage.s3_fleet import FleetObjects
 from ckptkeeper.storage.s3_transfer import (
     _marker_doc,
     _S3Reader,
@@ -104,7 +106,7 @@ _NO_CONDITIONAL_WRITE = (
 )
 
 
-class S3TierStorage(TierStorage):
+class S3TierStorage(FleetObjects, TierStorage):
     """A tier in S3-compatible object storage, through s3fs/aiobotocore."""
 
     is_local = False
@@ -152,7 +154,19 @@ class S3TierStorage(TierStorage):
             raise StorageError(f"tier {spec.name!r}: no bucket in URL {spec.url!r}")
         self.bucket = bucket
         prefix = prefix.strip("/")
-        self.prefix = f"{prefix}/" if prefix else ""
+        self.root_prefix = f"{prefix}/" if prefix else ""
+        """The tier URL's prefix: the bucket-wide root every node of a shared tier shares."""
+        self.prefix = self.root_prefix
+        """Where this tier object reads and writes copies: the root, or ``<root><node>/`` in a
+        shared tier (DESIGN §10: one node's keys can never be another's)."""
+        self.read_only = False
+        if spec.shared:
+            if not spec.node:
+                raise StorageError(
+                    f"tier {spec.name!r}: a shared tier needs this node's name (config `node`)"
+                )
+            _split_rel(spec.node, "node name")
+            self.prefix = f"{self.root_prefix}{spec.node}/"
         self._secrets = _collect_secrets(spec.storage_options)
         # credentials botocore would find on its own are just as secret as configured ones
         self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
@@ -412,7 +426,79 @@ class S3TierStorage(TierStorage):
         return _GuardedReader(self, _S3Reader(self, key))
 
     def _begin_write(self, rel: str, manifest: Manifest) -> _Sink:
+        self._check_writable(f"copy to {rel}")
         return _S3Sink(self, rel, manifest, with_manifest=True)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise StorageError(
+                f"tier {self.name!r}: {what} refused: a view of another node's copies is read-only"
+            )
+
+    # -- the fleet's view of a shared bucket (DESIGN §10) ---------------------------------------
+
+    def view(self, node: str | None) -> S3TierStorage:
+        """A read-only view of ``node``'s copies (``<root><node>/``), or with None of the
+        single-node layout at the root (copies written before the tier was shared)."""
+        if node is not None:
+            _split_rel(node, "node name")
+        other = object.__new__(type(self))  # TierStorage.__new__ wants a spec; share the client
+        other.__dict__.update(self.__dict__)
+        other.prefix = self.root_prefix + (f"{node}/" if node else "")
+        other.read_only = True
+        return other
+
+    def adopt(self, node: str) -> S3TierStorage:
+        """A writable view of ``node``'s prefix, for the fleet lease holder cleaning a gone node's
+        litter (DESIGN §10); its deletes are this node's, under the lease."""
+        other = self.view(node)
+        other.read_only = False
+        return other
+
+    def top_level_dirs(self) -> list[str]:
+        """Names of the "directories" right under the root (node prefixes, old-layout runs, and the
+        fleet's own ``.ckptkeeper``): one delimited listing."""
+        out: list[str] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.root_prefix, "Delimiter": "/"}
+        with self._errors(f"listing {self.url}", TierUnavailable):
+            while True:
+                resp = self._call("list_objects_v2", **kw)
+                out += [
+                    p["Prefix"][len(self.root_prefix) :].rstrip("/") for p in resp.get("CommonPrefixes", [])
+                ]
+                if not resp.get("IsTruncated"):
+                    break
+                kw["ContinuationToken"] = resp["NextContinuationToken"]
+        return sorted(out)
+
+    def run_manifests(self, run: str) -> list[Manifest]:
+        """Committed copies of ``run`` in this tier (or view): one listing of ``<prefix><run>/``.
+
+        A manifest that does not describe the key it sits at (e.g. an old-layout run that happens
+        to be named like a node) is skipped, never taken for a copy of ``run``.
+        """
+        _split_rel(run, "run name")
+        base = f"{self.prefix}{run}/"
+        with self._errors(f"listing {run}", TierUnavailable):
+            keys = [
+                o["Key"]
+                for o in self._list_objects(base)
+                if o["Key"].endswith(MANIFEST_SUFFIX) and STAGING_MARK not in o["Key"].rsplit("/", 1)[-1]
+            ]
+        out: list[Manifest] = []
+        for key in keys:
+            rel = key[len(self.prefix) : -len(MANIFEST_SUFFIX)]
+            with self._errors(f"reading {key}"):
+                text = self._get(key)
+            if text is None:
+                continue
+            try:
+                manifest = _parse_manifest(rel, text)
+            except StorageError:
+                continue
+            if manifest.run == run:
+                out.append(manifest)
+        return out
 
     def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None:
         key = self._key(rel)
@@ -550,27 +636,64 @@ class S3TierStorage(TierStorage):
         }
         return _compare_sizes(rel, manifest, dict(present))
 
-    def delete(self, rel_path: str) -> int:
-        """Marker, then manifest (de-commit), then data; the marker goes last."""
+    def delete(self, rel_path: str, *, adopt: bool = False) -> int:
+        """Marker, then manifest (de-commit), then data; the marker goes last.
+
+        A copy whose manifest names another node is refused (DESIGN §10: another node's copies
+        are read-only here) unless ``adopt`` (the fleet lease holder cleaning an orphan).
+        """
+        self._check_writable(f"delete of {rel_path}")
         key = self._key(rel_path)
         with self._errors(f"delete {rel_path}"):
-            objs = self._target_objects(key)
             manifest_key = key + MANIFEST_SUFFIX
-            has_manifest = self._head(manifest_key) is not None
+            body = self._get(manifest_key)
+            has_manifest = body is not None
+            owner = _owner_of(body) if body is not None else ""
+            if owner and self.node and owner != self.node and not adopt:
+                raise StorageError(
+                    f"tier {self.name!r}: {rel_path} is owned by node {owner}, not {self.node}: "
+                    "refusing to delete another node's copy"
+                )
+            objs = self._target_objects(key)
             if not objs and not has_manifest:
                 return 0
             marker = f"{key}{STAGING_MARK}{_token()}"
-            self._put_json(marker, _marker_doc("delete", rel_path, None))
+            self._put_json(marker, _marker_doc("delete", rel_path, None, self.node))
             if has_manifest:
                 self._delete_keys([manifest_key])
             self._delete_keys([k for k, _, _ in objs])
             self._delete_keys([marker])
         return sum(size for _, size, _ in objs)
 
+    def _other_writers(self, key: str) -> list[str]:
+        """Other nodes with a staging marker on ``key`` (a copy in progress, or its litter):
+        their data and uploads there are not ours to clear (DESIGN §10)."""
+        if not self.node:
+            return []
+        markers = [o["Key"] for o in self._list_objects(key + STAGING_MARK)]
+        nodes = {d.get("node") for d in self._marker_docs(markers).values()}
+        return sorted(n for n in nodes if isinstance(n, str) and n and n != self.node)
+
+    def _marker_docs(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Staging marker key -> its JSON body ({} when gone or not a JSON object: an old marker).
+
+        A failed read raises: a marker whose node is unknown must not pass for one of ours.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for key in keys:
+            body = self._get(key)
+            try:
+                doc = json.loads(body) if body else {}
+            except (ValueError, RecursionError):
+                doc = {}
+            out[key] = doc if isinstance(doc, dict) else {}
+        return out
+
     # -- pins ------------------------------------------------------------------------------
 
     def write_pin(self, run: str, name: str, step: int, node: str) -> None:
         rel = f"{run}/{name}"
+        self._check_writable(f"pin of {rel}")
         with self._errors(f"writing the pin of {rel}"):
             self._call(
                 "put_object",
@@ -582,6 +705,7 @@ class S3TierStorage(TierStorage):
 
     def remove_pin(self, run: str, name: str) -> None:
         rel = f"{run}/{name}"
+        self._check_writable(f"unpin of {rel}")
         with self._errors(f"removing the pin of {rel}"):
             self._delete_keys([self._key(rel) + PIN_SUFFIX])
 
@@ -608,6 +732,9 @@ class S3TierStorage(TierStorage):
     def list_staging(self) -> list[Artifact]:
         with self._errors(f"listing {self.url}", TierUnavailable):
             objs = {o["Key"]: o for o in self._list_objects(self.prefix)}
+            docs = self._marker_docs(
+                k for k in objs if STAGING_MARK in k[len(self.prefix) :].rsplit("/", 1)[-1]
+            )
         out: list[Artifact] = []
         for key, obj in sorted(objs.items()):
             rel = key[len(self.prefix) :]
@@ -621,7 +748,9 @@ class S3TierStorage(TierStorage):
                     if k == target_key or k.startswith(target_key + "/"):
                         size += int(o["Size"])
                         newest = max(newest, o["LastModified"].timestamp())
-            out.append(_staging_artifact(self.name, rel, size, newest))
+            node = docs.get(key, {}).get("node")
+            artifact = _staging_artifact(self.name, rel, size, newest)
+            out.append(dataclasses.replace(artifact, node=node) if isinstance(node, str) else artifact)
         return out
 
     def discard_staging(self, artifact: Artifact) -> int:
@@ -633,6 +762,7 @@ class S3TierStorage(TierStorage):
         parts = _split_rel(artifact.path)
         if STAGING_MARK not in parts[-1]:
             raise StorageError(f"{artifact.path} is not a ckptkeeper staging artifact")
+        self._check_writable(f"discard of {artifact.path}")
         marker = self.prefix + artifact.path
         target = artifact.path.rsplit(STAGING_MARK, 1)[0]
         target_key = self._key(target)
@@ -665,6 +795,7 @@ class S3TierStorage(TierStorage):
                     break
                 kw["KeyMarker"] = resp.get("NextKeyMarker")
                 kw["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+            live = self._uploads_of_markers() if uploads else {}
             for upload in uploads:
                 size = 0
                 pkw: dict[str, Any] = {
@@ -679,17 +810,41 @@ class S3TierStorage(TierStorage):
                         break
                     pkw["PartNumberMarker"] = parts["NextPartNumberMarker"]
                 rel = upload["Key"][len(self.prefix) :]
+                # Matched to its copy's marker by upload id (or, for an upload a lost reply left
+                # behind, by the marker's target): that marker's age and node, not the store's
+                # reported start time, say whether it is abandoned and whose it is.
+                node, beat = live.get(upload["UploadId"]) or _covering(live, upload["Key"]) or ("", 0.0)
                 out.append(
                     Artifact(
                         tier=self.name,
                         path=rel,
                         kind=MULTIPART_KIND,
                         bytes=size,
-                        last_write=upload["Initiated"].timestamp(),
+                        last_write=max(upload["Initiated"].timestamp(), beat),
                         run=rel.split("/", 1)[0],
                         upload_id=upload["UploadId"],
+                        node=node,
                     )
                 )
+        return out
+
+    def _uploads_of_markers(self) -> dict[str, tuple[str, float]]:
+        """upload id (and ``target:<key>`` per marker) -> (node, marker LastModified)."""
+        markers = {
+            o["Key"]: o["LastModified"].timestamp()
+            for o in self._list_objects(self.prefix)
+            if STAGING_MARK in o["Key"].rsplit("/", 1)[-1]
+        }
+        out: dict[str, tuple[str, float]] = {}
+        for key, doc in self._marker_docs(markers).items():
+            node = doc.get("node")
+            seen = (node if isinstance(node, str) else "", markers[key])
+            target = "target:" + key.rsplit(STAGING_MARK, 1)[0]
+            if out.get(target, ("", 0.0))[1] < seen[1]:
+                out[target] = seen
+            for upload_id in doc.get("uploads") or []:
+                if isinstance(upload_id, str):
+                    out[upload_id] = seen
         return out
 
     def abort_multipart(self, artifact: Artifact) -> None:
@@ -708,6 +863,26 @@ class S3TierStorage(TierStorage):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+def _covering(live: Mapping[str, tuple[str, float]], key: str) -> tuple[str, float] | None:
+    """The marker entry whose target is ``key`` or a "directory" above it."""
+    parts = key.split("/")
+    for i in range(len(parts), 0, -1):
+        found = live.get("target:" + "/".join(parts[:i]))
+        if found is not None:
+            return found
+    return None
+
+
+def _owner_of(body: bytes) -> str:
+    """The ``node`` a manifest names ('' when it names none or is not JSON: owner unknown)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return ""
+    node = doc.get("node") if isinstance(doc, dict) else None
+    return node if isinstance(node, str) else ""
 
 
 def _http_session_without_silent_resend() -> type:

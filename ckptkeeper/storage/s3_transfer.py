@@ -16,7 +16,7 @@ import stat
 import time
 import zlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import (
@@ -49,6 +49,7 @@ class _S3Tier(Protocol):
     """What the reader, writers and sink use of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
 
     name: str
+    node: str
     bucket: str
     max_inflight: int
 
@@ -67,6 +68,7 @@ class _S3Tier(Protocol):
     def _delete_keys(self, keys: list[str]) -> None: ...
     def _abort_uploads_under(self, key: str) -> None: ...
     def _commit_manifest(self, key: str, body: bytes) -> None: ...
+    def _other_writers(self, key: str) -> list[str]: ...
 
 
 def _crc32_b64(crc: int) -> str:
@@ -350,6 +352,12 @@ class _S3FileWriter:
         self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
+        self.on_upload: Callable[[str], None] | None = None
+        """Told the id of the multipart upload this writer creates (the sink records it in its
+        staging marker, so no reaper takes the upload for an abandoned one while the copy lives)."""
+        self.etag: str | None = None
+        """ETag of the object this writer stored (HEAD right after the upload): what an abort may
+        delete — never an object someone else wrote at the same key since."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
@@ -396,6 +404,8 @@ class _S3FileWriter:
                 "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
             )
             self.upload_id = resp["UploadId"]
+            if self.on_upload is not None:
+                self.on_upload(self.upload_id)
         self._drain(tier.max_inflight - 1)
         body, crc, buf = self._take_part()
         number = self.next_part
@@ -509,6 +519,7 @@ class _S3FileWriter:
         head = tier._head(self.key, checksum=True)
         if head is None:
             raise VerificationError(f"{self.where}: object missing right after upload")
+        self.etag = str(head.get("ETag") or "") or None
         size = int(head["ContentLength"])
         if size != self.entry.size:
             raise VerificationError(f"{self.where}: store holds {size} bytes, expected {self.entry.size}")
@@ -561,7 +572,16 @@ def _same_checksum(stored: str, expected: str) -> bool:
 
 
 class _S3Sink:
-    """Data at final keys, marker first, manifest last (the commit point)."""
+    """Data at final keys, marker first, manifest last (the commit point).
+
+    The marker is a heartbeat (DESIGN §10): it is rewritten at least every :attr:`beat_every`
+    seconds while the copy runs and whenever a multipart upload starts, recording the node and
+    the ids of its uploads; its ``LastModified`` (the store's clock) is how old the copy looks to a
+    reaper, and the ids tie each upload to it (a store's upload start time proves nothing: moto
+    reports a fixed one).
+    """
+
+    beat_every: float = 60.0
 
     def __init__(self, tier: _S3Tier, rel: str, manifest: Manifest, *, with_manifest: bool) -> None:
         self.tier = tier
@@ -569,25 +589,52 @@ class _S3Sink:
         self.key = tier._key(rel)
         self.marker = f"{self.key}{STAGING_MARK}{_token()}"
         self.with_manifest = with_manifest
-        self.written: list[str] = []
+        self.landed: dict[str, str] = {}
+        """key -> ETag of every object this copy stored: all that an abort deletes."""
         self.writer: _S3FileWriter | None = None
         self.pool = _PartPool()
         self.untrusted: list[tuple[str, FileEntry]] = []
         self.commit_attempted = False
         self.committed = False
+        self.is_dir = manifest.is_dir
+        self.uploads: list[str] = []
+        self.started = time.time()
+        self.last_beat = self.started
         with tier._errors(f"start copy of {rel}"):
-            tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir))
+            others = tier._other_writers(self.key)
+            if others:
+                raise StorageError(
+                    f"tier {tier.name!r}: node {', '.join(others)} is copying to {rel} too (two nodes share "
+                    "the single-node layout: set shared = true on the tier); nothing was written"
+                )
+            tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir, tier.node))
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
             tier._abort_uploads_under(self.key)
 
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
-        self.written.append(key)
+        self._note_landed()
         self.writer = _S3FileWriter(
             self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
         )
+        self.writer.on_upload = self._upload_started
         return _GuardedWriter(self, self.writer)
+
+    def _upload_started(self, upload_id: str) -> None:
+        self.uploads.append(upload_id)
+        self.beat()
+
+    def beat(self) -> None:
+        """Rewrite the marker: a fresh heartbeat, this copy's uploads so far."""
+        self.last_beat = time.time()
+        doc = _marker_doc("copy", self.rel, self.is_dir, self.tier.node)
+        doc.update(started=self.started, uploads=list(self.uploads))
+        self.tier._put_json(self.marker, doc)
+
+    def maybe_beat(self) -> None:
+        if time.time() - self.last_beat >= self.beat_every:
+            self.beat()
 
     def commit(self, manifest: Manifest) -> None:
         tier = self.tier
@@ -613,6 +660,19 @@ class _S3Sink:
         except Exception as exc:  # a stale marker beside a manifest is harmless
             log.warning("%s: stale staging marker left: %s", tier.name, tier._redact(_describe(exc)))
 
+    def _note_landed(self) -> None:
+        if self.writer is not None and self.writer.etag is not None:
+            self.landed[self.writer.key] = self.writer.etag
+
+    def _still_ours(self) -> list[str]:
+        """Keys of objects this copy stored that still hold what it stored."""
+        mine = []
+        for key, etag in self.landed.items():
+            head = self.tier._head(key)
+            if head is not None and str(head.get("ETag") or "") == etag:
+                mine.append(key)
+        return mine
+
     def abort(self) -> None:
         if self.committed:
             return
@@ -623,9 +683,20 @@ class _S3Sink:
             # the copy is either committed (valid) or staging; deleting data could orphan a manifest.
             log.warning("%s: commit of %s uncertain; leaving it for list_staging", self.tier.name, self.rel)
             return
+        self._note_landed()
         try:
-            self.tier._delete_keys(self.written)
-            self.tier._abort_uploads_under(self.key)
+            # Only objects this copy stored and nobody replaced since (same ETag), and only its
+            # own upload (the writer aborted it): a concurrent writer of the same key keeps its
+            # data and its uploads (DESIGN §10: a losing writer deletes only its own keys).
+            self.tier._delete_keys(self._still_ours())
+            w = self.writer
+            if w is not None and w.etag is None and self.tier._head(w.key) is not None:
+                # The failed file may have landed (a reply lost) or be someone else's: the marker
+                # stays, so the reaper settles it once the copy is stale (list_staging).
+                log.warning(
+                    "%s: %s may hold an object of this copy; left for the reaper", self.tier.name, w.key
+                )
+                return
             self.tier._delete_keys([self.marker])
         except Exception as exc:
             log.warning(
@@ -646,6 +717,7 @@ class _GuardedWriter:
     def write(self, data: bytes | memoryview, /) -> None:
         with self.sink.tier._errors(f"upload of {self.writer.key}"):
             self.writer.write(data)
+            self.sink.maybe_beat()
 
     def finish(self) -> None:
         with self.sink.tier._errors(f"upload of {self.writer.key}"):
@@ -654,12 +726,17 @@ class _GuardedWriter:
             self.sink.untrusted.append((self.writer.key, self.writer.entry))
 
 
-def _marker_doc(op: str, rel: str, is_dir: bool | None) -> dict[str, Any]:
+def _marker_doc(op: str, rel: str, is_dir: bool | None, node: str) -> dict[str, Any]:
+    """A staging marker's body: who is copying what (``node``: DESIGN §10, so another node's
+    reaper can tell whose marker it is)."""
+    now = time.time()
     return {
         "op": op,
         "target": rel,
         "is_dir": is_dir,
-        "started": time.time(),
+        "started": now,
+        "heartbeat": now,
+        "node": node,
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }

@@ -3,6 +3,7 @@ read → hash → write pass every copy and restore makes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,6 +42,8 @@ class TierStorage:
     url: str
     is_local: bool
     hot: bool
+    node: str
+    """This node's name (DESIGN §10): the writer recorded in the manifests of copies it makes."""
 
     schemes: ClassVar[tuple[str, ...]] = ()
     """URL schemes a backend serves (``""``: a plain path); a backend class registers itself by
@@ -65,6 +68,7 @@ class TierStorage:
         self.name = spec.name
         self.url = spec.url
         self.hot = hot
+        self.node = spec.node
 
     def __repr__(self) -> str:  # never shows storage_options (secrets)
         return f"{type(self).__name__}(name={self.name!r}, url={self.url!r}, hot={self.hot})"
@@ -145,6 +149,9 @@ class TierStorage:
         where :meth:`list_staging` finds it.
         """
         _check_manifest(manifest)
+        if self.node and not self.hot and manifest.node != self.node:
+            # A copy belongs to the node that wrote it (DESIGN §10); the digest is content only.
+            manifest = dataclasses.replace(manifest, node=self.node)
         rel = _rel_of(manifest)
         if not self.hot:
             existing = self.read_manifest(rel)

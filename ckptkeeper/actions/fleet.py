@@ -1,0 +1,114 @@
+"""``fleet`` and the fleet's part of every prune pass (DESIGN §10), for tiers with ``shared = true``.
+
+After a pass (:func:`after_pass`): this node's heartbeat object; then, if the store enforces
+conditional writes (probed once per process: create twice, the second must get 412), the lease;
+the holder cleans the litter of nodes gone for ``fleet.orphan_after`` and releases the lease.
+Without conditional writes there is no lease and no fleet-wide delete, with one warning.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+from ckptkeeper.config import Settings
+from ckptkeeper.fleet.cleanup import clean_gone_nodes, gone_nodes
+from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
+from ckptkeeper.fleet.nodes import NODES_DIR, fleet_view, name_clash, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.view import shared_tiers
+from ckptkeeper.index import Index
+from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
+from ckptkeeper.storage.s3_fleet import FLEET_DIR
+from ckptkeeper.util.logs import get_logger
+
+log = get_logger("ckptkeeper.actions.fleet")
+
+_CONDITIONAL: dict[str, bool] = {}
+"""Store (bucket URL) -> whether it enforces conditional writes; probed once per process."""
+
+NO_CONDITIONAL_WRITES = (
+    "the store does not enforce conditional writes (a second If-None-Match: * create was not refused): "
+    "no fleet lease, so no fleet-wide deletes (other nodes' litter stays); each node still prunes its own copies"
+)
+
+
+def _tiers(settings: Settings) -> list[S3TierStorage]:
+    return shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers[1:]])
+
+
+def conditional_writes(tier: S3TierStorage, node: str) -> bool:
+    key = f"{tier.bucket}/{tier.root_prefix}"
+    if key not in _CONDITIONAL:
+        _CONDITIONAL[key] = probe_conditional_writes(tier, node)
+        if not _CONDITIONAL[key]:
+            log.warning(NO_CONDITIONAL_WRITES, tier=tier.name)
+    return _CONDITIONAL[key]
+
+
+def after_pass(settings: Settings, index: Index, *, now: float | None = None) -> list[str]:
+    """Heartbeat, lease and fleet cleanup for every shared tier; returns notes (never raises for a
+    store problem: the node's own pass is done and stays done)."""
+    notes: list[str] = []
+    for tier in _tiers(settings):
+        t = time.time() if now is None else now
+        try:
+            runs, ckpts, newest = index.tier_holdings(tier.name, settings.node)
+            clash = name_clash(
+                read_beat(tier, f"{settings.node}.json"), socket.gethostname(), t, settings.fleet.orphan_after
+            )
+            if clash is not None:
+                log.error(clash, tier=tier.name)
+                notes.append(f"{tier.name}: {clash}")
+            write_beat(
+                tier, settings.node, runs_held=runs, checkpoints_held=ckpts, newest_verified=newest, now=t
+            )
+            if not conditional_writes(tier, settings.node):
+                notes.append(f"{tier.name}: {NO_CONDITIONAL_WRITES}")
+                continue
+            # One listing; only heartbeats the store itself dates older than orphan_after are read
+            # (a pass costs what this node owns, not one GET per node of the fleet).
+            stale = [
+                name
+                for name, mtime in tier.list_fleet_objects(NODES_DIR)
+                if t - mtime > settings.fleet.orphan_after and name.endswith(".json") and "/" not in name
+            ]
+            beats = [b for b in (read_beat(tier, name) for name in stale) if b is not None]
+            gone = gone_nodes(beats, settings.node, t, settings.fleet.orphan_after)
+            if not gone:
+                continue
+            lease = Lease(tier, settings.node, settings.fleet.lease_ttl)
+            if not lease.acquire():
+                continue  # another node holds it: cleaning is its job
+            try:
+                report = clean_gone_nodes(tier, lease, gone, t, settings.fleet.heartbeat_ttl)
+            finally:
+                lease.release()
+            for item in report.discarded:
+                notes.append(f"{tier.name}: lease holder discarded {item} (node gone)")
+            for item in report.aborted:
+                notes.append(f"{tier.name}: lease holder aborted upload {item} (node gone)")
+            notes += [f"{tier.name}: fleet cleanup: {e}" for e in report.errors]
+        except StorageError as exc:
+            log.warning(
+                "fleet step failed; the node's own pass is unaffected", tier=tier.name, error=str(exc)
+            )
+            notes.append(f"{tier.name}: fleet step failed: {exc}")
+    return notes
+
+
+def fleet_status(settings: Settings, *, now: float | None = None) -> dict[str, Any]:
+    """The ``fleet --json`` document: per shared tier, every node seen and the lease."""
+    t = time.time() if now is None else now
+    out: dict[str, Any] = {"node": settings.node, "tiers": []}
+    for tier in _tiers(settings):
+        beats, bad = read_beats(tier)
+        lease, _etag = read_lease(tier)
+        dirs = [d for d in tier.top_level_dirs() if d != FLEET_DIR]
+        known = {b.node for b in beats}
+        view = fleet_view(beats, [], lease, t, settings.fleet.orphan_after)
+        view["tier"] = tier.name
+        view["unreadable_heartbeats"] = bad
+        view["prefixes_without_heartbeat"] = [d for d in dirs if d not in known]
+        out["tiers"].append(view)
+    return out

@@ -1,0 +1,151 @@
+"""The fleet lease (DESIGN §10): one object, ``<root>/.ckptkeeper/lease``, written only with
+conditional PUTs, so at most one node holds it at any time without a server of ours.
+
+* created with ``If-None-Match: *`` (the second of two racing creators gets 412);
+* renewed, taken over when expired, and released with ``If-Match: <etag>`` of the version read
+  (a node that lost a race gets 412 and does not hold it);
+* its body says who holds it (node, pid) and until when (``expires``, the holder's clock).
+
+The holder alone does fleet-wide deletes (other nodes' abandoned staging markers and uploads),
+re-checking the lease right before each batch. A store that does not enforce conditional writes
+(:func:`probe_conditional_writes`) gets no lease and no fleet-wide deletes, with one warning.
+
+The decision is pure (:func:`decide`); :class:`Lease` is the I/O around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ckptkeeper.storage import S3TierStorage, StorageError
+
+__all__ = ["LEASE", "Lease", "LeaseInfo", "Step", "decide", "probe_conditional_writes", "read_lease"]
+
+LEASE = "lease"
+_PROBE_DIR = "probe"
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """What a lease object says (untrusted: a malformed one is treated as expired)."""
+
+    node: str
+    pid: int
+    acquired: float
+    expires: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"node": self.node, "pid": self.pid, "acquired": self.acquired, "expires": self.expires}
+        ).encode()
+
+    @classmethod
+    def parse(cls, body: bytes) -> LeaseInfo | None:
+        try:
+            doc: Any = json.loads(body)
+            return cls(str(doc["node"]), int(doc["pid"]), float(doc["acquired"]), float(doc["expires"]))
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return None
+
+
+class Step(StrEnum):
+    CREATE = "create"
+    """No lease object: create it (If-None-Match: *)."""
+    RENEW = "renew"
+    """We hold it: extend (If-Match)."""
+    TAKE_OVER = "take-over"
+    """Another node's lease expired (or is unreadable): replace it (If-Match)."""
+    WAIT = "wait"
+    """Another node holds a live lease."""
+
+
+def decide(current: LeaseInfo | None, exists: bool, me: str, now: float) -> Step:
+    """What to do about the lease, from what it says now (pure)."""
+    if not exists:
+        return Step.CREATE
+    if current is None:
+        return Step.TAKE_OVER  # unreadable: nobody can prove they hold it
+    if current.node == me:
+        return Step.RENEW
+    if current.expires <= now:
+        return Step.TAKE_OVER
+    return Step.WAIT
+
+
+def read_lease(tier: S3TierStorage) -> tuple[LeaseInfo | None, str | None]:
+    """(what the lease says, its etag); (None, None) when there is none."""
+    got = tier.get_fleet_object(LEASE)
+    if got is None:
+        return None, None
+    body, etag = got
+    return LeaseInfo.parse(body), etag
+
+
+class Lease:
+    """This node's handle on the fleet lease of one shared tier."""
+
+    def __init__(
+        self, tier: S3TierStorage, node: str, ttl: float, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.tier = tier
+        self.node = node
+        self.ttl = ttl
+        self.clock = clock
+        self.etag: str | None = None
+        self.info: LeaseInfo | None = None
+
+    @property
+    def held(self) -> bool:
+        """Held, by what we last wrote, with some margin left (a tenth of the TTL)."""
+        return self.info is not None and self.info.expires - self.ttl / 10 > self.clock()
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; False when another node holds a live one or won a race."""
+        now = self.clock()
+        current, etag = read_lease(self.tier)
+        step = decide(current, etag is not None, self.node, now)
+        if step is Step.WAIT:
+            self.etag, self.info = None, None
+            return False
+        acquired = current.acquired if step is Step.RENEW and current is not None else now
+        info = LeaseInfo(self.node, os.getpid(), acquired, now + self.ttl)
+        if step is Step.CREATE:
+            new = self.tier.put_fleet_object(LEASE, info.to_json(), if_none_match=True)
+        else:
+            new = self.tier.put_fleet_object(LEASE, info.to_json(), if_match=etag)
+        if new is None:  # another node got there first
+            self.etag, self.info = None, None
+            return False
+        self.etag, self.info = new, info
+        return True
+
+    def release(self) -> None:
+        """Expire our lease now (If-Match: only if it is still ours), so another node need not
+        wait out the TTL. Best effort: an unreleased lease simply expires."""
+        if self.etag is None or self.info is None:
+            return
+        gone = LeaseInfo(self.node, os.getpid(), self.info.acquired, 0.0)
+        with contextlib.suppress(StorageError):
+            self.tier.put_fleet_object(LEASE, gone.to_json(), if_match=self.etag)
+        self.etag, self.info = None, None
+
+
+def probe_conditional_writes(tier: S3TierStorage, node: str) -> bool:
+    """Does the store enforce ``If-None-Match: *``? Create one probe object twice: the second
+    must be refused (412). Without it, two nodes could both "create" the lease."""
+    name = f"{_PROBE_DIR}/{node}-{secrets.token_hex(4)}"
+    first = tier.put_fleet_object(name, b"{}", if_none_match=True)
+    try:
+        second = tier.put_fleet_object(name, b"{}", if_none_match=True)
+    finally:
+        with contextlib.suppress(StorageError):
+            tier.delete_fleet_object(name)
+    return first is not None and second is None

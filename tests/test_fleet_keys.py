@@ -1,0 +1,166 @@
+"""Collision-proof keys (DESIGN §10): in a ``shared`` tier each node writes under ``<root>/<node>/``,
+so two nodes with one run name never write the same keys; restore by run name works from any node
+and asks for ``--node`` when several hold a run of that name; a losing writer deletes only its own
+keys; copies of the single-node layout stay readable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from builders import local_tier, manifest_of, s3_tier, write_config
+
+from ckptkeeper.core.model import MANIFEST_SUFFIX, TierPolicy, TierSpec
+from ckptkeeper.storage import LocalTierStorage, TierStorage, s3_transfer
+
+
+def _write_checkpoint(run_dir: Path, step: int, payload: bytes) -> None:
+    when = time.time() - 3600
+    ckpt = run_dir / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.bin").write_bytes(payload)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    for p in [*ckpt.rglob("*"), ckpt]:
+        os.utime(p, (when, when))
+
+
+def _node(base: Path, name: str, bucket: str, endpoint: str, *, shared: bool = True) -> Path:
+    home = base / name
+    (home / "hot").mkdir(parents=True)
+    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=10)
+    if shared:
+        cold["shared"] = True
+    return write_config(
+        home / "config.toml",
+        index=home / "index.db",
+        node=name,
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},  # back-dated mtimes
+        tiers=[local_tier("hot", home / "hot", keep_last=5), cold],
+    )
+
+
+def _start(config: Path, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = _start(config, *args)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _keys(client: Any, bucket: str) -> list[str]:
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return sorted(keys)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_run_name_on_two_nodes_never_shares_a_key_and_restores_by_node(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    a = _node(tmp_path, "node-a", s3_bucket, s3_reset)
+    b = _node(tmp_path, "node-b", s3_bucket, s3_reset)
+    c = _node(tmp_path, "node-c", s3_bucket, s3_reset)
+    payload = {"node-a": os.urandom(300_000), "node-b": os.urandom(300_000)}
+    for name, data in payload.items():
+        _write_checkpoint(tmp_path / name / "hot" / "exp", 100, data)  # same run, same step, same moment
+    procs = [_start(a, "prune", "--json"), _start(b, "prune", "--json")]
+    for p in procs:
+        _out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    keys = _keys(s3_client, s3_bucket)
+    manifests = [k for k in keys if k.endswith(MANIFEST_SUFFIX)]
+    assert manifests == [
+        f"ckpt/node-a/exp/checkpoint-100{MANIFEST_SUFFIX}",
+        f"ckpt/node-b/exp/checkpoint-100{MANIFEST_SUFFIX}",
+    ]
+    # data under each node's own prefix; the fleet's heartbeats under .ckptkeeper/
+    assert all(k.startswith(("ckpt/node-a/", "ckpt/node-b/", "ckpt/.ckptkeeper/nodes/")) for k in keys), keys
+    for cfg in (a, b):
+        verify = _cli(cfg, "verify")
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # node C never held the run: by name alone it is ambiguous, and the error names the nodes
+    amb = _cli(c, "restore", "exp", "--to", str(tmp_path / "out"))
+    assert amb.returncode == 1
+    assert "held by several nodes: node-a, node-b" in amb.stderr and "--node" in amb.stderr
+    assert not (tmp_path / "out").exists()
+    for name in ("node-a", "node-b"):
+        done = _cli(c, "restore", "exp", "--node", name, "--to", str(tmp_path / name / "out"))
+        assert done.returncode == 0, done.stderr
+        restored = tmp_path / name / "out" / "checkpoint-100" / "model.bin"
+        assert restored.read_bytes() == payload[name]
+    # node A restores its own run by name: its own wins over B's
+    own = _cli(a, "restore", "exp", "--to", str(tmp_path / "own"))
+    assert own.returncode == 0, own.stderr
+    assert (tmp_path / "own" / "checkpoint-100" / "model.bin").read_bytes() == payload["node-a"]
+    missing = _cli(c, "restore", "exp", "--node", "node-z", "--to", str(tmp_path / "z"))
+    assert missing.returncode == 1 and "node 'node-z' holds no copy of run 'exp'" in missing.stderr
+
+
+def test_single_node_layout_stays_readable_after_sharing(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    old = _node(tmp_path, "node-a", s3_bucket, s3_reset, shared=False)
+    data = os.urandom(100_000)
+    _write_checkpoint(tmp_path / "node-a" / "hot" / "legacy", 100, data)
+    done = _cli(old, "prune", "--json")
+    assert done.returncode == 0, done.stderr
+    assert f"ckpt/legacy/checkpoint-100{MANIFEST_SUFFIX}" in _keys(s3_client, s3_bucket)
+    before = _keys(s3_client, s3_bucket)
+
+    c = _node(tmp_path, "node-c", s3_bucket, s3_reset)  # a node of the shared era
+    done = _cli(c, "restore", "legacy", "--to", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "checkpoint-100" / "model.bin").read_bytes() == data
+    pruned = _cli(c, "prune", "--json")  # C's own pass lists only its own prefix: the old copy stays
+    assert pruned.returncode == 0, pruned.stderr
+    assert [k for k in _keys(s3_client, s3_bucket) if "/.ckptkeeper/" not in k] == before
+
+
+def test_a_losing_writer_deletes_only_its_own_keys(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_storage_options: dict[str, Any]
+) -> None:
+    """Two writers of one key (the single-node layout shared by mistake): the one that aborts
+    leaves the other's object and upload alone."""
+    root = tmp_path / "hot"
+    _write_checkpoint(root / "exp", 100, os.urandom(50_000))
+    m = manifest_of(root, "exp", 100)
+    hot = LocalTierStorage(TierSpec("hot", str(root), TierPolicy()), hot=True)
+    cold = TierStorage(TierSpec("cold", f"s3://{s3_bucket}/ckpt", TierPolicy(), s3_storage_options))
+    loser = s3_transfer._S3Sink(cold, "exp/checkpoint-100", m, with_manifest=True)  # type: ignore[arg-type]
+    for entry in m.files:
+        reader = hot._open_read("exp/checkpoint-100", entry.path)
+        try:
+            w = loser.open_file(entry, reader)
+            w.write(reader.read(entry.size + 1))
+            w.finish()
+        finally:
+            reader.close()
+    key = "ckpt/exp/checkpoint-100/model.bin"
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"the winner's bytes")  # another writer, same key
+    other = s3_client.create_multipart_upload(Bucket=s3_bucket, Key="ckpt/exp/checkpoint-100/big.bin")
+    loser.abort()
+    assert s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == b"the winner's bytes"
+    uploads = s3_client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert [u["UploadId"] for u in uploads] == [other["UploadId"]]
+    # what was only the loser's is gone
+    assert "ckpt/exp/checkpoint-100/trainer_state.json" not in _keys(s3_client, s3_bucket)
