@@ -33,6 +33,7 @@ from ckptkeeper.storage import (
     VerificationError,
     localfs,
     s3_transfer,
+    s3_upload,
 )
 from ckptkeeper.util import hashing
 
@@ -669,14 +670,14 @@ def big(hot: Hot) -> Manifest:
 
 def corrupt_parts_in_transit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of every part after its CRC32 was computed (a bad NIC, proxy or store)."""
-    original = s3_transfer._S3FileWriter._upload_part
+    original = s3_upload._S3FileWriter._upload_part
 
     async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
         data = bytearray(body.getvalue())
         data[7] ^= 0x01
         return await original(self, upload_id, number, io.BytesIO(bytes(data)), crc)
 
-    monkeypatch.setattr(s3_transfer._S3FileWriter, "_upload_part", upload_part)
+    monkeypatch.setattr(s3_upload._S3FileWriter, "_upload_part", upload_part)
 
 
 def test_s3_corruption_in_transit_is_caught_by_the_stored_checksum(
@@ -749,14 +750,14 @@ def test_s3_part_changed_after_hashing_is_not_stored(
     # hashed part 1 (the manifest hash holds) when it changes: the bytes now read must not reach the
     # store under the CRC32 of the old ones — a store that does not check CRC32s would keep them.
     path = hot.path(big)
-    original = s3_transfer._S3FileWriter._upload_part
+    original = s3_upload._S3FileWriter._upload_part
 
     async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
         if number == 1:
             flip_byte(path, 5 * MiB - 1)  # the part's last byte: all but the last read went out
         return await original(self, upload_id, number, body, crc)
 
-    monkeypatch.setattr(s3_transfer._S3FileWriter, "_upload_part", upload_part)
+    monkeypatch.setattr(s3_upload._S3FileWriter, "_upload_part", upload_part)
     with pytest.raises(
         VerificationError, match=r"big\.pt/?: part at bytes 0-5242880: changed after it was hashed"
     ):
@@ -769,14 +770,14 @@ def test_s3_single_put_changed_after_hashing_is_not_stored(
     cold: storage.S3TierStorage, hot: Hot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = hot.path(hot.ckpt_file)
-    original = s3_transfer._S3FileWriter._send
+    original = s3_upload._S3FileWriter._send
 
     async def send(self: Any, method: str, body: Any, crc: str, **kwargs: Any) -> Any:
         if method == "put_object" and self.key.endswith(".ckpt"):
             flip_byte(path, 0)
         return await original(self, method, body, crc, **kwargs)
 
-    monkeypatch.setattr(s3_transfer._S3FileWriter, "_send", send)
+    monkeypatch.setattr(s3_upload._S3FileWriter, "_send", send)
     with pytest.raises(VerificationError, match="changed after it was hashed"):
         cold.copy_from(hot.tier, hot.ckpt_file)
     assert cold.list_manifests() == [] and cold.list_staging() == []

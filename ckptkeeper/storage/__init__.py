@@ -58,8 +58,12 @@ Modules, each importing only those listed before it:
   copies and every backend's restore);
 * ``tier``: the contract, :class:`TierStorage`, which also picks the backend for a URL;
 * ``local``: :class:`LocalTierStorage`;
-* ``s3_transfer``: the S3 reader, single-PUT and multipart uploads, the S3 sink;
-* ``s3_fleet``: the fleet's lease and heartbeat objects in a shared bucket (conditional writes);
+* ``s3_client``: the S3 requests every S3 module builds on (client, errors, secret redaction);
+* ``s3_upload``: single-PUT and multipart uploads (and the ``_S3Tier`` surface they drive);
+* ``s3_transfer``: the S3 reader and the S3 sink (marker, files, manifest commit);
+* ``s3_staging``: staging markers and multipart uploads in an S3 tier, for the reaper;
+* ``s3_fleet``: the fleet's lease and heartbeat objects in a shared bucket (conditional writes)
+  and read-only views of other nodes' prefixes;
 * ``s3``: :class:`S3TierStorage`.
 
 This package re-exports the public names; patch internals where they are defined.

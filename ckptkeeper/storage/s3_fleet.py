@@ -1,19 +1,20 @@
-"""The fleet's own small objects in a shared S3 tier (DESIGN §10): the lease and node heartbeats
-under ``<root>/.ckptkeeper/``, written with conditional PUTs (``If-None-Match`` / ``If-Match``).
+"""The fleet's side of a shared S3 tier (DESIGN §10): its own small objects, the lease and node
+heartbeats under ``<root>/.ckptkeeper/``, written with conditional PUTs (``If-None-Match`` /
+``If-Match``); and views of the bucket beyond this node's prefix (other nodes' copies, the
+single-node layout at the root).
 
 A mixin of :class:`~ckptkeeper.storage.s3.S3TierStorage` (kept apart so the backend module stays
-small); it uses only the backend's request helpers.
+small); it uses only the request helpers of :class:`~.s3_client.S3Objects`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
-from ckptkeeper.storage.base import StorageError, TierUnavailable, _describe, _split_rel
-
-if TYPE_CHECKING:
-    from s3fs import S3FileSystem
+from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
+from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.storage.base import StorageError, TierUnavailable, _describe, _parse_manifest, _split_rel
+from ckptkeeper.storage.s3_client import S3Objects
 
 __all__ = ["FLEET_DIR", "FleetObjects", "precondition_failed"]
 
@@ -36,24 +37,8 @@ def precondition_failed(exc: BaseException) -> bool:
     return "PreconditionFailed" in text or "Precondition Failed" in text or "(412)" in text
 
 
-class FleetObjects:
-    """Reading and (conditionally) writing ``<root>/.ckptkeeper/<name>``."""
-
-    bucket: str
-    root_prefix: str
-    name: str
-
-    if TYPE_CHECKING:
-
-        @property
-        def fs(self) -> S3FileSystem: ...
-        def _call(self, method: str, **kwargs: Any) -> Any: ...
-        def _errors(
-            self, what: str, exc_type: type[StorageError] = StorageError
-        ) -> contextlib.AbstractContextManager[None]: ...
-        def _redact(self, text: str) -> str: ...
-        def _list_objects(self, prefix: str) -> list[dict[str, Any]]: ...
-        def _delete_keys(self, keys: list[str]) -> None: ...
+class FleetObjects(S3Objects):
+    """Reading and (conditionally) writing ``<root>/.ckptkeeper/<name>``; views of other prefixes."""
 
     def get_fleet_object(self, name: str) -> tuple[bytes, str] | None:
         """``(body, etag)`` of ``<root>.ckptkeeper/<name>``, None if absent."""
@@ -108,3 +93,68 @@ class FleetObjects:
     def _fleet_key(self, name: str) -> str:
         _split_rel(name, "fleet object name")
         return f"{self.root_prefix}{FLEET_DIR}/{name}"
+
+    # -- the fleet's view of a shared bucket (DESIGN §10) ---------------------------------------
+
+    def view(self, node: str | None) -> Self:
+        """A read-only view of ``node``'s copies (``<root><node>/``), or with None of the
+        single-node layout at the root (copies written before the tier was shared)."""
+        if node is not None:
+            _split_rel(node, "node name")
+        other = object.__new__(type(self))  # TierStorage.__new__ wants a spec; share the client
+        other.__dict__.update(self.__dict__)
+        other.prefix = self.root_prefix + (f"{node}/" if node else "")
+        other.read_only = True
+        return other
+
+    def adopt(self, node: str) -> Self:
+        """A writable view of ``node``'s prefix, for the fleet lease holder cleaning a gone node's
+        litter (DESIGN §10); its deletes are this node's, under the lease."""
+        other = self.view(node)
+        other.read_only = False
+        return other
+
+    def top_level_dirs(self) -> list[str]:
+        """Names of the "directories" right under the root (node prefixes, old-layout runs, and the
+        fleet's own ``.ckptkeeper``): one delimited listing."""
+        out: list[str] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.root_prefix, "Delimiter": "/"}
+        with self._errors(f"listing {self.url}", TierUnavailable):
+            while True:
+                resp = self._call("list_objects_v2", **kw)
+                out += [
+                    p["Prefix"][len(self.root_prefix) :].rstrip("/") for p in resp.get("CommonPrefixes", [])
+                ]
+                if not resp.get("IsTruncated"):
+                    break
+                kw["ContinuationToken"] = resp["NextContinuationToken"]
+        return sorted(out)
+
+    def run_manifests(self, run: str) -> list[Manifest]:
+        """Committed copies of ``run`` in this tier (or view): one listing of ``<prefix><run>/``.
+
+        A manifest that does not describe the key it sits at (e.g. an old-layout run that happens
+        to be named like a node) is skipped, never taken for a copy of ``run``.
+        """
+        _split_rel(run, "run name")
+        base = f"{self.prefix}{run}/"
+        with self._errors(f"listing {run}", TierUnavailable):
+            keys = [
+                o["Key"]
+                for o in self._list_objects(base)
+                if o["Key"].endswith(MANIFEST_SUFFIX) and STAGING_MARK not in o["Key"].rsplit("/", 1)[-1]
+            ]
+        out: list[Manifest] = []
+        for key in keys:
+            rel = key[len(self.prefix) : -len(MANIFEST_SUFFIX)]
+            with self._errors(f"reading {key}"):
+                text = self._get(key)
+            if text is None:
+                continue
+            try:
+                manifest = _parse_manifest(rel, text)
+            except StorageError:
+                continue
+            if manifest.run == run:
+                out.append(manifest)
+        return out

@@ -1,0 +1,305 @@
+"""The S3 backend's requests: the s3fs client, retries logged with their cause, secrets kept out
+of every message, and the small object helpers (GET, PUT of JSON, HEAD, listing, batch delete)
+that the tier, its staging reaper and the fleet's objects are built from.
+
+:class:`S3Objects` is the base of :class:`~ckptkeeper.storage.s3.S3TierStorage` and of its
+mixins (:mod:`.s3_staging`, :mod:`.s3_fleet`), kept apart so the backend module stays small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ckptkeeper.core.model import TierSpec
+from ckptkeeper.storage.base import StorageError, _describe, _split_rel, log
+
+if TYPE_CHECKING:
+    from s3fs import S3FileSystem
+
+# fsspec, s3fs and aiobotocore are imported where used: the CLI imports this package and local
+# tiers need none of them.
+
+
+_URL_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
+_SECRET_NAMES = ("secret", "token", "password", "key", "credential", "username")
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+_DEGRADED: set[tuple[str, str]] = set()
+"""(tier URL, feature) pairs already warned about in this process: one warning per missing feature."""
+
+
+def _not_implemented(exc: BaseException) -> bool:
+    """The store answered 501 / ``NotImplemented``: it lacks the feature, it is not failing."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSYS:  # s3fs's translation of 501
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, Mapping):
+            code = str((response.get("Error") or {}).get("Code") or "")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "NotImplemented" or status == 501:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _collect_secrets(options: Mapping[str, Any]) -> list[str]:
+    """String values of credential-like options (recursively), longest first, for redaction."""
+    found: list[str] = []
+
+    def walk(obj: Any, name: str) -> None:
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, str(k).lower())
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, name)
+        elif isinstance(obj, str) and len(obj) >= 4 and any(s in name for s in _SECRET_NAMES):
+            found.append(obj)
+
+    walk(options, "")
+    return sorted(set(found), key=len, reverse=True)
+
+
+class S3Objects:
+    """Requests to one bucket under one prefix, with the tier's error and secret handling."""
+
+    spec: TierSpec
+    name: str
+    url: str
+    node: str
+    bucket: str
+    root_prefix: str
+    prefix: str
+    read_only: bool
+    part_size: int
+    _secrets: list[str]
+    _fs: S3FileSystem | None
+
+    default_config: ClassVar[dict[str, Any]] = {
+        "retries": {"max_attempts": 3, "mode": "standard"},
+        "read_timeout": 120,
+        "s3": {"payload_signing_enabled": False},
+    }
+    """botocore defaults unless ``storage_options["config_kwargs"]`` says otherwise: bounded retries
+    (on top of s3fs's own 5 for transient errors), a read timeout long enough for
+    CompleteMultipartUpload of a large object (s3fs's 15 s made moto time out at 1 GB), and no
+    SHA-256 of every body for the signature: each body already carries its CRC32 in a signed header
+    that the store checks, which is what botocore itself settles for over HTTPS; over plain HTTP it
+    would otherwise hash every byte a second time (~0.9 CPU-s/GiB, bench/s3_transfer.py)."""
+
+    @property
+    def fs(self) -> S3FileSystem:
+        """The s3fs filesystem, created on first use (importing s3fs costs ~0.5 s)."""
+        if self._fs is None:
+            import s3fs
+
+            opts = dict(self.spec.storage_options)
+            config = {
+                **self.default_config,
+                "http_session_cls": _http_session_without_silent_resend(),
+                **dict(opts.pop("config_kwargs", None) or {}),
+            }
+            # private instance, no listing cache: a catalog listing must never be stale
+            self._fs = s3fs.S3FileSystem(
+                **opts, config_kwargs=config, skip_instance_cache=True, use_listings_cache=False
+            )
+            # Every failed attempt that botocore or s3fs may retry is logged with its cause: a
+            # flaky store should be visible before it becomes a failed move.
+            self._fs.s3.meta.events.register("needs-retry.s3", self._log_retryable_failure)
+            self._register_resolved_credentials()
+        return self._fs
+
+    def _log_retryable_failure(
+        self,
+        attempts: int = 0,
+        caught_exception: BaseException | None = None,
+        response: Any = None,
+        **kw: Any,
+    ) -> None:
+        operation = getattr(kw.get("operation"), "name", "request")
+        if caught_exception is not None:
+            cause = _describe(caught_exception)
+        else:
+            http, parsed = response if isinstance(response, tuple) else (None, {})
+            status = getattr(http, "status_code", 0)
+            code = (parsed or {}).get("Error", {}).get("Code") or ""
+            if not (status >= 500 or status == 429 or "Throttl" in code or code == "SlowDown"):
+                return  # success, or an answer no retry changes (404, 412, …)
+            cause = f"HTTP {status} {code}".rstrip()
+        log.warning(
+            "%s: S3 %s failed on attempt %d (%s); retried within the configured bounds",
+            self.name,
+            operation,
+            attempts,
+            self._redact(cause),
+        )
+
+    def _add_secrets(self, values: Iterable[str]) -> None:
+        from ckptkeeper.util import logs
+
+        found = {v for v in values if isinstance(v, str) and len(v) >= 4}
+        self._secrets = sorted(set(self._secrets) | found, key=len, reverse=True)
+        logs.register_secrets(self._secrets)
+
+    def _register_resolved_credentials(self) -> None:
+        """Credentials from ~/.aws, a profile or instance metadata: only the client knows them."""
+        try:
+            creds = self._fs.s3._request_signer._credentials  # type: ignore[union-attr]
+            self._add_secrets(
+                str(getattr(creds, f"_{n}", None) or "") for n in ("access_key", "secret_key", "token")
+            )
+        except Exception:  # private attributes of botocore: best effort
+            pass
+
+    def _redact(self, text: str) -> str:
+        from ckptkeeper.util import logs  # the one redaction rule (short secrets: whole tokens only)
+
+        return _URL_USERINFO.sub(r"\1***@", logs.redact(text))
+
+    def _degraded(self, feature: str, exc: BaseException, consequence: str) -> bool:
+        """True if ``exc`` says the store lacks ``feature``; warns once per tier and feature.
+
+        A store without one optional feature (s3rver and some gateways answer NotImplemented to
+        ListMultipartUploads, older ones to conditional writes) stays usable for copies: only what
+        needs the feature is done without it, and the operator is told once, not on every call.
+        """
+        if not _not_implemented(exc):
+            return False
+        if (self.url, feature) not in _DEGRADED:
+            _DEGRADED.add((self.url, feature))
+            log.warning(
+                "%s: the store does not implement %s (%s); %s",
+                self.name,
+                feature,
+                self._redact(_describe(exc)),
+                consequence,
+            )
+        return True
+
+    @contextlib.contextmanager
+    def _errors(self, what: str, exc_type: type[StorageError] = StorageError) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise exc_type(self._redact(f"tier {self.name!r}: {what}: {_describe(exc)}")) from exc
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self.fs.call_s3(method, **kwargs)
+
+    def _key(self, rel: str) -> str:
+        _split_rel(rel)
+        return self.prefix + rel
+
+    def _part_size_for(self, size: int) -> int:
+        part = self.part_size
+        if size > part * 9000:
+            part = -(-size // 9000)
+            part = -(-part // 2**20) * 2**20
+        return part
+
+    def _put_json(self, key: str, doc: Mapping[str, Any]) -> None:
+        self._call(
+            "put_object",
+            Bucket=self.bucket,
+            Key=key,
+            Body=json.dumps(doc).encode(),
+            ContentType="application/json",
+        )
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            resp = self._call("get_object", Bucket=self.bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        from fsspec.asyn import sync
+
+        body = resp["Body"]
+        try:
+            data: bytes = sync(self.fs.loop, body.read)
+        finally:
+            body.close()
+        return data
+
+    def _list_objects(self, prefix: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            resp = self._call("list_objects_v2", **kw)
+            out.extend(resp.get("Contents", []))
+            if not resp.get("IsTruncated"):
+                return out
+            kw["ContinuationToken"] = resp["NextContinuationToken"]
+
+    def _head(self, key: str, *, checksum: bool = False) -> dict[str, Any] | None:
+        kw = {"ChecksumMode": "ENABLED"} if checksum else {}
+        try:
+            resp: dict[str, Any] = self._call("head_object", Bucket=self.bucket, Key=key, **kw)
+        except FileNotFoundError:
+            return None
+        return resp
+
+    def _target_objects(self, key: str) -> list[tuple[str, int, float]]:
+        """(key, size, mtime) of a checkpoint's data: the object ``key`` and everything under ``key/``."""
+        found = [
+            (o["Key"], int(o["Size"]), o["LastModified"].timestamp()) for o in self._list_objects(key + "/")
+        ]
+        head = self._head(key)
+        if head is not None:
+            found.append((key, int(head["ContentLength"]), head["LastModified"].timestamp()))
+        return found
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            resp = self._call(
+                "delete_objects",
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    self._redact(
+                        f"tier {self.name!r}: {len(errors)} deletes failed, e.g. {first.get('Key')}: "
+                        f"{first.get('Code')} {first.get('Message')}"
+                    )
+                )
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise StorageError(
+                f"tier {self.name!r}: {what} refused: a view of another node's copies is read-only"
+            )
+
+
+def _http_session_without_silent_resend() -> type:
+    """aiobotocore's HTTP session, minus aiohttp's own resend of a request that failed.
+
+    aiohttp (3.11+) resends a GET/HEAD/PUT/DELETE once, silently, when its connection is reset or
+    closed (RFC 9112 §9.3.1). That attempt happens below botocore: no ``needs-retry`` event (so
+    no warning naming the cause), not counted against ``retries.max_attempts``. A store resetting
+    connections then looked healthy while a flaky POST (CreateMultipartUpload, DeleteObjects) was
+    logged: which faults showed depended on which requests they hit. With it off, every failed
+    attempt surfaces to botocore, which retries it within the configured bounds and logs it.
+    """
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    class _NoSilentResend(AIOHTTPSession):
+        async def _get_session(self, proxy_url: Any) -> Any:
+            session = await super()._get_session(proxy_url)
+            # aiohttp has no public switch; its own test client turns the resend off the same way.
+            session._retry_connection = False
+            return session
+
+    return _NoSilentResend

@@ -1,0 +1,478 @@
+"""Uploads to S3: one object per file, a single PUT or a multipart upload, each body carrying
+the CRC32 of the bytes that were hashed; parts read back from the local file while they are sent.
+
+Also the :class:`_S3Tier` surface through which this module and :mod:`.s3_transfer` drive the
+backend, so that neither imports it (``s3.py`` builds on both).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import os
+import stat
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptkeeper.core.model import FileEntry
+from ckptkeeper.storage.base import (
+    StorageError,
+    VerificationError,
+    _describe,
+    _Reader,
+    log,
+)
+from ckptkeeper.util import hashing
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from s3fs import S3FileSystem
+
+# asyncio, concurrent.futures and s3fs are imported where used: the CLI imports this package and
+# local tiers need none of them.
+
+
+class _S3Tier(Protocol):
+    """What the reader, writers and sink use of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
+
+    name: str
+    node: str
+    bucket: str
+    max_inflight: int
+
+    @property
+    def fs(self) -> S3FileSystem: ...
+    def _call(self, method: str, **kwargs: Any) -> Any: ...
+    def _errors(
+        self, what: str, exc_type: type[StorageError] = StorageError
+    ) -> contextlib.AbstractContextManager[None]: ...
+    def _redact(self, text: str) -> str: ...
+    def _key(self, rel: str) -> str: ...
+    def _part_size_for(self, size: int) -> int: ...
+    def _head(self, key: str, *, checksum: bool = False) -> dict[str, Any] | None: ...
+    def _put_json(self, key: str, doc: Mapping[str, Any]) -> None: ...
+    def _target_objects(self, key: str) -> list[tuple[str, int, float]]: ...
+    def _delete_keys(self, keys: list[str]) -> None: ...
+    def _abort_uploads_under(self, key: str) -> None: ...
+    def _commit_manifest(self, key: str, body: bytes) -> None: ...
+    def _other_writers(self, key: str) -> list[str]: ...
+
+
+def _crc32_b64(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+class _PartStream(io.BytesIO):
+    """A read-only stream over ``buf[:size]`` that never copies the whole part.
+
+    A ``BytesIO`` subclass because aiohttp streams those inline in 256 KiB reads (other file-likes
+    cost an executor hop per read; a ``bytes``/``bytearray`` body is copied whole into the socket
+    transport's buffer); each ``read`` copies out just that chunk.
+    """
+
+    def __init__(self, buf: bytearray, size: int) -> None:
+        super().__init__()
+        self._view = memoryview(buf)[:size]
+        self._pos = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        start = self._pos
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        self._pos = end
+        return self._view[start:end].tobytes()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getbuffer(self) -> memoryview:
+        return self._view[self._pos :]
+
+    def getvalue(self) -> bytes:
+        return self._view.tobytes()
+
+
+class _Extent:
+    """What :meth:`_FilePart.getbuffer` hands aiohttp, which only takes its ``len`` in a ``with``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __enter__(self) -> _Extent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _FilePart(io.BytesIO):
+    """One part of a local source file, read from the file while it is sent: no part buffer.
+
+    The copy loop already hashed these bytes (content hash, CRC32, and a hash of the part alone);
+    the re-read is hashed too and checked before its last byte is handed out, so a file changed in
+    between fails the part (``failure``) instead of storing other bytes under the CRC32 we send (a
+    store that does not check checksums would keep them). A ``BytesIO`` for the same reason as
+    :class:`_PartStream`; every attempt of a request reads from offset 0 again.
+    """
+
+    def __init__(self, source: io.FileIO, offset: int, size: int, digest: str, where: str) -> None:
+        super().__init__()
+        self._source = source
+        self._offset = offset
+        self._size = size
+        self._digest = digest
+        self._where = where
+        self._pos = 0
+        self._hasher = hashing.new_hasher()
+        self._hashed = 0
+        self.failure: VerificationError | None = None
+        """Set when the bytes read were not the bytes hashed (the HTTP stack wraps what we raise)."""
+
+    def _fail(self, what: str) -> VerificationError:
+        self.failure = VerificationError(
+            f"{self._where}: part at bytes {self._offset}-{self._offset + self._size}: {what}"
+        )
+        return self.failure
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        if self.failure is not None:  # sticky: a retry cannot make the bytes right
+            raise self.failure
+        start = self._pos
+        left = self._size - start
+        n = left if size is None or size < 0 else min(size, left)
+        if n <= 0:
+            return b""
+        if start != self._hashed:
+            if start:  # neither aiohttp nor botocore skips into a body
+                raise self._fail("read out of order")
+            self._hasher, self._hashed = hashing.new_hasher(), 0
+        data = os.pread(self._source.fileno(), n, self._offset + start)
+        if len(data) != n:
+            raise self._fail(f"file ends at byte {self._offset + start + len(data)} after it was hashed")
+        self._hasher.update(data)
+        self._pos = self._hashed = start + n
+        if self._pos == self._size and self._hasher.hexdigest() != self._digest:
+            raise self._fail("changed after it was hashed")
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getbuffer(self) -> memoryview:
+        return _Extent(self._size)  # type: ignore[return-value]  # aiohttp takes only its len()
+
+    def getvalue(self) -> bytes:
+        self.seek(0)
+        return self.read()
+
+
+def _rereadable(source: _Reader | None) -> io.FileIO | None:
+    """A private handle on ``source``'s file if it is a regular local file, else None.
+
+    With it, parts are read from the file while they are sent instead of being held in buffers;
+    a handle of our own, so that it stays valid until every part in flight is over.
+    """
+    fileno = getattr(source, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        fd = fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return io.FileIO(os.dup(fd), "rb", closefd=True)
+    except (OSError, ValueError):
+        return None
+
+
+class _PartPool:
+    """Part buffers reused across the parts and files of one copy: at most ``max_inflight + 1``
+    of a size exist, and no part pays page faults on fresh memory."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[bytearray]] = {}
+
+    def get(self, size: int) -> bytearray:
+        free = self.free.get(size)
+        return free.pop() if free else bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        self.free.setdefault(len(buf), []).append(buf)
+
+
+class _S3FileWriter:
+    """Streams one object: a single PUT if it fits in one part, else a multipart upload.
+
+    At most ``max_inflight`` parts upload concurrently on fsspec's IO loop. From a local file
+    (``source``) a part is read from the file again while it is sent (:class:`_FilePart`): no
+    part is held in memory, and each byte is copied once more, 256 KiB at a time, on its way to
+    the socket. From any other source the part being filled and the parts in flight are held in
+    buffers of the copy's :class:`_PartPool` (``(max_inflight + 1) * part_size``).
+    Every request carries the CRC32 of its body, computed here from the bytes that were hashed.
+    """
+
+    def __init__(
+        self,
+        tier: _S3Tier,
+        key: str,
+        entry: FileEntry,
+        where: str,
+        pool: _PartPool,
+        source: io.FileIO | None = None,
+    ) -> None:
+        self.tier = tier
+        self.key = key
+        self.entry = entry
+        self.where = where
+        self.pool = pool
+        self.source = source
+        """Our own handle on the local source file (closed by finish/abort), or None: buffered."""
+        self.part_size = tier._part_size_for(entry.size)
+        self.single = entry.size <= self.part_size
+        """The whole object fits in one part: one PUT, no multipart upload."""
+        self.capacity = max(1, min(self.part_size, entry.size))
+        self.buf: bytearray | None = None
+        self.filled = 0
+        self.offset = 0
+        """Where the part being filled starts in the file."""
+        self.crc = 0
+        self.part_hash: hashing.Hasher | None = None
+        self.upload_id: str | None = None
+        self.next_part = 1
+        self.parts: list[dict[str, Any]] = []
+        self.part_crcs: list[int] = []
+        self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
+        self.trusted = True
+        """False when the store echoed no checksum: then the object is read back before commit."""
+        self.on_upload: Callable[[str], None] | None = None
+        """Told the id of the multipart upload this writer creates (the sink records it in its
+        staging marker, so no reaper takes the upload for an abandoned one while the copy lives)."""
+        self.etag: str | None = None
+        """ETag of the object this writer stored (HEAD right after the upload): what an abort may
+        delete — never an object someone else wrote at the same key since."""
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.capacity - self.filled)
+            if n == 0:  # only a single-PUT object can fill its one part before finish()
+                raise VerificationError(f"{self.where}: more than the {self.entry.size} bytes expected")
+            take = view[:n]
+            if self.source is None:
+                if self.buf is None:
+                    self.buf = self.pool.get(self.capacity)
+                self.buf[self.filled : self.filled + n] = take
+            else:
+                if self.part_hash is None:
+                    self.part_hash = hashing.new_hasher()
+                self.part_hash.update(take)
+            self.crc = zlib.crc32(take, self.crc)
+            self.filled += n
+            view = view[n:]
+            if self.filled == self.capacity and not self.single:
+                self._send_part()
+
+    def _take_part(self) -> tuple[_PartStream | _FilePart, int, bytearray | None]:
+        """The body of the part filled so far, its CRC32 and its buffer (None: read from the file)."""
+        body: _PartStream | _FilePart
+        buf: bytearray | None = None
+        if self.source is None:
+            buf = self.buf if self.buf is not None else bytearray(0)
+            body = _PartStream(buf, self.filled)
+        else:
+            digest = (self.part_hash or hashing.new_hasher()).hexdigest()
+            body = _FilePart(self.source, self.offset, self.filled, digest, self.where)
+        taken = (body, self.crc, buf)
+        self.offset += self.filled
+        self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
+        return taken
+
+    def _send_part(self) -> None:
+        import asyncio
+
+        tier = self.tier
+        if self.upload_id is None:
+            resp = tier._call(
+                "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
+            )
+            self.upload_id = resp["UploadId"]
+            if self.on_upload is not None:
+                self.on_upload(self.upload_id)
+        self._drain(tier.max_inflight - 1)
+        body, crc, buf = self._take_part()
+        number = self.next_part
+        self.next_part += 1
+        coro = self._upload_part(self.upload_id, number, body, _crc32_b64(crc))
+        self.pending.append((number, crc, asyncio.run_coroutine_threadsafe(coro, tier.fs.loop), buf))
+
+    async def _upload_part(self, upload_id: str, number: int, body: io.BytesIO, crc: str) -> Any:
+        return await self._send("upload_part", body, crc, UploadId=upload_id, PartNumber=number)
+
+    async def _send(self, method: str, body: io.BytesIO, crc: str, **kwargs: Any) -> Any:
+        """One body-carrying request (UploadPart, or the PutObject of a one-part object) with
+        s3fs's retry policy, rewinding the stream before every attempt: s3fs's own retry loop
+        would resend a half-consumed one (botocore's retries rewind it too). A body whose file
+        changed under it is not retried: it fails with its own error. The request gets the same
+        extra arguments s3fs adds to its own calls (``s3_additional_kwargs``, requester pays)."""
+        import asyncio
+
+        from s3fs.core import S3_RETRYABLE_ERRORS
+
+        fs = self.tier.fs
+        await fs.set_session()
+        client = await fs.get_s3(self.tier.bucket)
+        call = getattr(client, method)
+        request = fs._get_s3_method_kwargs(
+            call,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            Body=body,
+            ChecksumAlgorithm="CRC32",
+            ChecksumCRC32=crc,
+            **kwargs,
+        )
+        # A connection reset or refused on every botocore attempt surfaces as botocore's
+        # ConnectionError (EndpointConnectionError), which s3fs does not count as retryable; for a
+        # PUT of a whole object or part, resending it is as safe as after any other transient error.
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+        retryable = (*S3_RETRYABLE_ERRORS, BotocoreConnectionError)
+        attempt = 0
+        while True:
+            body.seek(0)
+            try:
+                return await call(**request)
+            except Exception as exc:
+                _raise_body_failure(body, exc)
+                attempt += 1
+                if not isinstance(exc, retryable) or attempt >= fs.retries:
+                    raise
+                log.warning(
+                    "%s: %s failed after botocore's retries (%s); resending it whole, attempt %d of %d",
+                    self.where,
+                    method,
+                    self.tier._redact(_describe(exc)),
+                    attempt + 1,
+                    fs.retries,
+                )
+                await asyncio.sleep(min(0.1 * 1.7**attempt, 15.0))
+
+    def _drain(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            number, crc, fut, buf = self.pending.popleft()
+            resp = fut.result()
+            if buf is not None:
+                self.pool.put(buf)  # the request is over: nothing reads the buffer any more
+            self._check_echo(resp, _crc32_b64(crc), f"part {number}")
+            self.parts.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _crc32_b64(crc)})
+            self.part_crcs.append(crc)
+
+    def _check_echo(self, resp: Mapping[str, Any], expected: str, what: str) -> None:
+        echoed = resp.get("ChecksumCRC32")
+        if echoed is None:
+            self.trusted = False
+        elif echoed != expected:
+            raise VerificationError(f"{self.where}: {what}: store reports CRC32 {echoed}, sent {expected}")
+
+    def finish(self) -> None:
+        tier = self.tier
+        if self.upload_id is None:
+            import asyncio
+
+            body, crc, buf = self._take_part()
+            expected = _crc32_b64(crc)
+            resp = asyncio.run_coroutine_threadsafe(
+                self._send("put_object", body, expected), tier.fs.loop
+            ).result()
+            if buf is not None:
+                self.pool.put(buf)
+            self._check_echo(resp, expected, "put")
+        else:
+            if self.filled:
+                self._send_part()
+            self._drain(0)
+            combined = b"".join(c.to_bytes(4, "big") for c in self.part_crcs)
+            expected = f"{_crc32_b64(zlib.crc32(combined))}-{len(self.parts)}"
+            try:
+                tier._call(
+                    "complete_multipart_upload",
+                    Bucket=tier.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self.parts},
+                )
+            except Exception:
+                # A retry after a lost response meets NoSuchUpload although the first call
+                # landed: the object with our exact size and checksum settles the question.
+                head = tier._head(self.key, checksum=True)
+                if head is None or not _same_checksum(str(head.get("ChecksumCRC32")), expected):
+                    raise
+            self.upload_id = None
+        head = tier._head(self.key, checksum=True)
+        if head is None:
+            raise VerificationError(f"{self.where}: object missing right after upload")
+        self.etag = str(head.get("ETag") or "") or None
+        size = int(head["ContentLength"])
+        if size != self.entry.size:
+            raise VerificationError(f"{self.where}: store holds {size} bytes, expected {self.entry.size}")
+        stored = head.get("ChecksumCRC32")
+        if stored is None:
+            self.trusted = False
+        elif not _same_checksum(stored, expected):
+            raise VerificationError(f"{self.where}: stored CRC32 {stored} != {expected} of the bytes sent")
+        self._close_source()
+
+    def _close_source(self) -> None:
+        if self.source is not None:
+            self.source.close()  # a straggling read then fails (closed file), never reads another
+
+    def abort(self) -> None:
+        import concurrent.futures
+
+        for _, _, fut, _ in self.pending:
+            fut.cancel()
+        concurrent.futures.wait([f for _, _, f, _ in self.pending], timeout=60)
+        self.pending.clear()  # their buffers are dropped, not reused: a cancelled send may hold them
+        self.buf, self.filled = None, 0
+        self._close_source()
+        if self.upload_id is not None:
+            try:
+                self.tier._call(
+                    "abort_multipart_upload", Bucket=self.tier.bucket, Key=self.key, UploadId=self.upload_id
+                )
+            except Exception as exc:
+                log.warning(
+                    "%s: could not abort multipart upload (the reaper will): %s",
+                    self.where,
+                    self.tier._redact(_describe(exc)),
+                )
+            self.upload_id = None
+
+
+def _raise_body_failure(body: io.BytesIO, exc: BaseException) -> None:
+    """Surface a file part's own verdict; the HTTP stack reports it as a connection error."""
+    failure = getattr(body, "failure", None)
+    if failure is not None:
+        raise failure from exc
+
+
+def _same_checksum(stored: str, expected: str) -> bool:
+    """Compare a HEAD checksum with ours; the ``-N`` part count suffix is optional (moto omits it)."""
+    value, _, parts = stored.partition("-")
+    want_value, _, want_parts = expected.partition("-")
+    return value == want_value and (not parts or parts == want_parts)
