@@ -35,6 +35,7 @@ from ckptkeeper.storage import (
     s3_transfer,
     s3_upload,
 )
+from ckptkeeper.storage.base import PIN_SUFFIX
 from ckptkeeper.util import hashing
 
 MiB = 2**20
@@ -436,6 +437,47 @@ class TestTierContract:
         assert [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"]] == [
             "elsewhere/big.pt"
         ]
+
+    def test_manifests_and_pins_come_from_one_listing(
+        self, backend: Backend, hot: Hot, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A reconcile needs both: one walk of a local tier (one LIST of the prefix in S3) finds
+        the same copies and pins as the two separate listings do."""
+        backend.tier.copy_from(hot.tier, hot.ckpt_dir)
+        backend.tier.copy_from(hot.tier, hot.ckpt_file)
+        backend.tier.write_pin("run1", "checkpoint-100", 100, "test-node")
+        backend.tier.write_pin("run9", "checkpoint-1", 1, "test-node")  # pinned, no copy here
+        backend.raw.put("run1/checkpoint-7" + PIN_SUFFIX, b"[1, 2]")  # hostile: ignored
+        backend.raw.put("run2/x" + MANIFEST_SUFFIX, b"{not json")
+        backend.raw.put("run2/x", b"x")
+        separate = (backend.tier.list_manifests(), backend.tier.list_pins())
+
+        listings: list[str] = []
+        if backend.kind == "local":
+            real_fwalk = os.fwalk
+
+            def fwalk(top: Any = ".", *args: Any, **kwargs: Any) -> Any:
+                listings.append(str(top))
+                return real_fwalk(top, *args, **kwargs)
+
+            monkeypatch.setattr(os, "fwalk", fwalk)
+        else:
+            assert isinstance(backend.tier, storage.S3TierStorage)
+            real_list = backend.tier._list_objects
+
+            def list_objects(prefix: str) -> list[dict[str, Any]]:
+                listings.append(prefix)
+                return real_list(prefix)
+
+            monkeypatch.setattr(backend.tier, "_list_objects", list_objects)
+        listing, pins = backend.tier.list_manifests_and_pins()
+        assert len(listings) == 1
+        assert (listing, pins) == separate
+        assert pins == {("run1", "checkpoint-100"), ("run9", "checkpoint-1")}
+        by_rel = {rel: (m, err) for rel, m, err in listing}
+        assert by_rel["run1/checkpoint-100"] == (hot.ckpt_dir, None)
+        assert by_rel["run1/checkpoints/epoch=1-step=20.ckpt"] == (hot.ckpt_file, None)
+        assert by_rel["run2/x"][0] is None
 
     def test_usage(self, backend: Backend) -> None:
         usage = backend.tier.usage()

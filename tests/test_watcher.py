@@ -506,3 +506,43 @@ def test_failed_reconcile_makes_the_next_sync_full(env: Env, monkeypatch: pytest
         assert w.last_sync_full and w.trusted
     finally:
         w.stop()
+
+
+def test_reconcile_of_a_slower_tier_reads_copies_and_pins_from_one_walk(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies and pins of a local tier come from one walk of it (a walk of a large tier on a
+    network filesystem is a reconcile's costliest part), not one walk each."""
+    from builders import manifest_of
+
+    from ckptkeeper.storage import LocalTierStorage, TierStorage
+
+    finished_run(env, "exp", 100)
+    env.catalog.reconcile()
+    hot = TierStorage(env.settings.tiers[0].to_spec(), hot=True)
+    warm = TierStorage(env.settings.tiers[1].to_spec())
+    copied = manifest_of(env.hot, "exp", 100, layout="hf", node=env.settings.node)
+    warm.copy_from(hot, copied)
+    warm.write_pin("exp", "checkpoint-100", 100, env.settings.node)
+
+    def separate_listing(self: LocalTierStorage) -> Any:
+        raise AssertionError("a reconcile lists copies and pins in one walk")
+
+    monkeypatch.setattr(LocalTierStorage, "list_manifests", separate_listing)
+    monkeypatch.setattr(LocalTierStorage, "list_pins", separate_listing)
+    walks: list[int] = []
+    real_fwalk = os.fwalk
+
+    def fwalk(*args: Any, **kwargs: Any) -> Any:
+        walks.append(1)
+        return real_fwalk(*args, **kwargs)
+
+    monkeypatch.setattr(os, "fwalk", fwalk)
+    report = env.catalog.reconcile_tier("warm")
+    assert report.tiers_failed == {}
+    assert len(walks) == 2  # copies and pins; staging (the reaper's) walks on its own
+    assert env.catalog.tier_pins["warm"] == {("exp", "checkpoint-100")}
+    assert env.index.pinned_names() == {("exp", "checkpoint-100")}
+    assert [(k, v[1]) for k, v in env.index.locations_in_tier("warm").items()] == [
+        (("exp", "checkpoint-100"), copied.digest)
+    ]  # the copy, found by the same walk

@@ -583,10 +583,9 @@ class Catalog:
         tier = next(t for t in self.settings.tiers if t.name == tier_name)
         try:
             storage = TierStorage(tier.to_spec())
-            listing = storage.list_manifests()
+            listing, pins = storage.list_manifests_and_pins()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
-            pins = storage.list_pins()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",

@@ -195,7 +195,33 @@ class LocalTierStorage(TierStorage):
     def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
         if self.hot:
             raise StorageError(f"tier {self.name!r} is the hot tier: it holds no manifests")
-        out: list[tuple[str, Manifest | None, str | None]] = []
+        listing: list[tuple[str, Manifest | None, str | None]] = []
+        self._scan(listing, None)
+        return sorted(listing, key=lambda t: t[0])
+
+    def list_manifests_and_pins(
+        self,
+    ) -> tuple[list[tuple[str, Manifest | None, str | None]], set[tuple[str, str]]]:
+        """Both from one walk of the tier: a reconcile needs both, and a walk of a large tier on a
+        network filesystem is its costliest part."""
+        if self.hot:
+            raise StorageError(f"tier {self.name!r} is the hot tier: it holds no manifests")
+        listing: list[tuple[str, Manifest | None, str | None]] = []
+        pins: set[tuple[str, str]] = set()
+        self._scan(listing, pins)
+        return sorted(listing, key=lambda t: t[0]), pins
+
+    def _scan(
+        self, listing: list[tuple[str, Manifest | None, str | None]] | None, pins: set[tuple[str, str]] | None
+    ) -> None:
+        """One walk of the tier, adding to ``listing`` what :meth:`list_manifests` reports and to
+        ``pins`` what :meth:`list_pins` does (each skipped when None).
+
+        Manifests and pins sit beside the checkpoint they describe, so the walk enters neither
+        staging directories nor a committed checkpoint's contents (a manifest or pin in there
+        would describe nothing of ours). Any unreadable directory fails the whole walk
+        (:class:`TierUnavailable`): what a tier holds is unknown, never taken for absent.
+        """
         mounts = self._mounts_under()
 
         def fail(exc: OSError) -> None:
@@ -211,35 +237,69 @@ class LocalTierStorage(TierStorage):
                     present = set(dirnames) | set(filenames)
                     committed_dirs: set[str] = set()
                     for fname in filenames:
-                        if not fname.endswith(MANIFEST_SUFFIX) or STAGING_MARK in fname:
+                        if STAGING_MARK in fname:
+                            continue
+                        if fname.endswith(PIN_SUFFIX):
+                            if pins is not None:
+                                self._read_pin(dfd, fname, reldir, pins)
+                            continue
+                        if not fname.endswith(MANIFEST_SUFFIX):
                             continue
                         base = fname[: -len(MANIFEST_SUFFIX)]
                         if base not in present:
                             continue  # orphan: reported by list_staging
-                        rel = base if reldir == "." else f"{reldir}/{base}"
                         committed_dirs.add(base)
-                        try:
-                            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
-                            with os.fdopen(fd, "rb") as f:
-                                text = f.read(_MAX_MANIFEST_BYTES + 1)
-                            manifest = _parse_manifest(rel, text)
-                            damage = _damage_at(dfd, base, rel, manifest)
-                            out.append((rel, manifest, DAMAGED_COPY + "; ".join(damage) if damage else None))
-                        except FileNotFoundError:
-                            continue  # deleted while we listed
-                        except OSError as exc:
-                            if exc.errno != errno.ELOOP:
-                                raise  # unreadable is unknown, not corrupt: the whole listing fails
-                            out.append((rel, None, "manifest is a symlink"))
-                        except StorageError as exc:
-                            out.append((rel, None, str(exc)))
+                        if listing is not None:
+                            rel = base if reldir == "." else f"{reldir}/{base}"
+                            self._read_listed_manifest(dfd, fname, rel, listing)
                     # neither staging nor committed checkpoint contents can hold more manifests
                     dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed_dirs]
             except OSError as exc:
                 raise TierUnavailable(
                     f"tier {self.name!r}: listing {self.root} failed: {_describe(exc)}"
                 ) from exc
-        return sorted(out, key=lambda t: t[0])
+
+    @staticmethod
+    def _read_listed_manifest(
+        dfd: int, fname: str, rel: str, listing: list[tuple[str, Manifest | None, str | None]]
+    ) -> None:
+        """Add the manifest ``fname`` in directory ``dfd`` (of copy ``rel``) to ``listing``:
+        damaged or unparsable ones with their reason."""
+        try:
+            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                text = f.read(_MAX_MANIFEST_BYTES + 1)
+            manifest = _parse_manifest(rel, text)
+            base = fname[: -len(MANIFEST_SUFFIX)]
+            damage = _damage_at(dfd, base, rel, manifest)
+            listing.append((rel, manifest, DAMAGED_COPY + "; ".join(damage) if damage else None))
+        except FileNotFoundError:
+            return  # deleted while we listed
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise  # unreadable is unknown, not corrupt: the whole listing fails
+            listing.append((rel, None, "manifest is a symlink"))
+        except StorageError as exc:
+            listing.append((rel, None, str(exc)))
+
+    @staticmethod
+    def _read_pin(dfd: int, fname: str, reldir: str, pins: set[tuple[str, str]]) -> None:
+        """Add the pin object ``fname`` in directory ``dfd`` to ``pins`` if it is a valid one."""
+        base = fname[: -len(PIN_SUFFIX)]
+        rel = base if reldir == "." else f"{reldir}/{base}"
+        try:
+            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(_MAX_PIN_BYTES + 1)
+        except FileNotFoundError:
+            return  # unpinned while we listed
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return  # a symlink is no pin of ours
+        pin = _parse_pin(rel, data)
+        if pin is not None:
+            pins.add(pin)
 
     def delete(self, rel_path: str) -> int:
         """Delete ``rel_path`` (and its manifest) without following symlinks or leaving the root.
@@ -377,47 +437,9 @@ class LocalTierStorage(TierStorage):
             ) from exc
 
     def list_pins(self) -> set[tuple[str, str]]:
-        out: set[tuple[str, str]] = set()
-        mounts = self._mounts_under()
-
-        def fail(exc: OSError) -> None:
-            raise exc
-
-        with self._root_fd(TierUnavailable) as root_fd:
-            try:
-                for dirpath, dirnames, filenames, dfd in os.fwalk(
-                    ".", dir_fd=root_fd, follow_symlinks=False, onerror=fail
-                ):
-                    reldir = os.path.normpath(dirpath)
-                    _skip_mounts(dirnames, reldir, mounts)
-                    present = set(dirnames) | set(filenames)
-                    committed = set()
-                    for fname in filenames:
-                        if fname.endswith(MANIFEST_SUFFIX) and fname[: -len(MANIFEST_SUFFIX)] in present:
-                            committed.add(fname[: -len(MANIFEST_SUFFIX)])
-                        if not fname.endswith(PIN_SUFFIX) or STAGING_MARK in fname:
-                            continue
-                        base = fname[: -len(PIN_SUFFIX)]
-                        rel = base if reldir == "." else f"{reldir}/{base}"
-                        try:
-                            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
-                            with os.fdopen(fd, "rb") as f:
-                                data = f.read(_MAX_PIN_BYTES + 1)
-                        except FileNotFoundError:
-                            continue  # unpinned while we listed
-                        except OSError as exc:
-                            if exc.errno != errno.ELOOP:
-                                raise
-                            continue  # a symlink is no pin of ours
-                        pin = _parse_pin(rel, data)
-                        if pin is not None:
-                            out.add(pin)
-                    dirnames[:] = [d for d in dirnames if STAGING_MARK not in d and d not in committed]
-            except OSError as exc:
-                raise TierUnavailable(
-                    f"tier {self.name!r}: listing pins under {self.root} failed: {_describe(exc)}"
-                ) from exc
-        return out
+        pins: set[tuple[str, str]] = set()
+        self._scan(None, pins)
+        return pins
 
     def list_staging(self) -> list[Artifact]:
         out: list[Artifact] = []

@@ -107,9 +107,6 @@ class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
         # credentials botocore would find on its own are just as secret as configured ones
         self._add_secrets(os.environ.get(name, "") for name in _CREDENTIAL_ENV)
         self._fs: S3FileSystem | None = None
-        self._listed_pins: list[dict[str, Any]] | None = None
-        """Pin objects seen by the last :meth:`list_manifests`, for the :meth:`list_pins` that a
-        reconcile makes right after it (one listing of the prefix instead of two)."""
 
     def _commit_manifest(self, key: str, body: bytes) -> None:
         """PUT the manifest once (``If-None-Match: *``); an ambiguous failure is resolved by reading it."""
@@ -178,14 +175,26 @@ class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
         return None if text is None else _parse_manifest(rel_path, text)
 
     def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
+        with self._errors(f"listing {self.url}", TierUnavailable):
+            objs = self._list_objects(self.prefix)
+        return self._manifests_in(objs)
+
+    def list_manifests_and_pins(
+        self,
+    ) -> tuple[list[tuple[str, Manifest | None, str | None]], set[tuple[str, str]]]:
+        """Both from one listing of the prefix (a reconcile needs both)."""
+        with self._errors(f"listing {self.url}", TierUnavailable):
+            objs = self._list_objects(self.prefix)
+        return self._manifests_in(objs), self._pins_in(objs)
+
+    def _manifests_in(self, objs: list[dict[str, Any]]) -> list[tuple[str, Manifest | None, str | None]]:
+        """:meth:`list_manifests` from a listing of the prefix: every manifest read, all at once."""
         import asyncio
 
         from fsspec.asyn import sync
 
         with self._errors(f"listing {self.url}", TierUnavailable):
-            objs = self._list_objects(self.prefix)
             sizes = {o["Key"]: int(o["Size"]) for o in objs}
-            self._listed_pins = [o for o in objs if o["Key"].endswith(PIN_SUFFIX)]
             keys = [
                 o["Key"]
                 for o in objs
@@ -341,12 +350,17 @@ class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
             self._delete_keys([self._key(rel) + PIN_SUFFIX])
 
     def list_pins(self) -> set[tuple[str, str]]:
-        out: set[tuple[str, str]] = set()
-        listed, self._listed_pins = self._listed_pins, None
         with self._errors(f"listing pins in {self.url}", TierUnavailable):
-            # a pin written since that listing is read at the next one (pins are only ever added
-            # from a listing, so a late one costs nothing but a pass)
-            for obj in listed if listed is not None else self._list_objects(self.prefix):
+            objs = self._list_objects(self.prefix)
+        return self._pins_in(objs)
+
+    def _pins_in(self, objs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+        """:meth:`list_pins` from a listing of the prefix. A pin written since that listing is read
+        at the next one (pins are only ever added from a listing, so a late one costs nothing but a
+        pass)."""
+        out: set[tuple[str, str]] = set()
+        with self._errors(f"listing pins in {self.url}", TierUnavailable):
+            for obj in objs:
                 key = obj["Key"]
                 if not key.endswith(PIN_SUFFIX) or STAGING_MARK in key.rsplit("/", 1)[-1]:
                     continue

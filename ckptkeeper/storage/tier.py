@@ -99,6 +99,14 @@ class TierStorage:
         """
         raise NotImplementedError
 
+    def list_manifests_and_pins(
+        self,
+    ) -> tuple[list[tuple[str, Manifest | None, str | None]], set[tuple[str, str]]]:
+        """:meth:`list_manifests` and :meth:`list_pins` from one listing of the tier (what a
+        reconcile needs: a walk of a large tier is its costliest part). Raises
+        :class:`TierUnavailable` if the listing is incomplete."""
+        raise NotImplementedError
+
     def read_manifest(self, rel_path: str) -> Manifest | None:
         """The committed manifest at ``rel_path``, None if there is no committed copy."""
         raise NotImplementedError
