@@ -27,7 +27,8 @@ from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.index import Index, IndexCorrupt
-from ckptkeeper.ingest.catalog import Catalog, ReconcileReport
+from ckptkeeper.ingest.catalog import Catalog
+from ckptkeeper.ingest.report import ReconcileReport
 from ckptkeeper.util.lock import ExecutorLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 

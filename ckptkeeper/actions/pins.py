@@ -18,7 +18,6 @@ Order, so that no failure leaves a checkpoint less protected than the user asked
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 
 from ckptkeeper.config import Settings
@@ -48,7 +47,7 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
         return outcome
     if pinned:
         outcome.changed = index.set_pinned(run, step, True)
-    node = socket.gethostname()
+    node = settings.node
     for tier in settings.tiers[1:]:
         try:
             storage = TierStorage(tier.to_spec())
@@ -81,7 +80,7 @@ def store_missing_pins(settings: Settings, index: Index, tier_pins: dict[str, se
     if not pinned:
         return 0
     steps = {(c.run, c.name): c.step for c in index.checkpoints() if c.pinned}
-    node = socket.gethostname()
+    node = settings.node
     written = 0
     for tier in settings.tiers[1:]:
         listed = tier_pins.get(tier.name)

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ckptkeeper.actions.prune import PruneOutcome
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.index import Index
-    from ckptkeeper.ingest.catalog import ReconcileReport
+    from ckptkeeper.ingest.report import ReconcileReport
     from ckptkeeper.ingest.watcher import Watcher
 
 __all__ = ["JOB_IDS", "Daemon", "run_daemon"]

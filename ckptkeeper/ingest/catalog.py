@@ -11,74 +11,28 @@ from __future__ import annotations
 
 import os
 import socket
-import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, FileEntry, Manifest, RunState
-from ckptkeeper.core.preflight import is_scratch_run
+from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import hookfiles, layouts
-from ckptkeeper.ingest.layouts import temps
+from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
+from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
-from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.catalog")
 
 MAX_STEP = schema.MAX_STEP
 """SQLite integers are 64-bit; a larger "step" is not a step anyone trains to."""
-
-_HOSTILE = (
-    ValueError,
-    TypeError,
-    OverflowError,
-    UnicodeError,
-    sqlite3.IntegrityError,
-    sqlite3.InterfaceError,
-)
-"""What a document the schema let through could still raise on its way into the index. Caught per
-document (never per pass) as a last line of defence: that document is quarantined, the others go on.
-Never ``sqlite3.DatabaseError`` as such: a damaged index must reach the rebuild."""
-
-
-@dataclass
-class ReconcileReport:
-    runs: int = 0
-    new: int = 0
-    new_versions: int = 0
-    unchanged: int = 0
-    removed: int = 0
-    partial: int = 0
-    corrupt: int = 0
-    hashed_bytes: int = 0
-    tiers_failed: dict[str, str] = field(default_factory=dict)
-    damaged: dict[str, str] = field(default_factory=dict)
-    """``tier:path`` -> what is wrong, for each copy whose data does not match its manifest."""
-    quarantined: int = 0
-
-    def merge(self, other: ReconcileReport) -> None:
-        for name in (
-            "runs",
-            "new",
-            "new_versions",
-            "unchanged",
-            "removed",
-            "partial",
-            "corrupt",
-            "hashed_bytes",
-            "quarantined",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.tiers_failed.update(other.tiers_failed)
-        self.damaged.update(other.damaged)
 
 
 class Catalog:
@@ -98,11 +52,18 @@ class Catalog:
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
-        self.tier_pins: dict[str, set[tuple[str, str]]] = {}
-        self.own_copies: dict[str, int] = {}
+        self.tiers = SlowerTiers(settings, index)
+
+    @property
+    def tier_pins(self) -> dict[str, set[tuple[str, str]]]:
+        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
+        return self.tiers.tier_pins
+
+    @property
+    def own_copies(self) -> dict[str, int]:
         """Copies each slower tier held at its last listing whose manifest names this node: they
         prove this node had an index before (a missing one was lost, not never made)."""
-        """Pin objects each slower tier held at its last successful listing (for ``pins``)."""
+        return self.tiers.own_copies
 
     # -- the hot tier ----------------------------------------------------------------------
 
@@ -155,7 +116,7 @@ class Catalog:
         with self.index.reconcile_lock:
             try:
                 return self._reconcile_run(run, run_dir)
-            except _HOSTILE as exc:
+            except HOSTILE as exc:
                 # One run's hostile files must not stop the pass over the others (nor the daemon).
                 log.error(
                     "run could not be reconciled; quarantined", run=run, error=f"{type(exc).__name__}: {exc}"
@@ -205,7 +166,7 @@ class Catalog:
         candidates = {c.name: c for c in scan.candidates}
         for c in commits:
             if c.path not in candidates and not any(c.path.startswith(n + "/") for n in candidates):
-                extra = self._committed_candidate(run_dir, run, c)
+                extra = hookfiles.committed_candidate(run_dir, run, c)
                 if extra is not None:
                     candidates[extra.name] = extra
 
@@ -393,81 +354,6 @@ class Catalog:
             )
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
-    def _committed_candidate(
-        self, run_dir: Path, run: str, commit: protocol.Commit
-    ) -> layouts.Candidate | None:
-        """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
-        path = run_dir / commit.path
-        found = layouts.recognize(path, run_dir, run)
-        if found is not None:
-            return found
-        if _leaves_run_dir(run_dir, commit.path):
-            # A symlinked directory on the way leads outside the tier: never cataloged, so never
-            # read, copied or deleted through (it used to be hashed, then fail every prune).
-            log.warning("committed path goes through a symlink; ignored", run=run, path=commit.path)
-            return None
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        if stat.S_ISREG(st.st_mode):
-            return layouts.Candidate(
-                run=run,
-                step=commit.step,
-                name=commit.path,
-                layout="file",
-                is_dir=False,
-                complete=True,
-                files=("",),
-                last_write=st.st_mtime,
-                changed_at=max(st.st_mtime, st.st_ctime),
-                bytes=st.st_size,
-                metrics={},
-                problem=None,
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            return None
-        files: list[str] = []
-        total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
-        mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
-        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-            base = os.path.relpath(dirpath, path).replace(os.sep, "/")
-            # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
-            # Mount points are not ours: never walked.
-            dirnames[:] = [
-                d
-                for d in dirnames
-                if temps.dir_kind(d) is None and (d if base == "." else f"{base}/{d}") not in mounts
-            ]
-            for fname in filenames:
-                if temps.file_kind(fname, in_candidate=True) is not None:
-                    continue
-                full = os.path.join(dirpath, fname)
-                fst = os.lstat(full)
-                if stat.S_ISREG(fst.st_mode):
-                    files.append(os.path.relpath(full, path).replace(os.sep, "/"))
-                    total += fst.st_size
-                    newest = max(newest, fst.st_mtime)
-                    changed = max(changed, fst.st_mtime, fst.st_ctime)
-            for dname in dirnames:
-                dst = os.lstat(os.path.join(dirpath, dname))
-                newest = max(newest, dst.st_mtime)
-                changed = max(changed, dst.st_mtime, dst.st_ctime)
-        return layouts.Candidate(
-            run=run,
-            step=commit.step,
-            name=commit.path,
-            layout="committed",
-            is_dir=True,
-            complete=True,
-            files=tuple(sorted(files)),
-            last_write=newest,
-            changed_at=changed,
-            bytes=total,
-            metrics={},
-            problem=None,
-        )
-
     def _hash_candidate(
         self, run_dir: Path, cand: layouts.Candidate, metrics: Mapping[str, float], *, created_at: float
     ) -> Manifest:
@@ -551,147 +437,14 @@ class Catalog:
             if not self.index.checkpoints(run):
                 self.index.delete_run(run)
             elif prev is not None:
-                self._mark_off_hot(run, prev.last_seen, prev.parent)
+                mark_off_hot(self.index, run, prev.last_seen, prev.parent)
 
-    def _mark_off_hot(self, run: str, last_seen: float, parent: tuple[str, int] | None) -> None:
-        # A run that lives only in slower tiers has no writer on this node. It may belong to another
-        # node sharing the cold tier, so it is never treated as failed or stale here.
-        self.index.upsert_run(
-            run,
-            state=RunState.FINISHED,
-            state_reason="not on this node's hot tier",
-            last_seen=last_seen,
-            parent=parent,
-            on_hot=False,
-        )
-
-    # -- slower tiers ----------------------------------------------------------------------
+    # -- slower tiers (``tiers``) -----------------------------------------------------------
 
     def reconcile_tier(self, tier_name: str) -> ReconcileReport:
-        """Sync locations of one slower tier from the manifests stored beside its copies.
-
-        A failed listing marks the tier unknown and keeps every location the index had: a tier we
-        cannot read is never taken for an empty one.
-        """
-        with self.index.reconcile_lock:
-            return self._reconcile_tier(tier_name)
-
-    def _reconcile_tier(self, tier_name: str) -> ReconcileReport:
-        from ckptkeeper.storage import DAMAGED_COPY, TierStorage, TierUnavailable
-
-        report = ReconcileReport()
-        tier = next(t for t in self.settings.tiers if t.name == tier_name)
-        try:
-            storage = TierStorage(tier.to_spec())
-            listing, pins = storage.list_manifests_and_pins()
-            uploads = storage.list_multipart_uploads()
-            staging = storage.list_staging()
-        except TierUnavailable as exc:
-            log.warning(
-                "tier listing failed; treating it as unknown (no deletes depend on it)",
-                tier=tier_name,
-                error=str(exc),
-            )
-            self.index.set_tier_status(tier_name, False, str(exc))
-            report.tiers_failed[tier_name] = str(exc)
-            return report
-        known = self.index.locations_in_tier(tier_name)
-        listed: set[tuple[str, str]] = set()
-        held: list[Quarantined] = []
-
-        def quarantine(rel: str, why: str) -> None:
-            log.warning("manifest in tier quarantined, copy ignored", tier=tier_name, path=rel, error=why)
-            where = rel + MANIFEST_SUFFIX
-            held.append(Quarantined(tier_name, where, "manifest", why, run=rel.split("/", 1)[0]))
-            report.corrupt += 1
-
-        # A dead preflight's scratch copy is no proof this node had an index (it is swept, not kept).
-        self.own_copies[tier_name] = sum(
-            1
-            for _, m, _ in listing
-            if m is not None and m.node == self.settings.node and not is_scratch_run(m.run)
-        )
-        with self.index.transaction():
-            for rel, manifest, error in listing:
-                if is_scratch_run(rel) or (manifest is not None and is_scratch_run(manifest.run)):
-                    continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
-                if manifest is None:
-                    quarantine(rel, error or "unreadable")
-                    continue
-                if error is not None:
-                    # A manifest over missing or changed data is no copy: recorded as damaged (so
-                    # the planner copies it again and `ls`/`verify` say so), never as a location.
-                    log.warning("damaged copy in tier: not counted", tier=tier_name, path=rel, error=error)
-                    report.damaged[f"{tier_name}:{rel}"] = error
-                try:
-                    with self.index.savepoint():
-                        self._apply_manifest(
-                            tier_name, manifest, known, report, error and error.removeprefix(DAMAGED_COPY)
-                        )
-                except _HOSTILE as exc:
-                    quarantine(rel, f"could not be cataloged: {type(exc).__name__}: {str(exc)[:500]}")
-                    continue
-                listed.add((manifest.run, manifest.name))
-            for key, (cid, _version) in known.items():
-                if key not in listed:
-                    self.index.remove_location(cid, tier_name)
-                    report.removed += 1
-            self.index.prune_orphans()
-            self.index.replace_artifacts(
-                tier_name, [a for a in (*staging, *uploads) if not is_scratch_run(a.path)]
-            )
-            self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
-            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
-            # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
-            restored = self.index.pin_by_name(sorted(pins))
-            if restored:
-                log.warning("pins read back from the tier", tier=tier_name, pins=restored)
-            self.tier_pins[tier_name] = pins
-            self.index.set_tier_status(tier_name, True)
-        report.quarantined += len(held)
-        return report
-
-    def _apply_manifest(
-        self,
-        tier_name: str,
-        manifest: Manifest,
-        known: dict[tuple[str, str], tuple[int, str]],
-        report: ReconcileReport,
-        error: str | None = None,
-    ) -> None:
-        """Record one copy a slower tier holds, from its (validated) manifest; ``error``: its data
-        does not match the manifest (the copy is marked damaged, never a location)."""
-        key = (manifest.run, manifest.name)
-        row = self.index.checkpoint(*key)
-        if row is None or (row.version is None and row.state is not CheckpointState.WRITING):
-            cid = self.index.upsert_checkpoint(
-                run=manifest.run,
-                name=manifest.name,
-                step=manifest.step,
-                layout=manifest.layout,
-                state=CheckpointState.COMPLETE,
-                created_at=manifest.created_at,
-                last_write=manifest.created_at,
-                bytes=manifest.total_bytes,
-                metrics=manifest.metrics,
-                committed=False,
-                version=manifest.digest,
-                manifest_json=manifest.to_json(),
-                problem=None,
-            )
-            report.new += 1
-            if self.index.run(manifest.run) is None:
-                self._mark_off_hot(manifest.run, manifest.created_at, None)
-        else:
-            cid = row.id
-            if error is None and known.get(key, (0, ""))[1] == manifest.digest:
-                report.unchanged += 1
-        # the copy's owner (DESIGN §10) is recorded damaged or not: a damaged copy another node
-        # wrote is still that node's, never this node's to delete
-        if error is not None:
-            self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
-        else:
-            self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
+        """Sync locations of one slower tier from the manifests stored beside its copies (a failed
+        listing keeps every location the index had: see :meth:`SlowerTiers.reconcile_tier`)."""
+        return self.tiers.reconcile_tier(tier_name)
 
     def reconcile(self, *, slower_tiers: bool = True) -> ReconcileReport:
         report = self.reconcile_hot()
@@ -713,19 +466,6 @@ def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: s
         and row.last_write == written
         and row.locations.get(hot) == row.version
     )
-
-
-def _leaves_run_dir(run_dir: Path, rel: str) -> bool:
-    """True when a directory on the way to ``rel`` is a symlink (or not a directory at all)."""
-    current = run_dir
-    for part in rel.split("/")[:-1]:
-        current = current / part
-        try:
-            if not stat.S_ISDIR(os.lstat(current).st_mode):
-                return True
-        except OSError:
-            return True
-    return False
 
 
 def _has_surrogates(text: str) -> bool:

@@ -1,12 +1,15 @@
 """The hook's files (``.ckptkeeper/``), wherever in a run the callbacks put them.
 
 A Lightning ``ModelCheckpoint(dirpath=<run>/checkpoints)`` writes its hook dir below the run dir,
-and a run may have several (one per dirpath): the catalog reads them all as one run. Split from
-``catalog`` to keep that module readable; the catalog is the only caller.
+and a run may have several (one per dirpath): the catalog reads them all as one run. A path the
+hook committed that no layout recognises is cataloged from here too (:func:`committed_candidate`).
+Split from ``catalog`` to keep that module readable; the catalog is the only caller.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +17,11 @@ from ckptkeeper.hook import protocol
 from ckptkeeper.hook.protocol import STATE_DIR
 from ckptkeeper.index import Quarantined
 from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest.layouts import temps
+from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.mounts import mounts_under
+
+log = get_logger("ckptkeeper.ingest.hookfiles")
 
 _STATE_RANK = {protocol.ACTIVE: 3, protocol.FAILED: 2, protocol.FINISHED: 1}
 _HOOKED_LAYOUTS = frozenset({"hf", "torch"})
@@ -103,3 +111,90 @@ def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str |
             "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
         )
     return None
+
+
+def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
+    """A path the hook committed that no layout recognises is still a checkpoint: the user said so."""
+    path = run_dir / commit.path
+    found = layouts.recognize(path, run_dir, run)
+    if found is not None:
+        return found
+    if _leaves_run_dir(run_dir, commit.path):
+        # A symlinked directory on the way leads outside the tier: never cataloged, so never
+        # read, copied or deleted through (it used to be hashed, then fail every prune).
+        log.warning("committed path goes through a symlink; ignored", run=run, path=commit.path)
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return layouts.Candidate(
+            run=run,
+            step=commit.step,
+            name=commit.path,
+            layout="file",
+            is_dir=False,
+            complete=True,
+            files=("",),
+            last_write=st.st_mtime,
+            changed_at=max(st.st_mtime, st.st_ctime),
+            bytes=st.st_size,
+            metrics={},
+            problem=None,
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    files: list[str] = []
+    total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
+    mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        base = os.path.relpath(dirpath, path).replace(os.sep, "/")
+        # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
+        # Mount points are not ours: never walked.
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if temps.dir_kind(d) is None and (d if base == "." else f"{base}/{d}") not in mounts
+        ]
+        for fname in filenames:
+            if temps.file_kind(fname, in_candidate=True) is not None:
+                continue
+            full = os.path.join(dirpath, fname)
+            fst = os.lstat(full)
+            if stat.S_ISREG(fst.st_mode):
+                files.append(os.path.relpath(full, path).replace(os.sep, "/"))
+                total += fst.st_size
+                newest = max(newest, fst.st_mtime)
+                changed = max(changed, fst.st_mtime, fst.st_ctime)
+        for dname in dirnames:
+            dst = os.lstat(os.path.join(dirpath, dname))
+            newest = max(newest, dst.st_mtime)
+            changed = max(changed, dst.st_mtime, dst.st_ctime)
+    return layouts.Candidate(
+        run=run,
+        step=commit.step,
+        name=commit.path,
+        layout="committed",
+        is_dir=True,
+        complete=True,
+        files=tuple(sorted(files)),
+        last_write=newest,
+        changed_at=changed,
+        bytes=total,
+        metrics={},
+        problem=None,
+    )
+
+
+def _leaves_run_dir(run_dir: Path, rel: str) -> bool:
+    """True when a directory on the way to ``rel`` is a symlink (or not a directory at all)."""
+    current = run_dir
+    for part in rel.split("/")[:-1]:
+        current = current / part
+        try:
+            if not stat.S_ISDIR(os.lstat(current).st_mode):
+                return True
+        except OSError:
+            return True
+    return False

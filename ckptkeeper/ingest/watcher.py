@@ -56,7 +56,8 @@ from ckptkeeper.ingest.events import EventKind, classify_path
 from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
-    from ckptkeeper.ingest.catalog import Catalog, ReconcileReport
+    from ckptkeeper.ingest.catalog import Catalog
+    from ckptkeeper.ingest.report import ReconcileReport
 
 __all__ = ["FULL_RESCAN", "EventKind", "Watcher", "WatcherStats", "classify_path"]
 
@@ -298,7 +299,7 @@ class Watcher:
         self.last_sync_full = FULL_RESCAN in queued or not self.trusted
         if self.last_sync_full:
             return self.reconcile_all(slower_tiers=slower_tiers)
-        from ckptkeeper.ingest.catalog import ReconcileReport
+        from ckptkeeper.ingest.report import ReconcileReport
 
         report = ReconcileReport()
         since = time.time()
@@ -332,7 +333,7 @@ class Watcher:
             raise
 
     def _reconcile_slower_tiers(self) -> ReconcileReport:
-        from ckptkeeper.ingest.catalog import ReconcileReport
+        from ckptkeeper.ingest.report import ReconcileReport
 
         report = ReconcileReport()
         for tier in self.catalog.settings.tiers[1:]:
