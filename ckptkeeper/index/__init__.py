@@ -2,7 +2,10 @@
 
 SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journal must survive
 ``kill -9`` and power loss, because the journal is what lets a restart finish or undo a move.
-``schema`` holds the migrations, ``rows`` the typed rows it returns, ``db`` the queries.
+``schema`` holds the migrations, ``rows`` the typed rows it returns and their conversion from
+sqlite rows, ``connection`` the connection and its transactions, and the queries are split by
+concept: ``db`` (:class:`Index`: runs, checkpoints, locations), ``artifacts`` (artifacts,
+quarantine, tier status), ``journal`` (journal, reclaimed, job runs), ``snapshot`` (the planner's view).
 """
 
 from ckptkeeper.index.db import Index, IndexReplaced
