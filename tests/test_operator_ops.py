@@ -101,7 +101,7 @@ def test_shell_completion_as_documented() -> None:
         pytest.skip("no ckptkeeper console script next to this interpreter")
     env = {
         **os.environ,
-        "COMP_WORDS": "ckptkeeper pr",
+        "COMP_WORDS": "ckptkeeper pru",
         "COMP_CWORD": "1",
         "_CKPTKEEPER_COMPLETE": "bash_complete",
     }

@@ -140,12 +140,13 @@ def run_prune(
     if dry_run:
         lost: dict[str, Any] | None = None
         with index.in_memory_copy() as scratch:
+            observed = now()  # see below: the plan's clock is when the scan started looking
             if rescan:
                 catalog = Catalog(settings, scratch)
                 report = catalog.reconcile()
                 damaged = report.damaged
                 lost = hold_after_loss(settings, catalog, report)
-            plan = make_plan(settings, scratch, now=now(), force=force, run=run, kinds=kinds)
+            plan = make_plan(settings, scratch, now=observed, force=force, run=run, kinds=kinds)
             held = _held(plan, scratch, names, run)
         # A missing index is rebuilt by the real run with deletes held: the dry run shows that hold.
         hold = read_hold(settings) or lost
@@ -167,11 +168,16 @@ def run_prune(
         recovered = executor.recover()
         # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
         sweep_scratch(settings)
+        # The plan judges ages (quiet for partial_after, failed_after, keep_within) at the moment the
+        # scan began, not when it ended: a write seen during a long scan is at most that old, so a
+        # save still being appended to never looks quiet because the scan itself took a while (it
+        # did, under load: a live partial was planned as "no write for 8s" while written every 50 ms).
+        observed = now()
         if rescan:
             catalog = Catalog(settings, index)
             damaged = catalog.reconcile().damaged
             store_missing_pins(settings, index, catalog.tier_pins)
-        plan = make_plan(settings, index, now=now(), force=force, run=run, kinds=kinds)
+        plan = make_plan(settings, index, now=observed, force=force, run=run, kinds=kinds)
         held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:
