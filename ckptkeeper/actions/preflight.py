@@ -19,7 +19,6 @@ import contextlib
 import email.utils
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,10 +98,6 @@ def history_defaults(index: Index) -> tuple[int | None, float | None]:
 
 # --------------------------------------------------------------------------------------------
 # scratch: where it lives, and sweeping it
-
-
-def _node() -> str:
-    return socket.gethostname()
 
 
 def _purge_local(root: Path, wanted: Callable[[str], bool]) -> list[str]:
@@ -188,7 +183,7 @@ def sweep_scratch(settings: Settings, *, own_pid: int | None = None) -> list[str
 
     Costs one listing of the hot root when there is nothing to sweep: a store is only listed for a
     scratch run whose hot directory is still there (see :func:`_purge`)."""
-    node, pid = _node(), os.getpid() if own_pid is None else own_pid
+    node, pid = settings.node, os.getpid() if own_pid is None else own_pid
     try:
         stale = {e.name for e in os.scandir(settings.hot.local_path) if pf.stale_scratch(e.name, node, pid)}
     except OSError:
@@ -297,7 +292,7 @@ class _Pipeline:
             is_dir=True,
             files=tuple(entries),
             created_at=time.time(),
-            node=_node(),
+            node=self.settings.node,
         )
         cid = self.index.upsert_checkpoint(
             run=self.scratch,
@@ -524,7 +519,7 @@ def run_preflight(
     size = size or hist_size or pf.DEFAULT_SIZE
     every = every or hist_every or pf.DEFAULT_EVERY
     sample = max(1, min(size, pf.QUICK_SAMPLE if quick else pf.FULL_SAMPLE))
-    scratch = pf.scratch_run(_node(), os.getpid())
+    scratch = pf.scratch_run(settings.node, os.getpid())
     checks: list[pf.Check] = []
     series: dict[str, list[float]] = {s: [] for s in STAGES}
     rounds: list[dict[str, float | None]] = []

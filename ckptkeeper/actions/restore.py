@@ -13,9 +13,10 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
@@ -26,6 +27,8 @@ from ckptkeeper.storage import StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.restore")
+
+_T = TypeVar("_T")
 
 
 def find_checkpoint(index: Index, run: str, step: str | int) -> CheckpointRow:
@@ -92,20 +95,29 @@ def find_best(
         metric, mode = tier.metric, tier.mode
     elif metric is None:
         raise LookupError(f"mode={mode!r} without a metric; {BEST_OPTIONS}")
-    mode = mode or "min"
-    scored = [r for r in rows if metric in r.metrics]
+    return best_by_metric(rows, lambda r: r.metrics, lambda r: r.step, run, metric, mode or "min")
+
+
+def best_by_metric(
+    items: Sequence[_T],
+    metrics: Callable[[_T], Mapping[str, float]],
+    step: Callable[[_T], int],
+    run: str,
+    metric: str,
+    mode: str,
+) -> _T:
+    """The one ranking of "best": the lowest (``min``) or highest (``max``) ``metric``, the newer step
+    on a tie. Index rows and another node's manifests are ranked alike, so ``--node`` never picks
+    a different "best" than a local restore would from the same checkpoints."""
+    scored = [item for item in items if metric in metrics(item)]
     if not scored:
-        seen = sorted({k for r in rows for k in r.metrics})
+        seen = sorted({k for item in items for k in metrics(item)})
         raise LookupError(
             f"no complete checkpoint of run {run!r} reports {metric!r} "
             f"(metrics reported: {', '.join(seen) or 'none'})"
         )
-    key = (
-        (lambda r: (r.metrics[metric], -r.step))
-        if mode == "min"
-        else (lambda r: (-r.metrics[metric], -r.step))
-    )
-    return min(scored, key=key)
+    sign = -1.0 if mode == "max" else 1.0
+    return min(scored, key=lambda item: (sign * metrics(item)[metric], -step(item)))
 
 
 def _framework_best(settings: Settings, run: str, rows: list[CheckpointRow]) -> CheckpointRow | None:
@@ -328,11 +340,9 @@ def _restore_from_fleet(
                     "no tier names a metric (give --metric, or set `metric` on a tier, to use best)"
                 )
             metric, mode = tier.metric, mode or tier.mode
-        sign = -1.0 if mode == "max" else 1.0
-        rated = [c for c in copies if metric in c.manifest.metrics]
-        if not rated:
-            raise LookupError(f"no checkpoint of run {run!r} reports {metric}")
-        chosen = min(rated, key=lambda c: (sign * c.manifest.metrics[metric], -c.manifest.step))
+        chosen = best_by_metric(
+            copies, lambda c: c.manifest.metrics, lambda c: c.manifest.step, run, metric, mode or "min"
+        )
     else:
         wanted = [c for c in copies if c.manifest.step == int(step)]
         if not wanted:

@@ -47,7 +47,10 @@ def clean_gone_nodes(
         except StorageError as exc:
             report.errors.append(f"{node}: {exc}")
             continue
-        for artifact in staging:
+        for artifact, dispose, done in (
+            *((a, view.discard_staging, report.discarded) for a in staging),
+            *((u, view.abort_multipart, report.aborted) for u in uploads),
+        ):
             if now - artifact.last_write < heartbeat_ttl:
                 report.skipped_live += 1
                 continue
@@ -55,20 +58,8 @@ def clean_gone_nodes(
                 report.lost_lease = True
                 return report
             try:
-                view.discard_staging(artifact)
-                report.discarded.append(f"{node}/{artifact.path}")
+                dispose(artifact)
+                done.append(f"{node}/{artifact.path}")
             except StorageError as exc:
                 report.errors.append(f"{node}/{artifact.path}: {exc}")
-        for upload in uploads:
-            if now - upload.last_write < heartbeat_ttl:
-                report.skipped_live += 1
-                continue
-            if not lease.acquire():
-                report.lost_lease = True
-                return report
-            try:
-                view.abort_multipart(upload)
-                report.aborted.append(f"{node}/{upload.path}")
-            except StorageError as exc:
-                report.errors.append(f"{node}/{upload.path}: {exc}")
     return report
