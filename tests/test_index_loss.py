@@ -306,3 +306,42 @@ def test_pin_objects_round_trip_and_hostile_ones_are_ignored(
     assert storage.list_pins() == {("team/run", "checkpoint-1")}
     assert storage.list_manifests() == []  # pin objects are not copies
     assert storage.list_staging() == []  # nor leftovers for the reaper
+
+
+def test_a_hot_only_node_that_lost_its_index_keeps_its_pins(tmp_path: Path) -> None:
+    """A node with only a hot tier has no pin objects and no copies in a slower tier: ``rm
+    index.db*`` used to look like a first start, and the next prune expired the pinned checkpoint
+    at once. The index record in the hot root proves an index existed and carries its pins."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    node = Node.__new__(Node)
+    node.tmp, node.hot, node.warm = tmp_path, hot, tmp_path / "no-warm"
+    node.index = tmp_path / "state" / "index.db"
+    node.config = tmp_path / "config.toml"
+    write_config(node.config, index=node.index, daemon=FAST_DAEMON, tiers=[local_tier("hot", hot, keep_last=1)])
+    for step in (1, 2):
+        node.checkpoint(step)
+    assert node.cli("scan").returncode == 0
+    pinned = node.cli("pin", "r", "1")  # before any prune: a pin alone must leave the record
+    assert pinned.returncode == 0, pinned.stdout + pinned.stderr
+    assert node.cli("prune").returncode == 0
+    assert (hot / "r" / "checkpoint-1").is_dir() and (hot / "r" / "checkpoint-2").is_dir()
+    records = [p.name for p in hot.iterdir() if p.name.startswith(".ckptkeeper-index-")]
+    assert len(records) == 1, records
+    assert [r["name"] for r in json.loads(node.cli("ls", "--json").stdout)["runs"]] == ["r"]  # not a run
+
+    node.lose_index()
+    node.checkpoint(3)  # keep_last=1 now wants only r@3; r@1 is pinned, r@2 expires
+    dry = node.cli("prune", "--dry-run", "--json")
+    assert dry.returncode == 3, dry.stdout + dry.stderr
+    assert "is missing" in json.loads(dry.stdout)["refused"]
+    held = node.cli("prune")
+    assert held.returncode == 3, held.stdout + held.stderr  # the first pass after the loss deletes nothing
+    assert all((hot / "r" / f"checkpoint-{s}").is_dir() for s in (1, 2, 3))
+    assert node.ls()[1]["pinned"] is True  # carried over from the record
+
+    applied = node.cli("prune")
+    assert applied.returncode == 0, applied.stdout + applied.stderr  # pins known again: no --force needed
+    assert (hot / "r" / "checkpoint-1").is_dir()  # pinned: kept
+    assert not (hot / "r" / "checkpoint-2").exists()  # the policy applies again
+    assert (hot / "r" / "checkpoint-3").is_dir()

@@ -26,6 +26,7 @@ from typing import Any
 from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import ActionKind, Plan
+from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 from ckptkeeper.index import Index, IndexCorrupt
 from ckptkeeper.ingest.catalog import Catalog
 from ckptkeeper.ingest.report import ReconcileReport
@@ -175,7 +176,11 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     report = Catalog(settings, ix).reconcile()
     wanted = sorted(set(pins or ()))
     restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
-    in_tiers = _pins_read_from_tiers(settings, report)
+    recorded = read_index_record(settings)
+    if recorded:
+        ix.pin_by_name(recorded)
+    # The hot root's record is a source of pins too (the only one with a hot tier alone).
+    in_tiers = _pins_read_from_tiers(settings, report) or (pins is None and recorded is not None)
     # Relaxed only once every pin is back in the index — salvaged from the damaged file, or read
     # from the pin objects of every slower tier: a crash before this, or a pinned checkpoint in a
     # tier that could not be listed, keeps the strict hold.
@@ -197,6 +202,60 @@ def _rebuild(settings: Settings, problem: str) -> Index:
             pins_salvaged=None if pins is None else len(wanted),
         )
     return ix
+
+
+# --------------------------------------------------------------------------------------------
+# The index record in the hot root: proof that an index existed, and its pins
+
+
+def index_record_path(settings: Settings) -> Path:
+    return settings.hot.local_path / f"{INDEX_RECORD_PREFIX}{settings.node}.json"
+
+
+def write_index_record(settings: Settings, index: Index) -> None:
+    """Record in the hot root that this node has an index, with its pins (best effort, only when
+    they changed). Pin objects live in the slower tiers; a node with only a hot tier had no
+    other trace of its index: ``rm index.db*`` looked like a first start and the next prune
+    expired what was pinned. The record sits outside the index's directory, so the same ``rm``
+    does not take it, and is per node, so nodes sharing a hot file system keep their own."""
+    path = index_record_path(settings)
+    doc = json.dumps(
+        {"version": 1, "node": settings.node, "index": str(settings.index), "pins": sorted(index.pinned_names())},
+        sort_keys=True,
+    )
+    try:
+        if path.read_text() == doc:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(doc)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        log.warning("cannot write the index record in the hot root", path=str(path), error=str(exc))
+
+
+def read_index_record(settings: Settings) -> list[tuple[str, str]] | None:
+    """The pins (run, name) the record holds; None when there is no readable record (a record
+    is untrusted input like anything under a root: anything but the expected shape is ignored)."""
+    try:
+        doc = json.loads(index_record_path(settings).read_bytes()[: 1 << 24])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("pins"), list):
+        return None
+    return [
+        (p[0], p[1])
+        for p in doc["pins"]
+        if isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) and x and "\0" not in x for x in p)
+    ]
+
+
+def _index_existed(settings: Settings, catalog: Catalog) -> bool:
+    """This node had an index before: its copies in a slower tier, or its record in the hot root."""
+    return _tiers_hold_copies(catalog) or read_index_record(settings) is not None
 
 
 def _index_exists(settings: Settings) -> bool:
@@ -226,11 +285,11 @@ def hold_after_loss(settings: Settings, catalog: Catalog, report: ReconcileRepor
     """The hold a real run would write for a missing index, for a dry run that must not write it:
     ``catalog`` reconciled a stand-in (in-memory) index. None when the index exists, or when
     rebuilding it would hold nothing (a first start, every tier listed)."""
-    if _index_exists(settings) or (not report.tiers_failed and not _tiers_hold_copies(catalog)):
+    if _index_exists(settings) or (not report.tiers_failed and not _index_existed(settings, catalog)):
         return None
     return {
         "reason": f"index {settings.index} is missing: a real run rebuilds it from the tiers",
-        "pins_salvaged": _pins_read_from_tiers(settings, report),
+        "pins_salvaged": _pins_read_from_tiers(settings, report) or read_index_record(settings) is not None,
         "first_pass_done": False,
     }
 
@@ -239,12 +298,17 @@ def _finish_loss(
     settings: Settings, index: Index, hold: dict[str, Any], catalog: Catalog, report: ReconcileReport
 ) -> None:
     """After a lost index was rebuilt into ``index``: keep, relax or drop the hold written first."""
-    if not report.tiers_failed and not _tiers_hold_copies(catalog):
+    if not report.tiers_failed and not _index_existed(settings, catalog):
         deletes_held_path(settings).unlink(missing_ok=True)  # a first start: nothing was lost
         log.info("new index built from the tiers", index=str(settings.index))
+        write_index_record(settings, index)
         return
+    recorded = read_index_record(settings)
+    if recorded:
+        restored = index.pin_by_name(recorded)
+        log.warning("pins carried over from the index record in the hot root", pins=restored)
     in_tiers = _pins_read_from_tiers(settings, report)
-    if in_tiers:
+    if in_tiers or recorded is not None:
         write_hold(settings, {**hold, "pins_salvaged": True})
     log.error(
         "index rebuilt from the tiers; deletes held until every tier is reconciled",

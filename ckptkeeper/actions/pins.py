@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckptkeeper.actions.index import write_index_record
 from ckptkeeper.config import Settings
 from ckptkeeper.index import Index
 from ckptkeeper.util.logs import get_logger
@@ -67,6 +68,7 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
             )
     if not pinned and not outcome.failed:
         outcome.changed = index.set_pinned(run, step, False)
+    write_index_record(settings, index)
     return outcome
 
 

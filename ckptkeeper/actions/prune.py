@@ -21,7 +21,14 @@ from ckptkeeper.actions.errors import (
     IndexUnusable,
 )
 from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
-from ckptkeeper.actions.index import after_held_pass, apply_hold, executor_lock, hold_after_loss, read_hold
+from ckptkeeper.actions.index import (
+    after_held_pass,
+    apply_hold,
+    executor_lock,
+    hold_after_loss,
+    read_hold,
+    write_index_record,
+)
 from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.preflight import sweep_scratch
 from ckptkeeper.actions.status import tier_usage
@@ -202,6 +209,7 @@ def run_prune(
             Catalog(settings, index).reconcile()
         if hold is not None and not result.stopped:
             after_held_pass(settings, index, hold, kinds, force)
+        write_index_record(settings, index)
         if not result.stopped and any(t.shared for t in settings.tiers):
             from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
 

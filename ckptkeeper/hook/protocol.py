@@ -61,6 +61,10 @@ STAGING_MARK = ".ckptkeeper-tmp-"
 """Infix of every name ckptkeeper stages a copy under (``<name>.ckptkeeper-tmp-<token>``, locally and
 as S3 marker keys): what carries it is ours, in progress or interrupted, and never a checkpoint."""
 
+INDEX_RECORD_PREFIX = ".ckptkeeper-index-"
+"""``<hot root>/.ckptkeeper-index-<node>.json``: this node had an index, and what it pinned. A hot
+root is never listed as a run when its name starts with a dot, so the record is never a checkpoint."""
+
 StrPath: TypeAlias = "str | os.PathLike[str]"
 ParentSpec: TypeAlias = "ParentRef | str | os.PathLike[str] | tuple[str, int] | Mapping[str, Any] | None"
 
