@@ -7,7 +7,7 @@ Every copy and delete says why; keeps come from :mod:`ckptkeeper.core.keep_reaso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ckptkeeper.core.keep_reasons import REPLICATE, KeepReasons
 from ckptkeeper.core.model import Action, ActionKind, Keep
@@ -25,24 +25,25 @@ _new_keep = tuple.__new__
 
 
 def emit(
-    ready: list[Keep],
+    ready: list[Iterable[Keep]],
     deferred: Sequence[tuple[int, Item]],
     names: Sequence[str],
     rules: Sequence[Sequence[Rule]],
     unknown: frozenset[int],
     reaper_reasons: ReaperReasons,
     keep_reasons: KeepReasons,
-) -> tuple[list[Action], list[Action], list[Keep]]:
+) -> tuple[list[Action], list[Action], list[Iterable[Keep]]]:
     """Copies, deletes and keeps, each already in output order: (run, step, tier position,
-    destination position); each deferred item's keeps between the ``ready`` keeps placed before
-    and after it."""
+    destination position); each deferred item's keeps between the ``ready`` parts placed before
+    and after it. Keeps come back as parts (for :class:`ckptkeeper.core.model.Keeps`): the
+    ``ready`` parts, still unevaluated, with a list of each item's keeps spliced in between."""
     if not deferred:
         return [], [], ready
     described = [describe(r) for r in rules]
     demote_reasons: dict[tuple[object, ...], tuple[str, str]] = {}
     copies: list[Action] = []
     deletes: list[Action] = []
-    keeps: list[Keep] = []
+    keeps: list[Iterable[Keep]] = []
     done = 0
     for at, it in deferred:
         keeps.extend(ready[done:at])
@@ -83,8 +84,12 @@ def emit(
                         Action(_DELETE, reason, c.run, c.step, names[t], None, c.rel_path, c.bytes, rule)
                     )
         reasons = reaper_reasons.get(c.key, ()) if reaper_reasons else ()
-        for tier, why_kept in keep_reasons(it.keep_facts(unknown, reasons)):
-            keeps.append(_new_keep(Keep, (c.run, c.step, tier, why_kept)))
+        keeps.append(
+            [
+                _new_keep(Keep, (c.run, c.step, tier, why_kept))
+                for tier, why_kept in keep_reasons(it.keep_facts(unknown, reasons))
+            ]
+        )
     keeps.extend(ready[done:])
     return copies, deletes, keeps
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NamedTuple
+from itertools import chain
+from typing import Any, NamedTuple, overload
 
 from ckptkeeper.hook import schema
 
@@ -347,10 +349,69 @@ class Keep(NamedTuple):
         return {"run": self.run, "step": self.step, "tier": self.tier, "reasons": list(self.reasons)}
 
 
+class Keeps(Sequence[Keep]):
+    """A plan's keeps, in output order, built on first read.
+
+    Why lazy: most keeps of a big catalog say only "this plain checkpoint stays where its rule puts
+    it" (1M checkpoints: ~1.4M keeps), and the one caller that plans at that scale every few
+    minutes, the daemon's pass, executes the actions and never reads a keep. The planner hands
+    over the parts it already decided (lists of keeps and unevaluated C-level iterators over its
+    columns, see :meth:`ckptkeeper.core.placement.Placer._ready_plain`); ``prune --dry-run``,
+    ``--json`` and the tests read them, which builds the tuple once (under a lock: the parts are
+    one-shot iterators). Compares equal to any sequence of the same keeps, a tuple included.
+    """
+
+    __slots__ = ("_built", "_lock", "_parts")
+
+    def __init__(self, parts: Iterable[Iterable[Keep]] = ()) -> None:
+        self._parts: Iterable[Iterable[Keep]] | None = parts
+        self._built: tuple[Keep, ...] | None = None
+        self._lock = threading.Lock()
+
+    def _all(self) -> tuple[Keep, ...]:
+        built = self._built
+        if built is None:
+            with self._lock:
+                built = self._built
+                if built is None:
+                    built = self._built = tuple(chain.from_iterable(self._parts or ()))
+                    self._parts = None
+        return built
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    @overload
+    def __getitem__(self, i: int) -> Keep: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Keep, ...]: ...
+    def __getitem__(self, i: int | slice) -> Keep | tuple[Keep, ...]:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[Keep]:
+        return iter(self._all())
+
+    def __contains__(self, keep: object) -> bool:
+        return keep in self._all()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Keeps):
+            return self._all() == other._all()
+        if isinstance(other, tuple | list):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Keeps({self._all()!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     actions: tuple[Action, ...]
-    keep: tuple[Keep, ...]
+    keep: Sequence[Keep]
+    """A tuple, or :class:`Keeps` (built on first read) from the planner."""
     reclaim_bytes: Mapping[str, int]
     refused: str | None = None
     """Set when a guard (max_delete, …) refused the destructive part; actions then hold no deletes."""

@@ -32,12 +32,12 @@ def without_foreign(
     keeps: Sequence[Keep],
     foreign: Mapping[tuple[str, int, str], str],
     pos: Mapping[str, int],
-) -> tuple[list[Action], list[Action], list[Keep]]:
+) -> tuple[list[Action], list[Action], Sequence[Keep]]:
     """Drop every delete and reap of a copy in ``foreign`` ((run, step, tier) -> owning node) and
     keep that copy instead, with the owner as its reason; keeps stay in (run, step, tier position)
     order. Reaps of things that are not checkpoints (temp files, uploads) pass through."""
     if not foreign:
-        return list(deletes), list(reaps), list(keeps)
+        return list(deletes), list(reaps), keeps
     extra: dict[tuple[str, int, str], str] = {}
 
     def owner_of(a: Action) -> str | None:
@@ -60,7 +60,7 @@ def without_foreign(
         else:
             extra[(a.run, a.step, a.tier)] = owner  # type: ignore[index]
     if not extra:
-        return kept_deletes, kept_reaps, list(keeps)
+        return kept_deletes, kept_reaps, keeps
     last = len(pos)
     out = list(keeps)
     out.extend(Keep(run, step, tier, (not_ours(owner),)) for (run, step, tier), owner in extra.items())

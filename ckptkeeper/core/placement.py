@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import attrgetter, eq, not_
@@ -194,8 +194,9 @@ class Placer:
 
         self.items: list[Item] = []
         """Checkpoints that need planner state, in (run, step) order."""
-        self.ready: list[Keep] = []
-        """Keeps decided at placement, in output order (only the runs the plan reports)."""
+        self.ready: list[Iterable[Keep]] = []
+        """Keeps decided at placement, in output order (only the runs the plan reports), as parts:
+        an unevaluated iterator per stretch of plain checkpoints, a list per other checkpoint."""
         self.deferred: list[tuple[int, Item]] = []
         """(position in ``ready``, item): where each reported item's keeps belong."""
 
@@ -268,7 +269,7 @@ class Placer:
         step_column = chain.from_iterable(map(repeat, steps, map(per_template, ids)))
         tier_column = chain.from_iterable(map(self._tier_cols.__getitem__, ids))
         reason_column = chain.from_iterable(map(self._reason_cols.__getitem__, ids))
-        self.ready.extend(
+        self.ready.append(
             map(_new_keep, repeat(Keep), zip(repeat(run), step_column, tier_column, reason_column))
         )
 
@@ -280,8 +281,12 @@ class Placer:
             or tuple(range(len(self.names)))[:1]
         )
         why = (*(protection(self.protections, c.run, c.step) or ()), *self.reaper_reasons.get(c.key, ()))
-        for tier, reasons in self.keep_reasons(KeepFacts(where, extra=why, incomplete=True)):
-            self.ready.append(Keep(c.run, c.step, tier, reasons))
+        self.ready.append(
+            [
+                Keep(c.run, c.step, tier, reasons)
+                for tier, reasons in self.keep_reasons(KeepFacts(where, extra=why, incomplete=True))
+            ]
+        )
 
     def _template(self, placement: _Placement) -> int:
         """The template id of ``placement`` (cached): 0 if not plain, else the index in

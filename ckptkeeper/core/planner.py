@@ -83,7 +83,17 @@ from collections.abc import Mapping, Sequence
 from ckptkeeper.core.emit import EXPIRED, emit
 from ckptkeeper.core.guard import guard
 from ckptkeeper.core.keep_reasons import INCOMPLETE, KeepReasons
-from ckptkeeper.core.model import ActionKind, Plan, ReaperPolicy, RunState, Snapshot, TierSpec, TierUsage
+from ckptkeeper.core.model import (
+    ActionKind,
+    Keep,
+    Keeps,
+    Plan,
+    ReaperPolicy,
+    RunState,
+    Snapshot,
+    TierSpec,
+    TierUsage,
+)
 from ckptkeeper.core.ownership import without_foreign, without_others_litter
 from ckptkeeper.core.placement import Placer
 from ckptkeeper.core.reaps import reaps
@@ -145,7 +155,7 @@ def plan(
     watermarks(placer.items, tiers, watched, unknown, reaped.actions, pos, ended, notes)
 
     # 6. Actions from desired vs actual, and every keep with its reasons.
-    copies, deletes, keeps = emit(
+    copies, deletes, keep_parts = emit(
         placer.ready, placer.deferred, names, rules, unknown, reaped.keep_reasons, keep_reasons
     )
     reap_actions = reaped.actions if run is None else [a for a in reaped.actions if a.run == run]
@@ -159,6 +169,8 @@ def plan(
             a.upload_id or "",
         )
     )
+
+    keeps: Sequence[Keep] = Keeps(keep_parts)  # built on first read: the daemon's pass never reads them
 
     # 6b. Ownership (DESIGN §10): copies another node wrote are never deleted by our rules.
     if snapshot.foreign:
@@ -175,7 +187,7 @@ def plan(
             reclaim[a.tier] = reclaim.get(a.tier, 0) + a.bytes
     return Plan(
         actions=tuple(actions),
-        keep=tuple(keeps),
+        keep=keeps if isinstance(keeps, Keeps) else tuple(keeps),
         reclaim_bytes=reclaim,
         refused=refused,
         notes=tuple(notes),
