@@ -254,8 +254,10 @@ def read_index_record(settings: Settings) -> list[tuple[str, str]] | None:
 
 
 def _index_existed(settings: Settings, catalog: Catalog) -> bool:
-    """This node had an index before: its copies in a slower tier, or its record in the hot root."""
-    return _tiers_hold_copies(catalog) or read_index_record(settings) is not None
+    """This node had an index worth holding deletes for: its copies in a slower tier, or pins in
+    its record in the hot root (a record without pins, e.g. of an index that only ever held a
+    preflight's scratch, lost nothing a first start would not rebuild)."""
+    return _tiers_hold_copies(catalog) or bool(read_index_record(settings))
 
 
 def _index_exists(settings: Settings) -> bool:
