@@ -230,6 +230,13 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
             for t in s.policy_held.values()
         },
         "damaged_copies": s.damaged,
+        "scrub": {
+            "tiers": {t: {"bytes": b, "copies": n, "bad": bad} for t, (b, n, bad) in sorted(s.scrub.items())},
+            "no_good_copy": [
+                {"run": run, "step": step, "name": name, "damaged": dict(d)}
+                for run, step, name, d in s.no_good_copy
+            ],
+        },
         "quarantined": [q.to_dict() for q in s.quarantined],
         "cost_per_month": _cost_doc(s),
     }
