@@ -389,7 +389,13 @@ def test_bad_copy_of_another_node_is_reported_not_replaced(tmp_path: Path) -> No
     (bad,) = doc["bad"]
     assert bad["owner"] == "node-b" and "not replaced or deleted" in bad["next"], bad
     pruned = json.loads(node.cli("prune", "--json").stdout)
-    assert pruned["result"]["skipped"], pruned["result"]
+    skipped = [
+        (s["action"]["action"], s["action"]["step"], s["action"]["to_tier"], s["reason"])
+        for s in pruned["result"]["skipped"]
+    ]
+    assert skipped == [("copy", 1, "warm", "the damaged copy in warm is owned by node node-b: not ours to replace")], (
+        pruned["result"]
+    )
     assert tree_digest(warm / RUN / "checkpoint-1") == rotted
 
 
