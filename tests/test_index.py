@@ -91,7 +91,9 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
     _index_at(path, version)
     with Index(path) as ix:
         assert ix.schema_version == 4
-        assert [tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")] == [
+        assert [
+            tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
+        ] == [
             ("cold", None),
             ("hot", None),
         ]

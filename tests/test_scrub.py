@@ -99,7 +99,9 @@ def test_selection_table(
     if len(selection.picks) > 1:
         assert selection.bytes <= budget
     for pick in selection.picks:
-        assert pick.reason.startswith("never re-hashed" if pick.candidate.scrubbed_at is None else "last re-hashed")
+        assert pick.reason.startswith(
+            "never re-hashed" if pick.candidate.scrubbed_at is None else "last re-hashed"
+        )
 
 
 def test_selection_covers_everything_over_successive_passes() -> None:
@@ -178,7 +180,9 @@ def test_token_bucket_stops_on_the_stop_event() -> None:
 class Node:
     """A node with a hot tier and one slower tier, driven through the CLI."""
 
-    def __init__(self, tmp: Path, slower: dict[str, Any], *, hot: dict[str, Any] | None = None, **top: Any) -> None:
+    def __init__(
+        self, tmp: Path, slower: dict[str, Any], *, hot: dict[str, Any] | None = None, **top: Any
+    ) -> None:
         self.tmp = tmp
         self.hot = tmp / "hot"
         self.hot.mkdir(exist_ok=True)
@@ -393,9 +397,9 @@ def test_bad_copy_of_another_node_is_reported_not_replaced(tmp_path: Path) -> No
         (s["action"]["action"], s["action"]["step"], s["action"]["to_tier"], s["reason"])
         for s in pruned["result"]["skipped"]
     ]
-    assert skipped == [("copy", 1, "warm", "the damaged copy in warm is owned by node node-b: not ours to replace")], (
-        pruned["result"]
-    )
+    assert skipped == [
+        ("copy", 1, "warm", "the damaged copy in warm is owned by node node-b: not ours to replace")
+    ], pruned["result"]
     assert tree_digest(warm / RUN / "checkpoint-1") == rotted
 
 
@@ -489,3 +493,32 @@ def test_daemon_scrub_job_records_its_run_and_metrics(daemon_node: Any) -> None:
     assert 'ckptkeeper_scrub_bad_copies_total{tier="warm"} 1.0' in text
     assert 'ckptkeeper_job_last_success_timestamp_seconds{job="scrub"}' not in text
     assert summarize(daemon_node.settings, ix).scrub["warm"] == (total, 2, 1)
+
+
+def test_config_reload_turns_the_scrub_job_off_on_and_reschedules_it(tmp_path: Path) -> None:
+    from ckptkeeper.config import settings_from_mapping
+    from ckptkeeper.daemon.schedule import make_scheduler, reschedule
+
+    def settings(**daemon: Any) -> Any:
+        return settings_from_mapping(
+            {
+                "index": str(tmp_path / "i.db"),
+                "tiers": [{"name": "hot", "url": str(tmp_path)}],
+                "daemon": daemon,
+            }
+        )
+
+    def job_function(job_id: str) -> Any:
+        return lambda: None
+
+    on = settings(scrub_interval="2h")
+    scheduler = make_scheduler(on, 0, job_function)
+    assert scheduler.get_job("scrub").trigger.interval.total_seconds() == 7200
+    off = settings(scrub_interval="off")
+    reschedule(scheduler, on, off, job_function)
+    assert scheduler.get_job("scrub") is None
+    reschedule(scheduler, off, on, job_function)
+    assert scheduler.get_job("scrub").executor == "scrub"
+    faster = settings(scrub_interval="30m")
+    reschedule(scheduler, on, faster, job_function)
+    assert scheduler.get_job("scrub").trigger.interval.total_seconds() == 1800

@@ -302,6 +302,14 @@ def _render_status(s: StatusSummary) -> None:
         click.echo(f"policy held{since}: {held.describe()}")
     if s.damaged:
         click.echo(f"damaged copies: {s.damaged} (see `ckptkeeper ls`; the next prune copies them again)")
+    if s.scrub:
+        click.echo(
+            "scrubbed so far: "
+            + ", ".join(
+                f"{tier} {human_bytes(b)} in {n} copies ({bad} bad)"
+                for tier, (b, n, bad) in sorted(s.scrub.items())
+            )
+        )
     if s.quarantined:
         click.echo(
             f"quarantined: {len(s.quarantined)} document(s) ignored (never trusted, never a reason to delete)"
