@@ -522,3 +522,27 @@ def test_config_reload_turns_the_scrub_job_off_on_and_reschedules_it(tmp_path: P
     faster = settings(scrub_interval="30m")
     reschedule(scheduler, on, faster, job_function)
     assert scheduler.get_job("scrub").trigger.interval.total_seconds() == 1800
+
+
+def test_move_onto_a_bad_copy_replaces_it_and_keeps_the_good_one_until_then(tmp_path: Path) -> None:
+    """The good hot copy leaves hot (``keep_last``) while the warm copy is bad: the move (a rename,
+    hot and warm share a filesystem here) replaces the bad warm copy with the good bytes; the hot
+    copy is gone only because it now is the warm one."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    node = Node(tmp_path, local_tier("warm", warm, replicate=True), hot={"keep_last": 2})
+    node.write(1, 2)
+    node.ok("prune")
+    _flip_byte(warm / RUN / "checkpoint-1" / "model.safetensors")
+    code, doc = node.scrub()
+    assert code == 1 and [b["step"] for b in doc["bad"]] == [1]
+    node.write(3)
+    pruned = json.loads(node.ok("prune", "--json").stdout)
+    step1 = [(a["action"], a["tier"], a["to_tier"]) for a in pruned["actions"] if a["step"] == 1]
+    assert step1 == [("copy", "hot", "warm"), ("delete", "hot", None)], pruned["actions"]
+    assert pruned["result"]["failed"] == [], pruned["result"]
+    assert not (node.run_dir / "checkpoint-1").exists()
+    assert tree_digest(warm / RUN / "checkpoint-1") == tree_digest(node.originals / "checkpoint-1")
+    assert node.ls()[1]["tiers"] == ["warm"] and node.ls()[1]["damaged"] == {}
+    code, after = node.scrub()
+    assert code == 0, after
