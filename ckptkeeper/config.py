@@ -73,6 +73,32 @@ def parse_duration(value: object) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 JobInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0)]
 """A scheduled job runs at most once a second: ``0`` made the daemon spin a whole core."""
+
+
+def _optional_interval(value: object) -> float:
+    """``0`` or ``"off"`` turns a job off; anything else is a :data:`JobInterval` (at least 1 s)."""
+    if isinstance(value, str) and value.strip().lower() in ("off", "0"):
+        return 0.0
+    seconds = parse_duration(value)
+    if 0 < seconds < 1.0:
+        raise ValueError("a job runs at most once a second: use at least '1s', or 0 / 'off' to turn it off")
+    return seconds
+
+
+OptionalJobInterval = Annotated[float, BeforeValidator(_optional_interval)]
+"""A job that may be turned off (``0`` / ``"off"``): off is no job at all, never a spinning one."""
+
+
+def _rate(value: object) -> int:
+    """Bytes per second from ``"50MiB"`` or a number of bytes (binary units, as ``preflight``)."""
+    from ckptkeeper.core.preflight import parse_size
+
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("expected a size per second, e.g. '50MiB' or a number of bytes")
+    return parse_size(str(value))
+
+
+ByteRate = Annotated[int, BeforeValidator(_rate)]
 PollInterval = Annotated[float, BeforeValidator(parse_duration), Field(ge=0.1)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -215,6 +241,10 @@ class DaemonConfig(_Strict):
     retention_interval: JobInterval = 300.0
     reap_interval: JobInterval = 900.0
     rescan_interval: JobInterval = 3600.0
+    scrub_interval: OptionalJobInterval = 6 * 3600.0
+    """How often the scrub job re-hashes a slice of the slower tiers' copies (0 / "off": never)."""
+    scrub_rate: ByteRate = 50 * 2**20
+    """Bytes per second the scrub reads at most; a pass reads up to ``scrub_rate`` x 30 min."""
     metrics_addr: str = "127.0.0.1:9464"
     """``host:port`` for Prometheus; empty string disables the endpoint."""
     polling: bool = False

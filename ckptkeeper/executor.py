@@ -283,6 +283,14 @@ class Executor:
             return "no manifest recorded"
         if action.tier == self.hot and self._changed_since_cataloged(row):
             return "written to since it was cataloged; it will be rescanned"
+        # A copy the index marks damaged at the destination is replaced (the storage's own size
+        # check cannot see bytes a scrub found wrong), unless another node wrote it: that one is
+        # reported, never deleted or rewritten by this node (DESIGN §10).
+        replace = action.to_tier in row.damaged
+        if replace:
+            owner = self.index.location_owner(row.id, action.to_tier) or ""
+            if owner and owner != self.tiers[0].node:
+                return f"the damaged copy in {action.to_tier} is owned by node {owner}: not ours to replace"
         src, dst = self.storage(action.tier), self.storage(action.to_tier)
         entry = self.index.journal_begin(
             action.to_dict(), "copying", {"version": row.version, "rename": rename}
@@ -293,7 +301,7 @@ class Executor:
             # A rename moves the very inodes the catalog hashed; sizes are still checked, and a hot
             # source was just re-checked for writes (_changed_since_cataloged). Re-hashing would
             # read the whole checkpoint to move a directory entry (1 GiB: 5 ms -> 140 ms, bench/).
-            dst.rename_from(src, manifest, rehash=False)
+            dst.rename_from(src, manifest, rehash=False, replace_damaged=replace)
         else:
             total = manifest.total_bytes
             done = 0
@@ -305,10 +313,11 @@ class Executor:
                     self.progress(action, done, total)
                 self._crash.hit("copy-progress")
 
-            dst.copy_from(src, manifest, progress=on_bytes)
+            dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace)
         self._crash.hit("copy-committed")
         with self.index.transaction():
-            self.index.set_location(row.id, action.to_tier, row.version)
+            # the bytes were hashed against the manifest as they were written: scrubbed now
+            self.index.set_location(row.id, action.to_tier, row.version, scrubbed_at=time.time())
             if rename:
                 self.index.remove_location(row.id, action.tier)
                 self._add_reclaimed(action.tier, "moved", row.bytes)

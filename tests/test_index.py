@@ -65,8 +65,14 @@ def _index_at(path: Path, version: int) -> None:
         """INSERT INTO checkpoints (id, run, name, step, layout, state, created_at, version)
            VALUES (7, 'r', 'checkpoint-100', 100, 'hf', 'complete', 1.0, 'v1')"""
     )
-    db.execute("INSERT INTO locations VALUES (7, 'hot', 'v1', 2.0), (7, 'cold', 'damaged: gone', 3.0)")
-    db.execute("INSERT INTO artifacts VALUES ('cold', 'r/x.ckptkeeper-staging', 'staging', 5, 4.0, 'r', '')")
+    db.execute(
+        """INSERT INTO locations (checkpoint_id, tier, version, verified_at)
+           VALUES (7, 'hot', 'v1', 2.0), (7, 'cold', 'damaged: gone', 3.0)"""
+    )
+    db.execute(
+        """INSERT INTO artifacts (tier, path, kind, bytes, last_write, run, upload_id)
+           VALUES ('cold', 'r/x.ckptkeeper-staging', 'staging', 5, 4.0, 'r', '')"""
+    )
     if version >= 2:
         db.execute("INSERT INTO quarantine VALUES ('hot', 'r/bad.json', 'manifest', 'r', 'too big', 5.0, 6.0)")
     db.execute(f"PRAGMA user_version = {version}")
@@ -74,16 +80,33 @@ def _index_at(path: Path, version: int) -> None:
     db.close()
 
 
-@pytest.mark.parametrize("version", [1, 2], ids=["release-1", "quarantine-2"])
+@pytest.mark.parametrize("version", [1, 2, 3], ids=["release-1", "quarantine-2", "node-3"])
 def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: int) -> None:
-    """Migration 2 is the quarantine table, 3 the copies' owning node (DESIGN §10): an index at
-    version 2 gets 3 only; one at 1 gets 2 then 3. Rows survive; existing copies, damaged or
-    not, are this node's ('': the single-node default), as they were before."""
-    assert SCHEMA_VERSION == 3
+    """Migration 2 is the quarantine table, 3 the copies' owning node (DESIGN §10), 4 the scrub's
+    last re-hash time per copy and its totals (issue #19): an index at version 3 gets 4 only; one
+    at 1 gets 2, 3 then 4. Rows survive; existing copies, damaged or not, are this node's ('': the
+    single-node default), as they were before, and were never re-hashed (scrubbed first)."""
+    assert SCHEMA_VERSION == 4
     path = tmp_path / "i.db"
     _index_at(path, version)
     with Index(path) as ix:
-        assert ix.schema_version == 3
+        assert ix.schema_version == 4
+        assert [
+            tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
+        ] == [
+            ("cold", None),
+            ("hot", None),
+        ]
+        assert ix.scrub_totals() == {}
+        ix.add_scrub_totals("cold", 10, 1, 0)
+        assert ix.scrub_totals() == {"cold": (10, 1, 0)}
+        # a listing keeps a copy's re-hash time; a new version of the copy starts as never re-hashed
+        ix.set_location(7, "hot", "v1", scrubbed_at=50.0)
+        ix.set_location(7, "hot", "v1")
+        assert ix._db.execute("SELECT scrubbed_at FROM locations WHERE tier = 'hot'").fetchone()[0] == 50.0
+        ix.set_location(7, "hot", "v2")
+        assert ix._db.execute("SELECT scrubbed_at FROM locations WHERE tier = 'hot'").fetchone()[0] is None
+        ix.set_location(7, "hot", "v1")
         row = ix.checkpoint("r", "checkpoint-100")
         assert row is not None and row.locations == {"hot": "v1", "cold": "damaged: gone"}
         assert row.damaged == {"cold": "gone"}
@@ -93,7 +116,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ]
         assert [(a.path, a.node) for a in ix.artifacts()] == [("r/x.ckptkeeper-staging", "")]
         quarantined = [tuple(r) for r in ix._db.execute("SELECT tier, path, reason FROM quarantine")]
-        assert quarantined == ([("hot", "r/bad.json", "too big")] if version == 2 else [])
+        assert quarantined == ([("hot", "r/bad.json", "too big")] if version >= 2 else [])
         ix.set_tier_status("hot", True)
         ix.set_tier_status("cold", True)
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {}
@@ -101,7 +124,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "cold", "v1", node="node-b")
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
     with Index(path) as ix:  # reopened: not migrated again
-        assert ix.schema_version == 3
+        assert ix.schema_version == 4
 
 
 def test_corrupt_file_detected(tmp_path: Path) -> None:

@@ -70,6 +70,10 @@ class StatusSummary:
     """Copies the index marks damaged (found not matching their manifest; copied again)."""
     quarantined: tuple[Quarantined, ...] = ()
     """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
+    scrub: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Tier -> (bytes re-hashed, copies checked, bad copies found) by scrubs, cumulative."""
+    no_good_copy: tuple[tuple[str, int, str, Mapping[str, str]], ...] = ()
+    """(run, step, name, {tier: problem}) of checkpoints whose every copy is damaged."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -108,6 +112,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     journal = index.journal_open()
     quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
+    lost = index.without_good_copy()
     tiers = []
     for t in settings.tiers:
         held = [c for c in checkpoints if c.state is CheckpointState.COMPLETE and t.name in c.verified_tiers]
@@ -143,8 +148,16 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
             f"{r.name}: {r.state_reason.split(WARNING_MARK, 1)[1]}"
             for r in runs
             if r.state_reason and WARNING_MARK in r.state_reason
+        )
+        + tuple(
+            f"{run}: step {step} ({name}) has no good copy left: "
+            + "; ".join(f"{t}: {p}" for t, p in sorted(damaged.items()))
+            + " (kept, never deleted; restore it from elsewhere or remove it by hand)"
+            for run, step, name, damaged in lost
         ),
         policy_held=read_policy_held(settings),
+        scrub=index.scrub_totals(),
+        no_good_copy=tuple(lost),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,
         **_costs(settings, checkpoints, tiers),

@@ -47,6 +47,6 @@ def verify(settings: Settings, index: Index, run: str | None = None) -> VerifyRe
                 found = [f"cannot verify: {exc}"]
             if tier in damaged and not found:
                 # whole again (put back by hand?): the next scan records it as a copy again
-                found = [f"marked damaged ({damaged[tier]}) but whole now; `ckptkeeper scan` records it"]
+                found = [f"marked damaged ({damaged[tier]}) but whole now; `ckptkeeper scrub` records it"]
             report.problems.extend(Mismatch(row.run, row.step, tier, p) for p in found)
     return report

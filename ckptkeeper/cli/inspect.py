@@ -230,6 +230,13 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
             for t in s.policy_held.values()
         },
         "damaged_copies": s.damaged,
+        "scrub": {
+            "tiers": {t: {"bytes": b, "copies": n, "bad": bad} for t, (b, n, bad) in sorted(s.scrub.items())},
+            "no_good_copy": [
+                {"run": run, "step": step, "name": name, "damaged": dict(d)}
+                for run, step, name, d in s.no_good_copy
+            ],
+        },
         "quarantined": [q.to_dict() for q in s.quarantined],
         "cost_per_month": _cost_doc(s),
     }
@@ -295,6 +302,14 @@ def _render_status(s: StatusSummary) -> None:
         click.echo(f"policy held{since}: {held.describe()}")
     if s.damaged:
         click.echo(f"damaged copies: {s.damaged} (see `ckptkeeper ls`; the next prune copies them again)")
+    if s.scrub:
+        click.echo(
+            "scrubbed so far: "
+            + ", ".join(
+                f"{tier} {human_bytes(b)} in {n} copies ({bad} bad)"
+                for tier, (b, n, bad) in sorted(s.scrub.items())
+            )
+        )
     if s.quarantined:
         click.echo(
             f"quarantined: {len(s.quarantined)} document(s) ignored (never trusted, never a reason to delete)"

@@ -46,7 +46,7 @@ __all__ = [
 
 log = get_logger("ckptkeeper.daemon.metrics")
 
-JOBS = ("retention", "reap", "rescan", "prune")
+JOBS = ("retention", "reap", "rescan", "scrub", "prune")
 """Job names with a ``job_last_success`` series (``prune`` is the one-shot CLI)."""
 
 ERROR_KINDS = ("action", "job", "reconcile", "tier")
@@ -181,6 +181,7 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         h = summary.policy_held.get(tier.name)
         held.add_metric([tier.name], h.checkpoints if h is not None else 0)
     yield from (count, size, age, tier_up, used, held, damaged)
+    yield from _scrub_metrics(summary)
     if summary.cost_per_month:
         tier_cost = GaugeMetricFamily(
             "ckptkeeper_tier_cost_per_month",
@@ -247,6 +248,35 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
     )
     pending.add_metric([], summary.journal_open)
     yield pending
+
+
+def _scrub_metrics(summary: StatusSummary) -> Iterator[Any]:
+    """The scrub's cumulative totals (kept in the index: they survive restarts, and a manual
+    ``ckptkeeper scrub`` counts too), per slower tier."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    scrubbed = CounterMetricFamily(
+        "ckptkeeper_scrub_bytes", "Bytes of slower-tier copies re-hashed by scrubs", labels=["tier"]
+    )
+    copies = CounterMetricFamily(
+        "ckptkeeper_scrub_copies", "Slower-tier copies re-hashed by scrubs", labels=["tier"]
+    )
+    bad = CounterMetricFamily(
+        "ckptkeeper_scrub_bad_copies",
+        "Copies scrubs found not matching their manifest (marked damaged, copied again)",
+        labels=["tier"],
+    )
+    for tier in summary.tiers[1:]:
+        b, n, nbad = summary.scrub.get(tier.name, (0, 0, 0))
+        scrubbed.add_metric([tier.name], b)
+        copies.add_metric([tier.name], n)
+        bad.add_metric([tier.name], nbad)
+    lost = GaugeMetricFamily(
+        "ckptkeeper_checkpoints_without_good_copy",
+        "Checkpoints whose every copy is damaged (kept, never deleted; need a human)",
+    )
+    lost.add_metric([], len(summary.no_good_copy))
+    yield from (scrubbed, copies, bad, lost)
 
 
 class MetricsServer:

@@ -7,7 +7,8 @@ Threads, and why each exists:
 - APScheduler's ``BackgroundScheduler`` with a single worker thread: ``retention`` and ``reap``
   run the prune operation, ``rescan`` reconciles every tier. One worker because the jobs contend
   for the same executor lock and index anyway, and serial jobs are easier to reason about than a
-  retention pass racing a reap pass;
+  retention pass racing a reap pass. The ``scrub`` job (re-hashing slower-tier copies, rate-limited)
+  has a worker of its own, so a long scrub never delays retention (:mod:`.schedule`);
 - the Prometheus endpoint and the systemd watchdog pinger;
 - the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
   :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
@@ -44,6 +45,7 @@ from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, L
 from ckptkeeper.config import ConfigError, Settings, load_settings, parse_addr
 from ckptkeeper.daemon.config_diff import config_changes, watch_keys_changed
 from ckptkeeper.daemon.logbridge import bridge_stdlib_logging
+from ckptkeeper.daemon.schedule import JOB_IDS, intervals, make_scheduler, reschedule
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.util import logs
@@ -65,9 +67,6 @@ __all__ = ["JOB_IDS", "Daemon", "run_daemon"]
 
 log = get_logger("ckptkeeper.daemon.service")
 
-JOB_IDS = ("retention", "reap", "rescan")
-FIRST_RUN_DELAY = {"retention": 30.0, "reap": 60.0}
-"""A restarted node gets a prune soon (a full disk cannot wait an interval); rescan just ran."""
 PROMPT_RETENTION_DELAY = 2.0
 """New complete checkpoints within this window share one prompt retention pass."""
 EXECUTOR_LOCK_WAIT = 2.0
@@ -82,11 +81,6 @@ def _release_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _intervals(settings: Settings) -> dict[str, float]:
-    d = settings.daemon
-    return {"retention": d.retention_interval, "reap": d.reap_interval, "rescan": d.rescan_interval}
 
 
 def _run_of(path: str | None, run_depth: int) -> str | None:
@@ -202,7 +196,7 @@ class Daemon:
                 config=self.config_path,
                 index=settings.index,
                 hot=str(settings.hot.local_path),
-                intervals={k: format_duration(v) for k, v in _intervals(settings).items()},
+                intervals={k: format_duration(v) for k, v in intervals(settings).items()},
                 metrics=self.metrics_server and f"{self.metrics_server.host}:{self.metrics_server.port}",
             )
             try:
@@ -308,50 +302,22 @@ class Daemon:
         return f"EXTEND_TIMEOUT_USEC={int(self.pinger.interval * 4 * 1_000_000)}"
 
     def _make_scheduler(self) -> Any:
-        from apscheduler.executors.pool import ThreadPoolExecutor
-        from apscheduler.jobstores.memory import MemoryJobStore
-        from apscheduler.schedulers.background import BackgroundScheduler
-
         assert self.index is not None
-        # misfire_grace_time=None: a run that starts late (waiting for the one worker behind the
-        # other job, or a scheduler thread woken late on a loaded machine) still runs; coalesce
-        # folds every run time missed meanwhile into that one. With a grace time, a pass queued
-        # behind a pass longer than the grace was dropped on dequeue ("missed by 3s"), and its next
-        # run time, due while it sat in the queue, was refused too ("maximum number of running
-        # instances"): with 1 s intervals on a loaded machine one job could starve indefinitely.
-        scheduler = BackgroundScheduler(
-            timezone=UTC,
-            jobstores={"default": MemoryJobStore()},
-            executors={"default": ThreadPoolExecutor(max_workers=1)},
-            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
-        )
-        now = datetime.now(UTC)
         pending = len(self.index.journal_open())
         if pending:
             log.warning(
                 "interrupted executor steps found; the first prune finishes or undoes them", steps=pending
             )
-        for job_id, interval in _intervals(self.settings).items():
-            if job_id == "rescan":
-                first = now + timedelta(seconds=interval)
-            elif job_id == "retention" and pending:
-                first = now
-            else:
-                first = now + timedelta(seconds=min(interval, FIRST_RUN_DELAY[job_id]))
-            scheduler.add_job(
-                self._job_function(job_id),
-                "interval",
-                seconds=interval,
-                id=job_id,
-                name=job_id,
-                next_run_time=first,
-            )
-        return scheduler
+        return make_scheduler(self.settings, pending, self._job_function)
 
     def _job_function(self, job_id: str) -> Callable[[], None]:
-        body: Callable[[], str | None] = (
-            self._rescan if job_id == "rescan" else functools.partial(self._prune, job_id, (job_id,))
-        )
+        body: Callable[[], str | None]
+        if job_id == "rescan":
+            body = self._rescan
+        elif job_id == "scrub":
+            body = self._scrub
+        else:
+            body = functools.partial(self._prune, job_id, (job_id,))
         return functools.partial(self._run_job, job_id, body)
 
     # -- jobs ------------------------------------------------------------------------------
@@ -425,6 +391,25 @@ class Daemon:
                 f"{t}: {e}" for t, e in sorted(report.tiers_failed.items())
             )
         return None
+
+    def _scrub(self) -> str | None:
+        """One scrub pass (:func:`ckptkeeper.actions.scrub.run_scrub`); SIGTERM ends it between chunks."""
+        from ckptkeeper.actions.scrub import run_scrub
+
+        assert self.index is not None
+        report = run_scrub(self.settings, self.index, stop=self.stopping)
+        if self.metrics is not None:
+            for _ in report.errors:
+                self.metrics.record_error("tier")
+        if not report.exit_code:
+            return None
+        parts = [f"{len(report.bad)} bad copies" if report.bad else ""]
+        parts.append(f"{len(report.errors)} copies not checked" if report.errors else "")
+        if report.no_good_copy:
+            parts.append(f"{len(report.no_good_copy)} checkpoints without a good copy")
+        first = report.bad[0] if report.bad else None
+        detail = f"; first: {first.tier}:{first.run}@{first.step}: {first.problem}" if first else ""
+        return ", ".join(p for p in parts if p) + detail
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
         from ckptkeeper.actions.pins import store_missing_pins
@@ -632,14 +617,8 @@ class Daemon:
         self.watcher = watcher
 
     def _reschedule(self, old: Settings, new: Settings) -> None:
-        if self.scheduler is None:
-            return
-        before, after = _intervals(old), _intervals(new)
-        for job_id in JOB_IDS:
-            if before[job_id] == after[job_id]:
-                continue
-            self.scheduler.reschedule_job(job_id, trigger="interval", seconds=after[job_id])
-            log.info("job rescheduled", job=job_id, interval=format_duration(after[job_id]))
+        if self.scheduler is not None:
+            reschedule(self.scheduler, old, new, self._job_function)
 
     def _check_health(self) -> None:
         if self.stopping.is_set():

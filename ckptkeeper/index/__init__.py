@@ -19,11 +19,13 @@ from ckptkeeper.index.rows import (
     TierStatus,
 )
 from ckptkeeper.index.schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, IndexCorrupt
+from ckptkeeper.index.scrub import SCRUB_PROBLEM
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
     "DAMAGED",
     "SCHEMA_VERSION",
+    "SCRUB_PROBLEM",
     "CheckpointRow",
     "Index",
     "IndexCorrupt",

@@ -2,7 +2,8 @@
 
 Every SQL statement ckptkeeper runs is in this package: :class:`Index` gathers ``connection`` (open,
 migrate, transactions), ``artifacts`` (artifacts, quarantine, tier status), ``journal`` (the
-executor's journal, reclaimed counters, job runs) and ``snapshot`` (the planner's bulk read).
+executor's journal, reclaimed counters, job runs), ``scrub`` (what the scrub job re-hashes and
+records) and ``snapshot`` (the planner's bulk read).
 
 SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journal must survive
 ``kill -9`` and power loss, because the journal is what lets a restart finish or undo a move.
@@ -20,12 +21,13 @@ from ckptkeeper.index.artifacts import ArtifactsMixin
 from ckptkeeper.index.connection import IndexReplaced
 from ckptkeeper.index.journal import JournalMixin
 from ckptkeeper.index.rows import DAMAGED, CheckpointRow, RunRow, checkpoint_row, run_row
+from ckptkeeper.index.scrub import ScrubMixin
 from ckptkeeper.index.snapshot import foreign_copies, read_checkpoints, unknown_tiers
 
 __all__ = ["Index", "IndexReplaced"]
 
 
-class Index(ArtifactsMixin, JournalMixin):
+class Index(ArtifactsMixin, JournalMixin, ScrubMixin):
     """A connection to the catalog. Thread-safe by serialising access (one writer anyway).
 
     Opening, migrating and transactions come from :class:`~ckptkeeper.index.connection.Connection`
@@ -207,13 +209,29 @@ class Index(ArtifactsMixin, JournalMixin):
         verified_at: float | None = None,
         *,
         node: str = "",
+        scrubbed_at: float | None = None,
     ) -> None:
-        """Record a verified copy; ``node`` is the node its manifest names ('' = this node)."""
+        """Record a verified copy; ``node`` is the node its manifest names ('' = this node).
+
+        ``scrubbed_at``: when its bytes were hashed against the manifest (a copy just written and
+        hashed, a scrub); None keeps the time already recorded for this very version (a listing
+        sees sizes only) and records "never" for a new one, which the scrub job reads first."""
         self._exec(
-            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node, scrubbed_at)
+               VALUES (?, ?, ?, ?, ?, ?)
                ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
-                 verified_at = excluded.verified_at, node = excluded.node""",
-            (checkpoint_id, tier, version, time.time() if verified_at is None else verified_at, node),
+                 verified_at = excluded.verified_at, node = excluded.node,
+                 scrubbed_at = CASE WHEN locations.version = excluded.version
+                                    THEN COALESCE(excluded.scrubbed_at, locations.scrubbed_at)
+                                    ELSE excluded.scrubbed_at END""",
+            (
+                checkpoint_id,
+                tier,
+                version,
+                time.time() if verified_at is None else verified_at,
+                node,
+                scrubbed_at,
+            ),
         )
 
     def mark_damaged(self, checkpoint_id: int, tier: str, problem: str, *, node: str | None = None) -> None:
@@ -236,6 +254,13 @@ class Index(ArtifactsMixin, JournalMixin):
                 node is not None,
             ),
         )
+
+    def location_owner(self, checkpoint_id: int, tier: str) -> str | None:
+        """The node whose manifest the copy in ``tier`` names ('' = this node); None: no copy."""
+        row = self._exec(
+            "SELECT node FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier)
+        ).fetchone()
+        return None if row is None else str(row[0])
 
     def remove_location(self, checkpoint_id: int, tier: str) -> None:
         self._exec("DELETE FROM locations WHERE checkpoint_id = ? AND tier = ?", (checkpoint_id, tier))

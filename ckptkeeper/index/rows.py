@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptkeeper.core.model import Artifact, Checkpoint, CheckpointState, Manifest, Run, RunState
+from ckptkeeper.core.scrub import DAMAGED_PREFIX
 
-DAMAGED = "damaged: "
+DAMAGED = DAMAGED_PREFIX
 """Prefix of a location's version when the copy was found damaged in storage (files missing, of
 another size or type than its manifest says): ``damaged: <what was wrong>``. Never equal to a
 checkpoint's version, so the copy counts nowhere (planner, restore, deletes of other copies) and the

@@ -114,6 +114,19 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE locations ADD COLUMN node TEXT NOT NULL DEFAULT '';
     ALTER TABLE artifacts ADD COLUMN node TEXT NOT NULL DEFAULT '';
     """,
+    # 3 -> 4: the scrub job (issue #19). ``scrubbed_at``: when the copy's bytes were last re-hashed
+    # against its manifest (or written and hashed by a copy); NULL = never since it was recorded, so
+    # such copies are scrubbed first. ``scrub_totals``: cumulative bytes re-hashed and bad copies
+    # found per tier, the counters ``ckptkeeper_scrub_*_total`` (they survive daemon restarts).
+    """
+    ALTER TABLE locations ADD COLUMN scrubbed_at REAL;
+    CREATE TABLE scrub_totals (
+        tier TEXT PRIMARY KEY,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        copies INTEGER NOT NULL DEFAULT 0,
+        bad INTEGER NOT NULL DEFAULT 0
+    );
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, Manifest, RunState
 from ckptkeeper.core.preflight import is_scratch_run
-from ckptkeeper.index import Index, Quarantined
+from ckptkeeper.index import DAMAGED, SCRUB_PROBLEM, CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
 from ckptkeeper.util.logs import get_logger
 
@@ -152,10 +152,24 @@ class SlowerTiers:
                 report.unchanged += 1
         # the copy's owner (DESIGN §10) is recorded damaged or not: a damaged copy another node
         # wrote is still that node's, never this node's to delete
+        if error is None and _scrub_found_bad(known.get(key), manifest, row):
+            # A listing checks sizes; the scrub re-hashed the bytes and found them wrong. Only a
+            # re-hash that finds the copy whole or a new copy written over it clears that mark.
+            return
         if error is not None:
             self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
         else:
             self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
+
+
+def _scrub_found_bad(known: tuple[int, str] | None, manifest: Manifest, row: CheckpointRow | None) -> bool:
+    """Does the index hold a scrub's verdict "bad bytes" on this very version of the copy?"""
+    return (
+        known is not None
+        and known[1].startswith(DAMAGED + SCRUB_PROBLEM)
+        and row is not None
+        and row.version == manifest.digest
+    )
 
 
 def mark_off_hot(index: Index, run: str, last_seen: float, parent: tuple[str, int] | None) -> None:

@@ -336,13 +336,20 @@ class LocalTierStorage(TierStorage):
         except OSError as exc:
             raise StorageError(f"tier {self.name!r}: delete {rel_path} failed: {_describe(exc)}") from exc
 
-    def rename_from(self, src: LocalTierStorage, manifest: Manifest, *, rehash: bool = True) -> None:
+    def rename_from(
+        self,
+        src: LocalTierStorage,
+        manifest: Manifest,
+        *,
+        rehash: bool = True,
+        replace_damaged: bool = False,
+    ) -> None:
         """Move a checkpoint from ``src`` on the same filesystem with one ``rename``.
 
         Order: verify the source against the manifest in place (sizes always, hashes unless
         ``rehash=False``), write the manifest beside the destination (an orphan until…), then the
         atomic rename that is the commit point. There is never a moment where the only copy sits
-        under a staging name the reaper could remove.
+        under a staging name the reaper could remove. ``replace_damaged``: as for :meth:`copy_from`.
         """
         if not self.same_filesystem(src):
             raise StorageError(f"tiers {src.name!r} and {self.name!r} are not on one filesystem")
@@ -362,7 +369,7 @@ class LocalTierStorage(TierStorage):
                     _fd(_open_dirs(d_root, parts[:-1], create=True, dev=dev)) as d_dir,
                 ):
                     name = parts[-1]
-                    if _exists_at(d_dir, name) and self._drop_damaged(manifest):
+                    if _exists_at(d_dir, name) and self._drop_damaged(manifest, replace_damaged):
                         raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
                     if not self.hot:
                         _write_file_atomic(d_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
@@ -380,7 +387,7 @@ class LocalTierStorage(TierStorage):
                 f"rename of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
 
-    def _drop_damaged(self, manifest: Manifest) -> bool:
+    def _drop_damaged(self, manifest: Manifest, known_bad: bool = False) -> bool:
         """Before a rename onto ``manifest``'s path, which exists: remove it if it is a damaged
         copy of this very version (a committed manifest over missing or changed files, issue #13),
         as :meth:`copy_from` does; True if something else is there (the caller refuses)."""
@@ -388,7 +395,9 @@ class LocalTierStorage(TierStorage):
         existing = None if self.hot else self.read_manifest(rel)
         if existing is None or existing.digest != manifest.digest:
             return True
-        damage = self.recheck(manifest)
+        damage = self.recheck(manifest) or (
+            ["bytes do not match the manifest (found by a scrub)"] if known_bad else []
+        )
         if not damage:
             return True
         log.warning(

@@ -145,7 +145,14 @@ class TierStorage:
     def same_filesystem(self, other: TierStorage) -> bool:
         return False
 
-    def copy_from(self, src: TierStorage, manifest: Manifest, *, progress: Progress | None = None) -> None:
+    def copy_from(
+        self,
+        src: TierStorage,
+        manifest: Manifest,
+        *,
+        progress: Progress | None = None,
+        replace_damaged: bool = False,
+    ) -> None:
         """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed.
 
         One pass over the source: each chunk is read once, hashed and written. The source's size
@@ -153,6 +160,8 @@ class TierStorage:
         was cataloged), the destination's size (and, for S3, checksum) is checked, then the copy
         is committed. If this tier already holds a committed copy of the same version the call is
         a no-op (idempotent for journal replay); a different version raises :class:`StorageError`.
+        ``replace_damaged``: the index knows this tier's copy of this version is bad (a scrub found
+        its bytes wrong, which the size check here cannot see): it is replaced, never kept.
         On failure nothing is committed, the source is untouched, and staging is removed or left
         where :meth:`list_staging` finds it.
         """
@@ -164,7 +173,9 @@ class TierStorage:
         if not self.hot:
             existing = self.read_manifest(rel)
             if existing is not None and existing.digest == manifest.digest:
-                damage = self.recheck(manifest)
+                damage = self.recheck(manifest) or (
+                    ["bytes do not match the manifest (found by a scrub)"] if replace_damaged else []
+                )
                 if not damage:
                     log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
                     return
@@ -221,11 +232,12 @@ class TierStorage:
             raise StorageError(f"restore of {rel} from {self.name!r} failed: {_describe(exc)}") from exc
         return to_dir / manifest.name
 
-    def verify(self, manifest: Manifest, *, deep: bool = True) -> list[str]:
+    def verify(self, manifest: Manifest, *, deep: bool = True, on_bytes: Progress | None = None) -> list[str]:
         """Check this tier's copy against ``manifest``; return mismatch descriptions ([] = ok).
 
         ``deep`` re-hashes every byte (a download for S3); otherwise only presence and sizes.
-        Files present but not in the manifest are reported too.
+        Files present but not in the manifest are reported too. ``on_bytes(n)`` is called after
+        each chunk read (the scrub's throttle: it may sleep, or raise to stop the check).
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
@@ -240,7 +252,7 @@ class TierStorage:
             if deep:
                 reader = self._open_read(rel, entry.path)
                 try:
-                    got_size, digest = hashing.hash_stream(reader)  # type: ignore[arg-type]
+                    got_size, digest = _hash_reader(reader, on_bytes)
                 finally:
                     reader.close()
                 if got_size != entry.size:
@@ -275,6 +287,18 @@ class TierStorage:
         if present is None:
             return [f"{rel}: missing"]
         return _compare_sizes(rel, manifest, present)
+
+
+def _hash_reader(reader: _Reader, on_bytes: Progress | None) -> tuple[int, str]:
+    """(size, digest) of everything ``reader`` gives, reporting each chunk to ``on_bytes``."""
+    hasher = hashing.new_hasher()
+    size = 0
+    while chunk := reader.read(hashing.CHUNK_SIZE):
+        hasher.update(chunk)
+        size += len(chunk)
+        if on_bytes is not None:
+            on_bytes(len(chunk))
+    return size, hasher.hexdigest()
 
 
 def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None]) -> list[str]:
