@@ -333,9 +333,22 @@ def test_budget_limits_a_pass_and_the_next_pass_continues(tmp_path: Path) -> Non
     sizes = {s: c["bytes"] for s, c in node.ls().items()}
     budget = sizes[1] + sizes[2] + 100  # steps grow with the step number: two copies fit, not three
     assert budget < sum(sizes.values())
+    def oldest_check() -> float | None:
+        doc = json.loads(node.ok("status", "--json").stdout)["scrub"]
+        assert doc["oldest_check"].keys() == {"warm"}, doc
+        when: float | None = doc["oldest_check"]["warm"]
+        return when
+
+    written = oldest_check()  # the prune hashed every copy as it wrote it
+    assert written is not None and written <= time.time()
     passes = []
-    for _ in range(3):
+    first_pass = 0.0
+    for n in range(3):
+        first_pass = first_pass or time.time()
         code, doc = node.scrub("--budget", str(budget))
+        if n == 1:  # every copy re-hashed since: the tier's least recent check is pass 1's
+            after = oldest_check()
+            assert after is not None and after >= first_pass > written, (written, first_pass, after)
         assert code == 0, doc
         assert doc["scrubbed_bytes"] <= budget and doc["budget_bytes"] == budget
         passes.append([c["step"] for c in doc["checked"]])
@@ -491,6 +504,7 @@ def test_daemon_scrub_job_records_its_run_and_metrics(daemon_node: Any) -> None:
     total = sum(r.bytes for r in ix.checkpoints(RUN))
     assert f'ckptkeeper_scrub_bytes_total{{tier="warm"}} {float(total)}' in text, text
     assert 'ckptkeeper_scrub_bad_copies_total{tier="warm"} 1.0' in text
+    assert 'ckptkeeper_scrub_oldest_check_timestamp_seconds{tier="warm"}' in text
     assert 'ckptkeeper_job_last_success_timestamp_seconds{job="scrub"}' not in text
     assert summarize(daemon_node.settings, ix).scrub["warm"] == (total, 2, 1)
 

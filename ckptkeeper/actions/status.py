@@ -72,6 +72,9 @@ class StatusSummary:
     """Documents that failed the schema (ignored, never a reason to delete), with their reasons."""
     scrub: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
     """Tier -> (bytes re-hashed, copies checked, bad copies found) by scrubs, cumulative."""
+    scrub_oldest: Mapping[str, float | None] = field(default_factory=dict)
+    """Slower tier -> when its least recently hashed good copy was last hashed (None: some copy
+    never was): how stale the tier's verification is, the figure to alert on."""
     no_good_copy: tuple[tuple[str, int, str, Mapping[str, str]], ...] = ()
     """(run, step, name, {tier: problem}) of checkpoints whose every copy is damaged."""
 
@@ -157,6 +160,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         ),
         policy_held=read_policy_held(settings),
         scrub=index.scrub_totals(),
+        scrub_oldest=index.oldest_scrub([t.name for t in settings.tiers[1:]]),
         no_good_copy=tuple(lost),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,

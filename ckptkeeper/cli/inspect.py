@@ -231,7 +231,16 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "damaged_copies": s.damaged,
         "scrub": {
-            "tiers": {t: {"bytes": b, "copies": n, "bad": bad} for t, (b, n, bad) in sorted(s.scrub.items())},
+            "tiers": {
+                t: {
+                    "bytes": b,
+                    "copies": n,
+                    "bad": bad,
+                    "oldest_check": s.scrub_oldest.get(t),
+                }
+                for t, (b, n, bad) in sorted(s.scrub.items())
+            },
+            "oldest_check": {t: s.scrub_oldest.get(t) for t in sorted(s.scrub_oldest)},
             "no_good_copy": [
                 {"run": run, "step": step, "name": name, "damaged": dict(d)}
                 for run, step, name, d in s.no_good_copy
@@ -308,6 +317,14 @@ def _render_status(s: StatusSummary) -> None:
             + ", ".join(
                 f"{tier} {human_bytes(b)} in {n} copies ({bad} bad)"
                 for tier, (b, n, bad) in sorted(s.scrub.items())
+            )
+        )
+    if s.scrub_oldest:
+        click.echo(
+            "least recently verified copy: "
+            + ", ".join(
+                f"{tier} {'never hashed since it was cataloged' if when is None else human_age(s.now - when) + ' ago'}"
+                for tier, when in sorted(s.scrub_oldest.items())
             )
         )
     if s.quarantined:

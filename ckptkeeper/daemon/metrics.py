@@ -271,12 +271,19 @@ def _scrub_metrics(summary: StatusSummary) -> Iterator[Any]:
         scrubbed.add_metric([tier.name], b)
         copies.add_metric([tier.name], n)
         bad.add_metric([tier.name], nbad)
+    oldest = GaugeMetricFamily(
+        "ckptkeeper_scrub_oldest_check_timestamp_seconds",
+        "When the least recently hashed good copy of the tier was last hashed (0: some copy never was)",
+        labels=["tier"],
+    )
+    for tier_name, when in sorted(summary.scrub_oldest.items()):
+        oldest.add_metric([tier_name], when or 0.0)
     lost = GaugeMetricFamily(
         "ckptkeeper_checkpoints_without_good_copy",
         "Checkpoints whose every copy is damaged (kept, never deleted; need a human)",
     )
     lost.add_metric([], len(summary.no_good_copy))
-    yield from (scrubbed, copies, bad, lost)
+    yield from (scrubbed, copies, bad, oldest, lost)
 
 
 class MetricsServer:
