@@ -239,6 +239,22 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "quarantined": [q.to_dict() for q in s.quarantined],
         "cost_per_month": _cost_doc(s),
+        "headroom": _headroom_doc(s),
+    }
+
+
+def _headroom_doc(s: StatusSummary) -> dict[str, Any] | None:
+    """The hot tier's free space against its active runs' next saves (None: usage unreadable)."""
+    h = s.headroom
+    if h is None:
+        return None
+    return {
+        "tier": h.tier,
+        "free_bytes": h.free_bytes,
+        "needed_bytes": h.needed_bytes,
+        "runs": dict(h.runs),
+        "ok": h.ok,
+        "enabled": h.enabled,
     }
 
 
@@ -295,6 +311,7 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    _render_headroom(s)
     for warning in s.warnings:
         click.echo(f"WARNING run {warning}")
     for held in s.policy_held.values():
@@ -330,6 +347,26 @@ def _render_status(s: StatusSummary) -> None:
                 + ", ".join(f"{t} {c:.2f}" for t, c in tiers.items())
                 + ")"
             )
+
+
+def _render_headroom(s: StatusSummary) -> None:
+    """One line per active run, and a warning when the hot tier cannot hold their next saves."""
+    h = s.headroom
+    if h is None:
+        return
+    free = human_bytes(h.free_bytes)
+    for run, nbytes in h.runs.items():
+        if nbytes:
+            click.echo(f"next save of run {run} needs {human_bytes(nbytes)}; {free} free in {h.tier}")
+        else:
+            click.echo(f"next save of run {run}: size not known yet (no checkpoint); {free} free in {h.tier}")
+    if not h.ok:
+        act = (
+            "the next prune demotes what it may to make room; its notes say if that is not enough"
+            if h.enabled
+            else f"headroom is off for {h.tier}: nothing demotes early"
+        )
+        click.echo(f"WARNING headroom: {h.tier}: {h.describe()}: a save may fail for lack of space ({act})")
 
 
 @click.command()
