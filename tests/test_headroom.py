@@ -20,6 +20,7 @@ from builders import checkpoint, local_tier, run, snapshot, tier, write_config
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 import ckptkeeper
 from ckptkeeper.cli import main
@@ -352,7 +353,8 @@ def test_prune_makes_room_for_the_live_runs_next_save(
     write_config(
         config,
         index=tmp_path / "index.db",
-        daemon={"trust_mtimes": True},  # the checkpoints are back-dated to order them by age
+        # the checkpoints are back-dated to order them by age; metrics written after each prune
+        daemon={"trust_mtimes": True, "textfile": str(tmp_path / "ckptkeeper.prom")},
         # No high_watermark: headroom alone (on by default for the hot tier) demotes.
         tiers=[local_tier("hot", hot, keep_last=3), local_tier("warm", warm, keep_last=5)],
     )
@@ -417,6 +419,14 @@ def test_prune_makes_room_for_the_live_runs_next_save(
         after = cli_json("status")["headroom"]
         assert after["ok"] is True
         assert after["free_bytes"] == budget - _hot_bytes(hot) >= predicted
+        # The metrics read the same summary: the next save, and the room left after it.
+        metrics = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families((tmp_path / "ckptkeeper.prom").read_text())
+            for sample in family.samples
+        }
+        assert metrics[("ckptkeeper_next_save_bytes", (("run", "live"),))] == predicted
+        assert metrics[("ckptkeeper_headroom_bytes", (("tier", "hot"),))] == after["free_bytes"] - predicted
         code, text = cli("status")
         assert "WARNING headroom" not in text
         assert cli_json("prune", "--dry-run")["actions"] == []  # settled
