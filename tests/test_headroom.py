@@ -401,7 +401,7 @@ def test_prune_makes_room_for_the_live_runs_next_save(
         code, text = cli("status")
         assert code == 0, text
         assert "next save of run live needs" in text
-        assert "WARNING headroom: hot: next save of 1 active run needs" in text
+        assert "WARNING headroom: next save of 1 active run needs" in text
 
         dry = cli_json("prune", "--dry-run")
         assert [(a["run"], a["step"], a["action"], a["rule"]) for a in dry["actions"]] == [

@@ -361,12 +361,9 @@ def _render_headroom(s: StatusSummary) -> None:
         else:
             click.echo(f"next save of run {run}: size not known yet (no checkpoint); {free} free in {h.tier}")
     if not h.ok:
-        act = (
-            "the next prune demotes what it may to make room; its notes say if that is not enough"
-            if h.enabled
-            else f"headroom is off for {h.tier}: nothing demotes early"
-        )
-        click.echo(f"WARNING headroom: {h.tier}: {h.describe()}: a save may fail for lack of space ({act})")
+        act = "prune demotes to make room; its notes say if it cannot" if h.enabled else "headroom = false"
+        line = f"WARNING headroom: {h.describe()} in {h.tier}: a save may fail for lack of space ({act})"
+        click.echo(wrap_text(line, out_width()))
 
 
 @click.command()
