@@ -436,3 +436,20 @@ def test_prune_makes_room_for_the_live_runs_next_save(
     code, out = cli("scan")
     assert code == 0, out
     assert cli_json("status")["headroom"]["runs"] == {}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_key_is_on_for_hot_by_default_and_refused_elsewhere(tmp_path: Path) -> None:
+    from ckptkeeper.config import ConfigError, settings_from_mapping
+
+    hot, warm = {"name": "hot", "url": str(tmp_path / "hot")}, {"name": "warm", "url": str(tmp_path / "w")}
+    specs = settings_from_mapping({"tiers": [hot, warm]}).tier_specs()
+    assert specs[0].policy.headroom is True
+    off = settings_from_mapping({"tiers": [{**hot, "headroom": False}, warm]}).tier_specs()
+    assert off[0].policy.headroom is False
+    with pytest.raises(
+        ConfigError, match=r"tiers\[1\]\.headroom: headroom applies to the first \(hot\) tier only"
+    ):
+        settings_from_mapping({"tiers": [hot, {**warm, "headroom": True}]})
