@@ -15,6 +15,10 @@ small; time is simulated (file mtimes, ``now`` passed to the catalog, planner an
   to their newest complete checkpoint, partials after an hour.
 
 A save that would take the hot tier over its budget fails (the disk is full) and is counted.
+
+Headroom (issue 19): the same node runs a second workload of bigger saves (5-15 % of the budget
+each) against watermarks at 90 % / 75 %, once watermark-only (``headroom = false``) and once with
+headroom on (the default), and counts the saves that failed for lack of space in each.
 Wasted bytes: what is still in hot at the end that nobody needs — partial checkpoints and every
 checkpoint of a failed or abandoned run but its newest complete one.
 """
@@ -36,6 +40,9 @@ from typing import Any
 from bench._harness import Config, Row
 
 HOUR = 3600.0
+BIG_UNITS = (2, 6)
+"""Save sizes (units of a 40-unit hot budget) of the headroom comparison: 5-15 % of hot each."""
+BIG_WATERMARKS = (0.9, 0.75)
 LAYOUTS = ("hf", "lightning", "dcp")
 _ENDS = ("finished", "failed", "finished", "abandoned", "finished", "finished", "failed", "finished")
 """5 in 8 runs finish, 2 fail, 1 is abandoned."""
@@ -55,7 +62,8 @@ class SimRun:
     """(step, name, complete) of every checkpoint it wrote, in order."""
 
 
-def workload(days: int, seed: int = 8) -> list[SimRun]:
+def workload(days: int, seed: int = 8, units: tuple[int, int] = (1, 3)) -> list[SimRun]:
+    """The runs of ``days``; each saves ``units`` (drawn between the two, per run) size units."""
     rng = random.Random(seed)
     runs: list[SimRun] = []
     tick = 0
@@ -69,7 +77,7 @@ def workload(days: int, seed: int = 8) -> list[SimRun]:
                 saves=rng.randint(4, 24),
                 end=end,
                 layout=LAYOUTS[i % len(LAYOUTS)],
-                units=rng.randint(1, 3),
+                units=rng.randint(*units),
             )
         )
         i += 1
@@ -248,7 +256,9 @@ def simulate(node: Node, runs: list[SimRun], t0: float, keeper: Any | None) -> N
 class Keeper:
     """The daemon's retention + reap pass, driven with a simulated clock."""
 
-    def __init__(self, node: Node, budget: int) -> None:
+    def __init__(
+        self, node: Node, budget: int, *, headroom: bool = True, watermarks: tuple[float, float] = (0.8, 0.6)
+    ) -> None:
         from ckptkeeper.config import settings_from_mapping
         from ckptkeeper.index import Index
         from ckptkeeper.ingest.catalog import Catalog
@@ -269,8 +279,9 @@ class Keeper:
                         "keep_last": 2,
                         "keep_best": 1,
                         "metric": "eval_loss",
-                        "high_watermark": 0.8,
-                        "low_watermark": 0.6,
+                        "high_watermark": watermarks[0],
+                        "low_watermark": watermarks[1],
+                        "headroom": headroom,
                     },
                     {"name": "warm", "url": str(warm), "keep_last": 5, "keep_within": "7d"},
                 ],
@@ -332,6 +343,14 @@ def run(cfg: Config) -> list[Row]:
         b_waste, o_waste = base.wasted(runs_a), ours.wasted(runs_b)
         b_end, o_end = base.usage(), ours.usage()
         protected = ours.newest_bytes(runs_b)
+        # Headroom (issue 19): big saves against a 90 % watermark, watermark-only vs headroom on.
+        big: dict[bool, Node] = {}
+        for headroom in (False, True):
+            big[headroom] = Node(root / f"headroom-{'on' if headroom else 'off'}", unit, budget, pid)
+            big_keeper = Keeper(big[headroom], budget, headroom=headroom, watermarks=BIG_WATERMARKS)
+            simulate(big[headroom], workload(days, units=BIG_UNITS), t0, big_keeper)
+            big_keeper.index.close()
+            keeper.failed += big_keeper.failed
     if keeper.failed:
         raise RuntimeError(f"executor actions failed: {keeper.failed[:3]}")
     kinds = {e: sum(r.end == e for r in runs_a) for e in ("finished", "failed", "abandoned")}
@@ -372,6 +391,25 @@ def run(cfg: Config) -> list[Row]:
                 f"the runs' newest complete checkpoints (protected: never deleted) still in hot at the end "
                 f"hold {protected / budget * 100:.0f} % of the budget; above the high watermark those of "
                 "ended runs move to warm once every unprotected checkpoint has"
+            ),
+        ),
+        Row(
+            metric=(
+                f"campaign: saves that failed for lack of space (saves of {BIG_UNITS[0] * 100 // 40}-"
+                f"{BIG_UNITS[1] * 100 // 40} % of hot, watermarks {BIG_WATERMARKS[0]:.0%}/{BIG_WATERMARKS[1]:.0%})"
+            ),
+            baseline=float(big[False].full_events),
+            ours=float(big[True].full_events),
+            unit="",
+            target="0",
+            ok=big[True].full_events == 0,
+            baseline_label="watermarks only, headroom = false",
+            note=(
+                "same node and workload with bigger saves; a save fails (nothing written) when hot has not "
+                "its size free. headroom = true demotes before the next saves, predicted from each active "
+                f"run's last 3; peak hot {big[True].peak / budget * 100:.0f} % vs {big[False].peak / budget * 100:.0f} %. "
+                "No policy helps where the active runs' newest checkpoints plus their next saves exceed hot "
+                "(saves of 7.5-20 %, 7 d: 7 vs 164 failed; the plan's notes say so)"
             ),
         ),
     ]

@@ -162,6 +162,10 @@ class TierConfig(_Strict):
     keep_weekly: Count | None = None
     keep_monthly: Count | None = None
     replicate: bool = False
+    headroom: bool | None = None
+    """First tier only (default on there): keep room for the next save of every active run,
+    demoting early (before ``high_watermark``, or without one) when free space would not hold them
+    (:mod:`ckptkeeper.core.headroom`). None: not set."""
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
@@ -227,6 +231,7 @@ class TierConfig(_Strict):
                 replicate=self.replicate,
                 high_watermark=self.high_watermark,
                 low_watermark=self.low_watermark,
+                headroom=self.headroom is not False,
             ),
         )
 
@@ -333,6 +338,11 @@ class Settings(BaseSettings):
             raise ValueError("the first tier is the watched hot tier and must be a local path")
         if self.tiers[0].shared:
             raise ValueError("the hot tier cannot be shared (set shared on a slower s3:// tier)")
+        for i, t in enumerate(self.tiers[1:], start=1):
+            if t.headroom is not None:
+                raise ValueError(
+                    f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"
+                )
         for t in self.tiers:
             t._node = self.node
         return self

@@ -18,8 +18,9 @@ from ckptkeeper.actions.held import TierHeld, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core import cost
+from ckptkeeper.core.headroom import Headroom
 from ckptkeeper.core.model import CheckpointState, TierUsage
-from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined
+from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined, RunRow
 
 WARNING_MARK = "WARNING: "
 """What the catalog puts before a warning in a run's ``state_reason`` (``ingest.catalog``)."""
@@ -77,6 +78,9 @@ class StatusSummary:
     never was): how stale the tier's verification is, the figure to alert on."""
     no_good_copy: tuple[tuple[str, int, str, Mapping[str, str]], ...] = ()
     """(run, step, name, {tier: problem}) of checkpoints whose every copy is damaged."""
+    headroom: Headroom | None = None
+    """The hot tier's free space against its active runs' next saves; None when its usage cannot
+    be read."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -101,7 +105,7 @@ def tier_usage(settings: Settings) -> dict[str, TierUsage | None]:
         except OSError:
             out[tier.name] = None
             continue
-        out[tier.name] = TierUsage(total_bytes=du.total, used_bytes=du.used)
+        out[tier.name] = TierUsage(total_bytes=du.total, used_bytes=du.used, free_bytes=du.free)
     return out
 
 
@@ -164,7 +168,28 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         no_good_copy=tuple(lost),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,
+        headroom=_headroom(settings, usage, runs, checkpoints),
         **_costs(settings, checkpoints, tiers),
+    )
+
+
+def _headroom(
+    settings: Settings,
+    usage: Mapping[str, TierUsage | None],
+    runs: list[RunRow],
+    checkpoints: list[CheckpointRow],
+) -> Headroom | None:
+    """The same prediction the planner makes (:mod:`ckptkeeper.core.headroom`), from the index rows."""
+    hot = settings.hot
+    u = usage.get(hot.name)
+    if u is None:
+        return None
+    return Headroom.of(
+        hot.name,
+        u.free,
+        runs,
+        ((c.run, c.step, c) for c in checkpoints),
+        enabled=hot.headroom is not False,
     )
 
 

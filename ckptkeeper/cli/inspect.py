@@ -248,6 +248,22 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
         },
         "quarantined": [q.to_dict() for q in s.quarantined],
         "cost_per_month": _cost_doc(s),
+        "headroom": _headroom_doc(s),
+    }
+
+
+def _headroom_doc(s: StatusSummary) -> dict[str, Any] | None:
+    """The hot tier's free space against its active runs' next saves (None: usage unreadable)."""
+    h = s.headroom
+    if h is None:
+        return None
+    return {
+        "tier": h.tier,
+        "free_bytes": h.free_bytes,
+        "needed_bytes": h.needed_bytes,
+        "runs": dict(h.runs),
+        "ok": h.ok,
+        "enabled": h.enabled,
     }
 
 
@@ -304,6 +320,7 @@ def _render_status(s: StatusSummary) -> None:
         )
     if s.deletes_held:
         click.echo(f"deletes held: {s.deletes_held}")
+    _render_headroom(s)
     for warning in s.warnings:
         click.echo(f"WARNING run {warning}")
     for held in s.policy_held.values():
@@ -347,6 +364,23 @@ def _render_status(s: StatusSummary) -> None:
                 + ", ".join(f"{t} {c:.2f}" for t, c in tiers.items())
                 + ")"
             )
+
+
+def _render_headroom(s: StatusSummary) -> None:
+    """One line per active run, and a warning when the hot tier cannot hold their next saves."""
+    h = s.headroom
+    if h is None:
+        return
+    free = human_bytes(h.free_bytes)
+    for run, nbytes in h.runs.items():
+        if nbytes:
+            click.echo(f"next save of run {run} needs {human_bytes(nbytes)}; {free} free in {h.tier}")
+        else:
+            click.echo(f"next save of run {run}: size not known yet (no checkpoint); {free} free in {h.tier}")
+    if not h.ok:
+        act = "prune demotes to make room; its notes say if it cannot" if h.enabled else "headroom = false"
+        line = f"WARNING headroom: {h.describe()} in {h.tier}: a save may fail for lack of space ({act})"
+        click.echo(wrap_text(line, out_width()))
 
 
 @click.command()

@@ -14,6 +14,7 @@ from ckptkeeper.core.model import Action, ActionKind, Keep
 from ckptkeeper.core.placement import Item
 from ckptkeeper.core.reaps import ReaperReasons
 from ckptkeeper.core.retention import Rule, describe
+from ckptkeeper.core.watermarks import HEADROOM
 
 __all__ = ["EXPIRED", "emit"]
 
@@ -106,4 +107,8 @@ def _demote_reason(it: Item, names: Sequence[str], described: Sequence[str]) -> 
         kept_by = f"kept by {names[rule_tier]} ({', '.join(it.sels[rule_tier] or ())})"
         parts.append(", ".join([*skipped, kept_by]))
     parts.extend(copy_reason for _, copy_reason in it.demoted)
-    return "demote: " + "; ".join(parts), "watermark" if it.demoted else "demote"
+    if not it.demoted:
+        return "demote: " + "; ".join(parts), "demote"
+    # The last demotion says what moved it this far: the watermark, or headroom for the next saves.
+    rule = HEADROOM if it.demoted[-1][1].startswith(HEADROOM) else "watermark"
+    return "demote: " + "; ".join(parts), rule

@@ -224,6 +224,10 @@ class TierPolicy:
     replicate: bool = False
     high_watermark: float | None = None
     low_watermark: float | None = None
+    headroom: bool = False
+    """Keep room in this tier for the next save of every active run (:mod:`ckptkeeper.core.headroom`);
+    only the first (hot) tier, where runs write, uses it. Off here so a policy built in code plans
+    as before; the config turns it on for the hot tier unless ``headroom = false``."""
 
     @property
     def has_rules(self) -> bool:
@@ -260,10 +264,19 @@ class TierUsage:
 
     total_bytes: int
     used_bytes: int
+    free_bytes: int | None = None
+    """What a writer that is not root can still write (``statvfs`` ``f_bavail``: ext4 reserves ~5 %
+    for root, so it is less than total - used); None: total - used."""
 
     @property
     def fraction(self) -> float:
         return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    @property
+    def free(self) -> int:
+        """Bytes a save can still write (never negative)."""
+        free = self.total_bytes - self.used_bytes if self.free_bytes is None else self.free_bytes
+        return max(0, free)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ How a plan is made, in order:
 4. **Protections** (pinned, newest complete of the run, parent of an active run): kept whatever the
    rules say; a protected checkpoint no rule places stays in every tier it currently is in.
    Incomplete checkpoints (writing, corrupt) are never moved or deleted here at all.
-5. **Watermarks**: tier by tier, fastest first, when a tier's usage (now, or projected after this
+5. **Watermarks and headroom**: tier by tier, fastest first, when a tier's usage (now, or projected after this
    plan) exceeds ``high_watermark``, its unprotected residents are demoted to the next tier, oldest
    first (``created_at``, then step, then run), until the projected usage is at most
    ``low_watermark`` (``high_watermark`` if unset). If that is not enough, the newest checkpoints
@@ -29,7 +29,9 @@ How a plan is made, in order:
    :func:`ckptkeeper.core.watermarks.watermarks`).
    Demotions cascade: the next tier treats them as its own residents. The projection is exactly
    the bytes this plan copies in minus the bytes it deletes or reaps, so executing the plan lands
-   where the planner said.
+   where the planner said. Headroom (first tier, ``headroom`` on): when its free space after this
+   plan would not hold the next save of every active run (:mod:`ckptkeeper.core.headroom`), the
+   same two rounds demote until it would, before the high watermark and without one.
 6. **Actions** from desired vs actual: copies to desired tiers lacking a verified copy, from the
    fastest known tier holding one; deletes from tiers holding a copy that is not desired there.
 6b. **Ownership** (DESIGN §10): a delete or reap of a copy another node wrote
@@ -82,6 +84,7 @@ from collections.abc import Mapping, Sequence
 
 from ckptkeeper.core.emit import EXPIRED, emit
 from ckptkeeper.core.guard import guard
+from ckptkeeper.core.headroom import next_saves
 from ckptkeeper.core.keep_reasons import INCOMPLETE, KeepReasons
 from ckptkeeper.core.model import (
     ActionKind,
@@ -143,8 +146,11 @@ def plan(
     # 1. Reaps: reaped checkpoints leave retention.
     reaped = reaps(snapshot, by_run, tiers, reaper, now, protected, unknown, notes)
 
-    # 2-4. Keep-sets, residency, protections: plain checkpoints' keeps are final here.
-    watched = watched_tiers(tiers, usage, unknown)
+    # 2-4. Keep-sets, residency, protections: plain checkpoints' keeps are final here. The hot
+    # tier is watched for headroom only when its free space now is short of the active runs' next
+    # saves (O(active runs x 3) to predict, from the grouping above).
+    saves = next_saves(snapshot.runs, lambda name: by_run[name].checkpoints if name in by_run else ())
+    watched = watched_tiers(tiers, usage, unknown, saves)
     keep_reasons = KeepReasons(names)
     placer = Placer(tiers, pos, unknown, rules, protected, reaped.keep_reasons, watched, keep_reasons, run)
     for run_name, checkpoints in by_run.items():

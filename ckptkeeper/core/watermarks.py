@@ -1,4 +1,4 @@
-"""Step 5 of a plan: watermarks (DESIGN §3).
+"""Step 5 of a plan: watermarks and headroom (DESIGN §3, issue 19).
 
 Tier by tier, fastest first, when a tier's usage (now, or projected after this plan) exceeds
 ``high_watermark``, its unprotected residents are demoted to the next tier, oldest first
@@ -7,51 +7,99 @@ Tier by tier, fastest first, when a tier's usage (now, or projected after this p
 follow, oldest first (moved, never deleted: see :func:`watermarks`). Demotions cascade: the next
 tier treats them as its own residents. The projection is exactly the bytes this plan copies in
 minus the bytes it deletes or reaps, so executing the plan lands where the planner said.
+
+**Headroom** (the first tier only, its ``headroom`` policy on): when the hot tier's free space
+after this plan would not hold the next save of every active run
+(:func:`ckptkeeper.core.headroom.predict_next_save`), the same two rounds demote until it would,
+whether or not the tier is above its high watermark, and whether or not it sets one: a tier with
+known usage and no ``high_watermark`` is watched for headroom alone. Each such demotion's reason
+says so (``headroom: next saves of 2 active runs need 38.0 GiB; 12.0 GiB free``); a plan that
+cannot make enough room says so in its notes. The hot tier is never copied into (the planner does
+not promote), so its projection only falls: a tier whose free space holds the next saves already
+is not watched for headroom at all, and its plain checkpoints stay on the planner's fast path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
+from ckptkeeper.core.headroom import describe_need
 from ckptkeeper.core.model import Action, TierSpec, TierUsage
 from ckptkeeper.core.placement import Item
 from ckptkeeper.core.runs import NEWEST
+from ckptkeeper.util.fmt import human_bytes
 
-__all__ = ["Watched", "demote_oldest", "watched_tiers", "watermarks"]
+__all__ = ["HEADROOM", "Watch", "Watched", "demote_oldest", "watched_tiers", "watermarks"]
+
+HEADROOM = "headroom"
+"""What a headroom demotion's copy reason starts with (and its rule id)."""
 
 _NEWEST_ONLY = [NEWEST]
 """The protection of a checkpoint that is only protected as the newest of its run."""
 
-Watched = dict[int, tuple[TierUsage, float, float]]
-"""Tiers whose watermarks apply: position -> (usage, high, low)."""
+_STAYS = "pinned ones, active runs' newest and parents of active runs stay"
+
+
+class Watch(NamedTuple):
+    """Why a tier is watched: its usage, its watermarks (None: none set) and the bytes its active
+    runs' next saves need when its free space does not hold them (0: no headroom to make)."""
+
+    usage: TierUsage
+    high: float | None
+    low: float | None
+    needed: int = 0
+    saving_runs: int = 0
+    """Active runs whose next save needs room (a prediction above 0)."""
+
+
+Watched = dict[int, Watch]
+"""Tiers whose watermarks or headroom apply: position -> :class:`Watch`."""
 
 
 def watched_tiers(
-    tiers: Sequence[TierSpec], usage: Mapping[str, TierUsage | None], unknown: frozenset[int]
+    tiers: Sequence[TierSpec],
+    usage: Mapping[str, TierUsage | None],
+    unknown: frozenset[int],
+    next_saves: Mapping[str, int] | None = None,
 ) -> Watched:
-    """Tiers whose watermarks apply: position -> (usage, high, low)."""
+    """Tiers whose watermarks apply, and the first tier when its headroom is short.
+
+    ``next_saves`` maps each active run to its predicted next save; the first tier is watched for
+    headroom when its ``headroom`` policy is on and its free space now is below their sum.
+    """
     watched: Watched = {}
+    needed = sum(next_saves.values()) if next_saves else 0
     for i, spec in enumerate(tiers):
         u = usage.get(spec.name)
+        if u is None or u.total_bytes <= 0 or i in unknown:
+            continue
+        short = i == 0 and spec.policy.headroom and needed > 0 and u.free < needed
         high = spec.policy.high_watermark
-        if u is None or high is None or u.total_bytes <= 0 or i in unknown:
+        if high is None and not short:
             continue
         low = spec.policy.low_watermark
-        watched[i] = (u, high, min(low, high) if low is not None else high)
+        if high is not None:
+            low = min(low, high) if low is not None else high
+        if short and next_saves:
+            watched[i] = Watch(u, high, low, needed, sum(1 for b in next_saves.values() if b > 0))
+        else:
+            watched[i] = Watch(u, high, low)
     return watched
 
 
 def watermarks(
     items: Sequence[Item],
     tiers: Sequence[TierSpec],
-    watched: Mapping[int, tuple[TierUsage, float, float]],
+    watched: Mapping[int, Watch],
     unknown: frozenset[int],
     reap_actions: Sequence[Action],
     pos: Mapping[str, int],
     ended: frozenset[str],
     notes: list[str],
 ) -> None:
-    """Demote the oldest residents of tiers above their high watermark (in place).
+    """Demote the oldest residents of tiers above their high watermark, or short of headroom for
+    the next saves (in place).
 
     Two rounds per tier. First the unprotected residents, oldest first. If that is not enough,
     the newest checkpoints of runs that ended (finished, failed, stale), oldest first: protection
@@ -60,14 +108,14 @@ def watermarks(
     their last checkpoints (bench/campaign.py: 98 % of the budget after a week). What stays put
     even under pressure: pinned checkpoints (the executor refuses to delete a pinned copy anyway),
     the newest checkpoint of an active run (it resumes from it) and the parent of an active run.
+    The watermark goes first; headroom then demotes further only if the room is still short.
     """
-    ntiers = len(tiers)
     if not watched:
         return
 
     # Projected bytes per watched tier once this plan is carried out: exactly the copies in minus
     # the deletes and reaps the action pass will emit, so the simulation and the executor agree.
-    projected = {i: float(u.used_bytes) for i, (u, _, _) in watched.items()}
+    projected = {i: float(w.usage.used_bytes) for i, w in watched.items()}
     for a in reap_actions:
         reaped_in = pos.get(a.tier or "")
         if reaped_in is not None and reaped_in in projected:
@@ -88,53 +136,119 @@ def watermarks(
                     projected[i] -= b
 
     for i in sorted(watched):
-        u, high, low = watched[i]
-        name = tiers[i].name
-        now_fraction = u.fraction
-        if now_fraction <= high and projected[i] <= high * u.total_bytes:
-            continue
-        if i + 1 >= ntiers:
-            notes.append(
-                f"{name} above high watermark {high:.0%} but it is the last tier: nothing to demote to"
-            )
-            continue
-        if i + 1 in unknown:
-            notes.append(
-                f"{name} above high watermark {high:.0%} but {tiers[i + 1].name} is unknown: no demotion"
-            )
-            continue
-        if now_fraction > high:
-            usage_text = f"usage {now_fraction:.0%}"
-        else:
-            usage_text = f"projected {projected[i] / u.total_bytes:.0%}"
-        demotion = (
-            f"demoted: {name} above high watermark {high:.0%}",
-            f"{name} above high watermark {high:.0%} ({usage_text})",
+        w = watched[i]
+        if w.high is not None:
+            _watermark(i, w, items, tiers, unknown, projected, ended, notes)
+        if w.needed:
+            _headroom(i, w, items, tiers, unknown, projected, ended, notes)
+
+
+def _watermark(
+    i: int,
+    w: Watch,
+    items: Sequence[Item],
+    tiers: Sequence[TierSpec],
+    unknown: frozenset[int],
+    projected: dict[int, float],
+    ended: frozenset[str],
+    notes: list[str],
+) -> None:
+    """Tier ``i`` above its high watermark (now or projected): demote down to its low watermark."""
+    u, high = w.usage, w.high
+    low = w.low if w.low is not None else high
+    assert high is not None and low is not None
+    name = tiers[i].name
+    now_fraction = u.fraction
+    if now_fraction <= high and projected[i] <= high * u.total_bytes:
+        return
+    if _nowhere_to_go(i, tiers, unknown, f"{name} above high watermark {high:.0%}", notes):
+        return
+    if now_fraction > high:
+        usage_text = f"usage {now_fraction:.0%}"
+    else:
+        usage_text = f"projected {projected[i] / u.total_bytes:.0%}"
+    demotion = (
+        f"demoted: {name} above high watermark {high:.0%}",
+        f"{name} above high watermark {high:.0%} ({usage_text})",
+    )
+    if not _demote(i, items, projected, low * u.total_bytes, demotion, ended):
+        notes.append(
+            f"{name} still above low watermark {low:.0%} after demoting every checkpoint it may ({_STAYS})"
         )
-        target = low * u.total_bytes
-        # Held checkpoints cannot leave (no delete this round) and one without a readable copy
-        # cannot be copied: demoting either would free nothing.
-        movable = [it for it in items if it.resident == i and not it.hold and it.locs.known]
-        unprotected = [it for it in movable if it.protect is None]
-        demote_oldest(unprotected, i, projected, target, demotion)
-        if projected[i] > target:
-            # A protected checkpoint no rule places has no residence but stays where it is.
-            ended_newest = [
-                it
-                for it in items
-                if it.protect == _NEWEST_ONLY
-                and it.ckpt.run in ended
-                and (it.resident == i or (it.resident is None and i in it.desired))
-                and not it.hold
-                and it.locs.known
-            ]
-            pressure = (demotion[0], f"{demotion[1]}: newest checkpoint of ended run, moved not deleted")
-            demote_oldest(ended_newest, i, projected, target, pressure)
-        if projected[i] > target:
-            notes.append(
-                f"{name} still above low watermark {low:.0%} after demoting every checkpoint it may"
-                " (pinned ones, active runs' newest and parents of active runs stay)"
-            )
+
+
+def _headroom(
+    i: int,
+    w: Watch,
+    items: Sequence[Item],
+    tiers: Sequence[TierSpec],
+    unknown: frozenset[int],
+    projected: dict[int, float],
+    ended: frozenset[str],
+    notes: list[str],
+) -> None:
+    """Tier ``i``'s free space after this plan below ``w.needed``: demote until it holds it."""
+    u = w.usage
+    name = tiers[i].name
+    free_after = u.free - (projected[i] - u.used_bytes)
+    if free_after >= w.needed:
+        return
+    need = describe_need(w.needed, free_after, w.saving_runs)
+    if _nowhere_to_go(i, tiers, unknown, f"{name} short of headroom ({need})", notes):
+        return
+    demotion = (f"demoted: {name} short of headroom for active runs' next saves", f"{HEADROOM}: {need}")
+    target = u.used_bytes + u.free - w.needed  # projected usage at which free_after == needed
+    if not _demote(i, items, projected, target, demotion, ended):
+        short = projected[i] - target
+        notes.append(
+            f"{name} short of headroom: {need}; still {human_bytes(max(0.0, short))} short after demoting every "
+            f"checkpoint it may ({_STAYS}): the next save may fail for lack of space"
+        )
+
+
+def _nowhere_to_go(
+    i: int, tiers: Sequence[TierSpec], unknown: frozenset[int], why: str, notes: list[str]
+) -> bool:
+    """True (with a note) when tier ``i`` has no next tier to demote to, or that tier is unknown."""
+    if i + 1 >= len(tiers):
+        notes.append(f"{why} but it is the last tier: nothing to demote to")
+        return True
+    if i + 1 in unknown:
+        notes.append(f"{why} but {tiers[i + 1].name} is unknown: no demotion")
+        return True
+    return False
+
+
+def _demote(
+    i: int,
+    items: Sequence[Item],
+    projected: dict[int, float],
+    target: float,
+    demotion: tuple[str, str],
+    ended: frozenset[str],
+) -> bool:
+    """Both rounds for tier ``i`` down to ``target`` projected bytes; False if still above it."""
+    # Held checkpoints cannot leave (no delete this round) and one without a readable copy
+    # cannot be copied: demoting either would free nothing.
+    if projected[i] <= target:
+        return True
+    movable = [it for it in items if it.resident == i and not it.hold and it.locs.known]
+    unprotected = [it for it in movable if it.protect is None]
+    demote_oldest(unprotected, i, projected, target, demotion)
+    if projected[i] > target:
+        # A protected checkpoint no rule places has no residence but stays where it is.
+        ended_newest = [
+            it
+            for it in items
+            if it.protect == _NEWEST_ONLY
+            and it.ckpt.run in ended
+            and (it.resident == i or (it.resident is None and i in it.desired))
+            and not it.hold
+            and it.locs.known
+        ]
+        pressure = (demotion[0], f"{demotion[1]}: newest checkpoint of ended run, moved not deleted")
+        demote_oldest(ended_newest, i, projected, target, pressure)
+    return projected[i] <= target
 
 
 def demote_oldest(

@@ -8,7 +8,8 @@ that counter survives daemon restarts. Only actions and errors are in-process co
 :meth:`Metrics.record_outcome` / :meth:`Metrics.record_error`.
 
 Label values come from small fixed sets (tier names from the config, action kinds, job names, a
-closed list of reclaim reasons): no run, step or path labels, which would grow without bound.
+closed list of reclaim reasons): no step or path labels, which would grow without bound; run labels
+only where the runs are bounded by what one node holds (per-run cost, the active runs' next saves).
 
 ``prometheus_client`` is imported inside functions: only the daemon and ``prune`` with
 ``daemon.textfile`` set pay for it.
@@ -248,6 +249,22 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
     )
     pending.add_metric([], summary.journal_open)
     yield pending
+    if summary.headroom is not None:
+        # One series per active run only (runs end): bounded like the runs on one node's hot disk.
+        saves = GaugeMetricFamily(
+            "ckptkeeper_next_save_bytes",
+            "Predicted bytes of an active run's next save in the hot tier (0: not known yet)",
+            labels=["run"],
+        )
+        for run, nbytes in summary.headroom.runs.items():
+            saves.add_metric([run], nbytes)
+        room = GaugeMetricFamily(
+            "ckptkeeper_headroom_bytes",
+            "Hot tier free bytes minus what the active runs' next saves need (negative: a save may fail)",
+            labels=["tier"],
+        )
+        room.add_metric([summary.headroom.tier], summary.headroom.free_bytes - summary.headroom.needed_bytes)
+        yield from (saves, room)
 
 
 def _scrub_metrics(summary: StatusSummary) -> Iterator[Any]:
