@@ -162,6 +162,9 @@ class TierConfig(_Strict):
     keep_weekly: Count | None = None
     keep_monthly: Count | None = None
     replicate: bool = False
+    undo_window: Annotated[float, BeforeValidator(parse_duration), Field(gt=0.0)] | None = None
+    """How long an expired or reaped checkpoint waits in this tier's trash
+    (``<root>/.ckptkeeper-trash/``) where ``undelete`` can bring it back; unset = deleted at once."""
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
@@ -227,6 +230,7 @@ class TierConfig(_Strict):
                 replicate=self.replicate,
                 high_watermark=self.high_watermark,
                 low_watermark=self.low_watermark,
+                undo_window=self.undo_window,
             ),
         )
 

@@ -74,6 +74,8 @@ class StatusSummary:
     """Tier -> (bytes re-hashed, copies checked, bad copies found) by scrubs, cumulative."""
     no_good_copy: tuple[tuple[str, int, str, Mapping[str, str]], ...] = ()
     """(run, step, name, {tier: problem}) of checkpoints whose every copy is damaged."""
+    trash: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Tier -> (bytes, entries) waiting in its trash (``undo_window``): not reclaimed yet."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -160,8 +162,17 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         no_good_copy=tuple(lost),
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,
+        trash=_trash(index),
         **_costs(settings, checkpoints, tiers),
     )
+
+
+def _trash(index: Index) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for e, _ in index.trash():
+        b, n = out.get(e.tier, (0, 0))
+        out[e.tier] = (b + e.bytes, n + 1)
+    return out
 
 
 def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[TierSummary]) -> dict[str, Any]:
