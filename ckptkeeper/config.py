@@ -166,6 +166,9 @@ class TierConfig(_Strict):
     """First tier only (default on there): keep room for the next save of every active run,
     demoting early (before ``high_watermark``, or without one) when free space would not hold them
     (:mod:`ckptkeeper.core.headroom`). None: not set."""
+    undo_window: Annotated[float, BeforeValidator(parse_duration), Field(gt=0.0)] | None = None
+    """How long an expired or reaped checkpoint waits in this tier's trash
+    (``<root>/.ckptkeeper-trash/``) where ``undelete`` can bring it back; unset = deleted at once."""
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
@@ -232,6 +235,7 @@ class TierConfig(_Strict):
                 high_watermark=self.high_watermark,
                 low_watermark=self.low_watermark,
                 headroom=self.headroom is not False,
+                undo_window=self.undo_window,
             ),
         )
 

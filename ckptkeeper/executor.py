@@ -30,6 +30,7 @@ from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest import layouts
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
+from ckptkeeper.undo import TrashSteps
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.executor")
@@ -77,7 +78,7 @@ class ExecResult:
         return not self.failed
 
 
-class Executor:
+class Executor(TrashSteps):
     def __init__(
         self,
         index: Index,
@@ -119,7 +120,10 @@ class Executor:
             action = entry.action
             kind = action.get("action")
             try:
-                if kind == ActionKind.COPY.value:
+                trash_note = self._recover_trash(action, entry.detail)
+                if trash_note is not None:
+                    note = trash_note
+                elif kind == ActionKind.COPY.value:
                     note = self._recover_copy(action, entry.detail)
                 elif kind in (ActionKind.DELETE.value, ActionKind.REAP.value):
                     note = self._recover_removal(action, entry.detail)
@@ -269,6 +273,8 @@ class Executor:
             return self._copy(action, rename=rename)
         if action.action is ActionKind.DELETE:
             return self._delete(action)
+        if action.action is ActionKind.PURGE:
+            return self._purge(action)
         return self._reap(action)
 
     def _copy(self, action: Action, *, rename: bool) -> str | None:
@@ -341,7 +347,10 @@ class Executor:
             return "written to since it was cataloged"
         if not expiring:
             self._recheck_survivors(row, others)
-        self._remove(action, row, reason="expired" if expiring else "moved")
+        if action.trash and expiring:
+            self._move_aside(action, row)  # undo_window: freed only when the trash is purged
+        else:
+            self._remove(action, row, reason="expired" if expiring else "moved")
         if not (set(row.locations) - {action.tier}):
             self.index.delete_checkpoint(row.id)
         return None
@@ -436,7 +445,12 @@ class Executor:
                 self._add_reclaimed(action.tier, action.rule, freed)
                 self.index.journal_done(entry)
             return None
-        self._remove(action, row, reason=action.rule or "reap")
+        if action.trash and row is not None and row.state is CheckpointState.COMPLETE:
+            if action.tier == self.hot and self._changed_since_cataloged(row):
+                return "written to since it was cataloged"  # its manifest would not describe it
+            self._move_aside(action, row)  # undo_window: freed only when the trash is purged
+        else:
+            self._remove(action, row, reason=action.rule or "reap")
         if row is not None:
             remaining = set(row.locations) - {action.tier}
             if not remaining or row.state is not CheckpointState.COMPLETE:

@@ -85,12 +85,13 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
     """Migration 2 is the quarantine table, 3 the copies' owning node (DESIGN §10), 4 the scrub's
     last re-hash time per copy and its totals (issue #19): an index at version 3 gets 4 only; one
     at 1 gets 2, 3 then 4. Rows survive; existing copies, damaged or not, are this node's ('': the
-    single-node default), as they were before, and were never re-hashed (scrubbed first)."""
-    assert SCHEMA_VERSION == 4
+    single-node default), as they were before, and were never re-hashed (scrubbed first). 5 adds
+    the trash table (undo window), empty after an upgrade."""
+    assert SCHEMA_VERSION == 5
     path = tmp_path / "i.db"
     _index_at(path, version)
     with Index(path) as ix:
-        assert ix.schema_version == 4
+        assert ix.schema_version == 5
         assert [
             tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
         ] == [
@@ -107,6 +108,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "hot", "v2")
         assert ix._db.execute("SELECT scrubbed_at FROM locations WHERE tier = 'hot'").fetchone()[0] is None
         ix.set_location(7, "hot", "v1")
+        assert ix.trash() == []
         row = ix.checkpoint("r", "checkpoint-100")
         assert row is not None and row.locations == {"hot": "v1", "cold": "damaged: gone"}
         assert row.damaged == {"cold": "gone"}
@@ -124,7 +126,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "cold", "v1", node="node-b")
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
     with Index(path) as ix:  # reopened: not migrated again
-        assert ix.schema_version == 4
+        assert ix.schema_version == 5
 
 
 def test_corrupt_file_detected(tmp_path: Path) -> None:

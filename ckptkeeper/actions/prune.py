@@ -114,7 +114,7 @@ def make_plan(
     if "retention" not in kinds:
         # Reap-only pass (the daemon's reap job): retention actions wait for their own job.
         result = Plan(
-            actions=tuple(a for a in result.actions if a.action is ActionKind.REAP),
+            actions=tuple(a for a in result.actions if a.action in (ActionKind.REAP, ActionKind.PURGE)),
             keep=result.keep,
             reclaim_bytes=result.reclaim_bytes,
             refused=result.refused,

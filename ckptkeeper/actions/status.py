@@ -81,6 +81,8 @@ class StatusSummary:
     headroom: Headroom | None = None
     """The hot tier's free space against its active runs' next saves; None when its usage cannot
     be read."""
+    trash: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Tier -> (bytes, entries) waiting in its trash (``undo_window``): not reclaimed yet."""
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -169,6 +171,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         damaged=sum(len(c.damaged) for c in checkpoints),
         quarantined=quarantined,
         headroom=_headroom(settings, usage, runs, checkpoints),
+        trash=_trash(index),
         **_costs(settings, checkpoints, tiers),
     )
 
@@ -191,6 +194,14 @@ def _headroom(
         ((c.run, c.step, c) for c in checkpoints),
         enabled=hot.headroom is not False,
     )
+
+
+def _trash(index: Index) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for e, _ in index.trash():
+        b, n = out.get(e.tier, (0, 0))
+        out[e.tier] = (b + e.bytes, n + 1)
+    return out
 
 
 def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[TierSummary]) -> dict[str, Any]:

@@ -91,9 +91,15 @@ def _tier_order(settings: Settings) -> dict[str, int]:
 @click.command(name="ls")
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--deleted", is_flag=True, help="List what `undelete` can bring back (undo_window).")
 @pass_ctx
-def ls_cmd(app: Context, run: str | None, as_json: bool) -> None:
+def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
     """List runs and their checkpoints: step, state, tiers, size, metrics, pin."""
+    if deleted:
+        from ckptkeeper.cli.undo import ls_deleted
+
+        ls_deleted(app, run, as_json)
+        return
     order = _tier_order(app.settings)
     with app.index() as ix:
         runs = [r for r in ix.runs() if run is None or r.name == run]
@@ -218,6 +224,7 @@ def _status_doc(s: StatusSummary) -> dict[str, Any]:
             "total_bytes": s.reclaimed_bytes,
             "by_reason": {k: {"bytes": b, "count": n} for k, (b, n) in sorted(s.reclaimed.items())},
         },
+        "trash": {t: {"bytes": b, "entries": n} for t, (b, n) in sorted(s.trash.items())},
         "jobs": {
             j.job: {"last_start": j.last_start, "last_success": j.last_success, "last_error": j.last_error}
             for j in s.jobs.values()
@@ -306,6 +313,8 @@ def _render_status(s: StatusSummary) -> None:
     click.echo(f"reclaimed so far: {human_bytes(s.reclaimed_bytes)}")
     for reason, (b, n) in sorted(s.reclaimed.items()):
         click.echo(f"  {reason}: {human_bytes(b)} ({n} items)")
+    for tier, (b, n) in sorted(s.trash.items()):
+        click.echo(f"in the trash of {tier}: {human_bytes(b)} ({n} entries; `ckptkeeper ls --deleted`)")
     for j in sorted(s.jobs.values(), key=lambda j: j.job):
         ok = f"ok {human_age(s.now - j.last_success)} ago" if j.last_success else "never succeeded"
         err = (

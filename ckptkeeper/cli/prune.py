@@ -109,7 +109,7 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
         word = "saves" if net <= 0 else "adds"
         per = ", ".join(f"{t} {c:+.2f}" for t, c in change.items())
         click.echo(f"this plan {word} {abs(net):.2f} per month in storage ({per})")
-    reaps = [a for a in plan.actions if a.action.value == "reap"]
+    reaps = [a for a in plan.actions if a.action.value == "reap" and not a.trash]
     if reaps:
         summary = summarize_reclaim(reaps)
         by_reason = ", ".join(f"{r} {human_bytes(b)}" for r, b in summary.by_reason.items())
@@ -190,7 +190,7 @@ def prune(
     plan = outcome.plan
     if as_json:
         doc = plan.to_dict()
-        summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap"])
+        summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap" and not a.trash])
         doc["reap_summary"] = {
             "by_reason": summary.by_reason,
             "by_run": summary.by_run,

@@ -48,12 +48,13 @@ def plan_change(actions: Iterable[Action], prices: Mapping[str, float | None]) -
     """Tier -> change of the monthly bill if the plan is carried out (negative: a saving).
 
     A copy adds its bytes to its destination tier; a delete or a reap of stored bytes removes them
-    from its tier (a multipart upload being aborted counts too: stores bill for its parts).
+    from its tier (a multipart upload being aborted counts too: stores bill for its parts). A move
+    into the trash (``undo_window``) saves nothing until the purge of that entry, which does.
     """
     delta: dict[str, int] = {}
     for a in actions:
         if a.action is ActionKind.COPY and a.to_tier:
             delta[a.to_tier] = delta.get(a.to_tier, 0) + a.bytes
-        elif a.action in (ActionKind.DELETE, ActionKind.REAP) and a.tier:
+        elif a.action in (ActionKind.DELETE, ActionKind.REAP, ActionKind.PURGE) and a.tier and not a.trash:
             delta[a.tier] = delta.get(a.tier, 0) - a.bytes
     return {t: monthly(b, p) for t, b in sorted(delta.items()) if (p := prices.get(t)) is not None}

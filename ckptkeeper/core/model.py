@@ -228,6 +228,8 @@ class TierPolicy:
     """Keep room in this tier for the next save of every active run (:mod:`ckptkeeper.core.headroom`);
     only the first (hot) tier, where runs write, uses it. Off here so a policy built in code plans
     as before; the config turns it on for the hot tier unless ``headroom = false``."""
+    undo_window: float | None = None
+    """Seconds an expired or reaped copy waits in the tier's trash before it is purged; None = off."""
 
     @property
     def has_rules(self) -> bool:
@@ -287,6 +289,27 @@ class ReaperPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class TrashEntry:
+    """One copy moved aside into a tier's trash (``undo_window``), waiting to be undeleted or purged."""
+
+    tier: str
+    path: str
+    """The entry, relative to the tier root (``.ckptkeeper-trash/<stamp>``): what a purge removes."""
+    run: str
+    step: int
+    name: str
+    bytes: int
+    deleted_at: float
+    node: str = ""
+    """The node that wrote the copy (its manifest's ``node``); "" = this node or unknown."""
+
+    @property
+    def rel_path(self) -> str:
+        """Where the copy lived (and comes back to), relative to the tier root."""
+        return f"{self.run}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """What the planner sees: the index at one instant plus tier health."""
 
@@ -300,12 +323,17 @@ class Snapshot:
     read-only to this node's rules (DESIGN §10, :mod:`ckptkeeper.core.ownership`)."""
     node: str = ""
     """This node's name: an artifact another node wrote (``Artifact.node``) is not ours to reap."""
+    trash: tuple[TrashEntry, ...] = ()
+    """Copies waiting in a tier's trash: the planner purges them when their undo window ends or
+    their tier is above its high watermark."""
 
 
 class ActionKind(StrEnum):
     COPY = "copy"
     DELETE = "delete"
     REAP = "reap"
+    PURGE = "purge"
+    """Free a trash entry for good (its undo window ended, or its tier is above high watermark)."""
 
 
 class Action(NamedTuple):
@@ -326,6 +354,9 @@ class Action(NamedTuple):
     rule: str = ""
     """Machine-readable rule id (e.g. ``expired``, ``demote``, ``replicate``, ``failed-run``)."""
     upload_id: str | None = None
+    trash: bool = False
+    """A delete or reap that moves the copy into its tier's trash (``undo_window``) instead of
+    freeing it: nothing is reclaimed until the PURGE of that entry."""
 
     def to_dict(self) -> dict[str, Any]:
         doc = {
@@ -341,6 +372,8 @@ class Action(NamedTuple):
         }
         if self.upload_id is not None:
             doc["upload_id"] = self.upload_id
+        if self.trash:
+            doc["to_trash"] = True
         return doc
 
 

@@ -54,8 +54,14 @@ Unknown tiers (listing failed, ``Snapshot.unknown_tiers``) are never read as emp
 Tier names in ``Checkpoint.tiers`` that are not configured any more are ignored: never a source,
 never a target, never deleted from (the planner has no URL for them).
 
-Output order, so plans diff cleanly and the executor can simply walk them: copies, then deletes,
-then reaps; each by (run, step, tier position, destination position). Keeps by (run, step, tier
+5b. **Undo window** (:mod:`ckptkeeper.core.trash`): in a tier with ``undo_window`` expiries and
+   reaps of complete checkpoints move the copy into the tier's trash (``Action.trash``; they free
+   nothing this pass); trash entries whose window ended, or in a tier above its high watermark,
+   are purged (``ActionKind.PURGE``), and the projection counts those bytes as freed before any
+   live checkpoint is demoted.
+
+Output order, so plans diff cleanly and the executor can simply walk them: purges (they only free
+space, copies into the same tier may need it), copies, then deletes, then reaps; each by (run, step, tier position, destination position). Keeps by (run, step, tier
 position). Cost is O(n log n) in the number of checkpoints (the per-run sort, skipped for input
 already in (run, step) order); everything else is a constant amount of work per checkpoint and
 tier, and the output is produced already in order.
@@ -102,6 +108,7 @@ from ckptkeeper.core.placement import Placer
 from ckptkeeper.core.reaps import reaps
 from ckptkeeper.core.retention import rules_for
 from ckptkeeper.core.runs import NEWEST, PINNED, group_by_run, protections
+from ckptkeeper.core.trash import purges, to_trash, trash_plan
 from ckptkeeper.core.watermarks import watched_tiers, watermarks
 
 __all__ = [
@@ -156,9 +163,17 @@ def plan(
     for run_name, checkpoints in by_run.items():
         placer.place_run(run_name, checkpoints.without(reaped.reaped_steps.get(run_name)))
 
-    # 5. Watermarks demote the oldest residents of tiers above their high watermark.
+    # 5. Watermarks demote the oldest residents of tiers above their high watermark; trash
+    # (undo_window) under pressure is purged first, and moves aside free nothing this pass.
+    tp = trash_plan(tiers, watched)
+    by_key = {c.key: c for c in snapshot.checkpoints} if tp.trash or tp.pressure else {}
+    if by_key:
+        reaped.actions = to_trash(reaped.actions, by_key, pos, tp, tiers)
+    purge_actions = purges(snapshot.trash, tiers, pos, tp, unknown, now, snapshot.node, run)
     ended = frozenset(r.name for r in snapshot.runs if r.state is not RunState.ACTIVE)
-    watermarks(placer.items, tiers, watched, unknown, reaped.actions, pos, ended, notes)
+    watermarks(
+        placer.items, tiers, watched, unknown, [*reaped.actions, *purge_actions], pos, ended, notes, tp.trash
+    )
 
     # 6. Actions from desired vs actual, and every keep with its reasons.
     copies, deletes, keep_parts = emit(
@@ -184,12 +199,15 @@ def plan(
     if reap_actions and snapshot.node:
         reap_actions = without_others_litter(reap_actions, snapshot.artifacts, snapshot.node, notes)
 
-    # 7. Guards: a plan that looks like a mistake keeps its copies only.
+    if by_key:
+        deletes = to_trash(deletes, by_key, pos, tp, tiers)
+
+    # 7. Guards: a plan that looks like a mistake keeps its copies only (purges wait too).
     refused = guard(deletes, reap_actions, rules, max_delete, force)
-    actions = copies if refused is not None else [*copies, *deletes, *reap_actions]
+    actions = copies if refused is not None else [*purge_actions, *copies, *deletes, *reap_actions]
     reclaim = dict.fromkeys(names, 0)
     for a in actions:
-        if a.action is not ActionKind.COPY and a.tier is not None:
+        if a.action is not ActionKind.COPY and a.tier is not None and not a.trash:
             reclaim[a.tier] = reclaim.get(a.tier, 0) + a.bytes
     return Plan(
         actions=tuple(actions),

@@ -97,6 +97,7 @@ def watermarks(
     pos: Mapping[str, int],
     ended: frozenset[str],
     notes: list[str],
+    trash: frozenset[int] = frozenset(),
 ) -> None:
     """Demote the oldest residents of tiers above their high watermark, or short of headroom for
     the next saves (in place).
@@ -109,6 +110,10 @@ def watermarks(
     even under pressure: pinned checkpoints (the executor refuses to delete a pinned copy anyway),
     the newest checkpoint of an active run (it resumes from it) and the parent of an active run.
     The watermark goes first; headroom then demotes further only if the room is still short.
+
+    ``trash``: tiers whose expiries move the copy into the tier's own trash (``undo_window``):
+    they free nothing this pass, so the projection keeps their bytes (as it keeps a reap marked
+    ``Action.trash``); ``reap_actions`` also holds the trash purges, which do free theirs.
     """
     if not watched:
         return
@@ -118,7 +123,7 @@ def watermarks(
     projected = {i: float(w.usage.used_bytes) for i, w in watched.items()}
     for a in reap_actions:
         reaped_in = pos.get(a.tier or "")
-        if reaped_in is not None and reaped_in in projected:
+        if reaped_in is not None and reaped_in in projected and not a.trash:
             projected[reaped_in] -= a.bytes
     for item in items:
         known = item.locs.known_set
@@ -132,7 +137,7 @@ def watermarks(
                     projected[i] += b
         if not item.hold:
             for i in known - desired:
-                if i in projected:
+                if i in projected and (item.resident is not None or i not in trash):
                     projected[i] -= b
 
     for i in sorted(watched):

@@ -56,9 +56,21 @@ reconcile, a tier listing that failed."""
 
 
 def _reclaim_reasons() -> tuple[str, ...]:
+    from ckptkeeper.core import trash
     from ckptkeeper.core.reaper import ARTIFACT_KINDS, RULE_FAILED_RUN, RULE_PARTIAL, RULE_STALE_RUN
 
-    return ("expired", "moved", RULE_FAILED_RUN, RULE_STALE_RUN, RULE_PARTIAL, "reap", *ARTIFACT_KINDS)
+    return (
+        "expired",
+        "moved",
+        RULE_FAILED_RUN,
+        RULE_STALE_RUN,
+        RULE_PARTIAL,
+        "reap",
+        *ARTIFACT_KINDS,
+        trash.ENDED,
+        trash.PRESSURE,
+        trash.OFF,
+    )
 
 
 RECLAIM_REASONS = _reclaim_reasons()

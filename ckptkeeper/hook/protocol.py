@@ -64,6 +64,11 @@ as S3 marker keys): what carries it is ours, in progress or interrupted, and nev
 INDEX_RECORD_PREFIX = ".ckptkeeper-index-"
 """``<hot root>/.ckptkeeper-index-<node>.json``: this node had an index, and what it pinned. A hot
 root is never listed as a run when its name starts with a dot, so the record is never a checkpoint."""
+TRASH_DIR = ".ckptkeeper-trash"
+"""Directory (an S3 key prefix) at a tier's root (a shared tier: under the node's prefix) holding
+copies moved aside by ``undo_window``: ``<TRASH_DIR>/<stamp>/<run>/<name>`` with its manifest beside
+it. Hidden, so never a run, a checkpoint or a temp artifact; the planner purges it, ``undelete``
+brings an entry back."""
 
 StrPath: TypeAlias = "str | os.PathLike[str]"
 ParentSpec: TypeAlias = "ParentRef | str | os.PathLike[str] | tuple[str, int] | Mapping[str, Any] | None"

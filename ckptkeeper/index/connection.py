@@ -72,12 +72,18 @@ class Connection:
             uri, uri=True, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
         )
         self._db.row_factory = sqlite3.Row
-        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA foreign_keys = ON")
-        if not readonly:
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = FULL")
-            self._migrate()
+        try:
+            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._db.execute("PRAGMA foreign_keys = ON")
+            if not readonly:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = FULL")
+                self._migrate()
+        except UnicodeDecodeError as exc:
+            # A corrupt file can hand sqlite3 a schema or pragma text that is not UTF-8: that is
+            # corruption (rebuilt from the tiers), not a crash.
+            self._db.close()
+            raise IndexCorrupt(f"index {self.path}: unreadable text in the database: {exc}") from exc
         self._identity = self._file_identity()
         """(st_dev, st_ino) of the file this connection opened; None: not a file (``:memory:``),
         or not known yet (migrations run before it is taken)."""

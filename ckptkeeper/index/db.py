@@ -23,11 +23,12 @@ from ckptkeeper.index.journal import JournalMixin
 from ckptkeeper.index.rows import DAMAGED, CheckpointRow, RunRow, checkpoint_row, run_row
 from ckptkeeper.index.scrub import ScrubMixin
 from ckptkeeper.index.snapshot import foreign_copies, read_checkpoints, unknown_tiers
+from ckptkeeper.index.trash import TrashMixin
 
 __all__ = ["Index", "IndexReplaced"]
 
 
-class Index(ArtifactsMixin, JournalMixin, ScrubMixin):
+class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
     """A connection to the catalog. Thread-safe by serialising access (one writer anyway).
 
     Opening, migrating and transactions come from :class:`~ckptkeeper.index.connection.Connection`
@@ -310,6 +311,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin):
                 artifacts = tuple(self.artifacts())
                 statuses = self.tier_statuses()
                 foreign = foreign_copies(self._db, node) if node else {}
+                trash = tuple(entry for entry, _ in self.trash())
             finally:
                 self._db.execute("COMMIT")
         return Snapshot(
@@ -319,4 +321,5 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin):
             unknown_tiers=unknown_tiers(tier_names or (), statuses),
             foreign=foreign,
             node=node or "",
+            trash=trash,
         )

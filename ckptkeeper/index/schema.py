@@ -127,6 +127,24 @@ MIGRATIONS: tuple[str, ...] = (
         bad INTEGER NOT NULL DEFAULT 0
     );
     """,
+    # 4 -> 5: copies moved aside into a tier's trash by ``undo_window`` (README "Undo window"),
+    # as the last listing of each tier found them (the trash itself is the truth: each entry
+    # carries its manifest, so this table is rebuilt from the tiers like the rest).
+    """
+    CREATE TABLE trash (
+        tier TEXT NOT NULL,
+        path TEXT NOT NULL,
+        run TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        name TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        deleted_at REAL NOT NULL,
+        node TEXT NOT NULL DEFAULT '',
+        manifest TEXT NOT NULL,
+        PRIMARY KEY (tier, path)
+    );
+    CREATE INDEX trash_run_step ON trash (run, step);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -25,7 +25,7 @@ from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import hookfiles, layouts
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
-from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot
+from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot, record_trash
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
 
@@ -106,7 +106,23 @@ class Catalog:
         for row in self.index.runs():
             if row.on_hot and row.name not in seen:
                 self._run_gone_from_hot(row.name)
+        report.merge(self.reconcile_hot_trash())
         self.index.set_tier_status(hot, True)
+        return report
+
+    def reconcile_hot_trash(self) -> ReconcileReport:
+        """Record the hot tier's trash (``<hot>/.ckptkeeper-trash``, README "Undo window"): a hidden
+        directory, so never a run; listed here only. A failed listing keeps what was recorded."""
+        from ckptkeeper.storage import LocalTierStorage, TierUnavailable
+
+        report = ReconcileReport()
+        spec = self.settings.hot.to_spec()
+        try:
+            listing = LocalTierStorage(spec, hot=True).list_trash()
+        except TierUnavailable as exc:
+            log.warning("hot trash could not be listed; kept as recorded", error=str(exc))
+            return report
+        report.quarantined += record_trash(self.index, spec.name, listing)
         return report
 
     def reconcile_run(self, run: str, run_dir: Path | None = None) -> ReconcileReport:

@@ -10,7 +10,7 @@ the catalog is the only caller.
 from __future__ import annotations
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, Manifest, RunState
+from ckptkeeper.core.model import MANIFEST_SUFFIX, CheckpointState, Manifest, RunState, TrashEntry
 from ckptkeeper.core.preflight import is_scratch_run
 from ckptkeeper.index import DAMAGED, SCRUB_PROBLEM, CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
@@ -50,6 +50,7 @@ class SlowerTiers:
             listing, pins = storage.list_manifests_and_pins()
             uploads = storage.list_multipart_uploads()
             staging = storage.list_staging()
+            trash = storage.list_trash()
         except TierUnavailable as exc:
             log.warning(
                 "tier listing failed; treating it as unknown (no deletes depend on it)",
@@ -105,6 +106,7 @@ class SlowerTiers:
                 tier_name, [a for a in (*staging, *uploads) if not is_scratch_run(a.path)]
             )
             self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
+            report.quarantined += record_trash(self.index, tier_name, trash)
             # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
             # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
             restored = self.index.pin_by_name(sorted(pins))
@@ -170,6 +172,35 @@ def _scrub_found_bad(known: tuple[int, str] | None, manifest: Manifest, row: Che
         and row is not None
         and row.version == manifest.digest
     )
+
+
+def record_trash(
+    index: Index, tier: str, listing: list[tuple[str, Manifest | None, float, str | None]]
+) -> int:
+    """Record what a listing of ``tier``'s trash found (README "Undo window"); an entry that holds no
+    whole copy is quarantined with why (never purged or undeleted by guess). Returns how many."""
+    entries: list[tuple[TrashEntry, Manifest]] = []
+    held: list[Quarantined] = []
+    for path, manifest, deleted_at, error in listing:
+        if manifest is None:
+            log.warning("trash entry quarantined", tier=tier, path=path, error=error)
+            held.append(Quarantined(tier, path, "trash", error or "unreadable"))
+            continue
+        entry = TrashEntry(
+            tier=tier,
+            path=path,
+            run=manifest.run,
+            step=manifest.step,
+            name=manifest.name,
+            bytes=manifest.total_bytes,
+            deleted_at=deleted_at,
+            node=manifest.node,
+        )
+        entries.append((entry, manifest))
+    with index.transaction():
+        index.replace_trash(tier, entries)
+        index.replace_quarantine(tier, held, kinds=["trash"])
+    return len(held)
 
 
 def mark_off_hot(index: Index, run: str, last_seen: float, parent: tuple[str, int] | None) -> None:

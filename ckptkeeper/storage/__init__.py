@@ -57,10 +57,13 @@ Modules, each importing only those listed before it:
 * ``localfs``: durable writes into a local directory through directory fds (the local backend's
   copies and every backend's restore);
 * ``tier``: the contract, :class:`TierStorage`, which also picks the backend for a URL;
+* ``trash``: the trash of a tier (``undo_window``): entry names, and the local backend's move
+  aside, purge and undelete;
 * ``local``: :class:`LocalTierStorage`;
 * ``s3_client``: the S3 requests every S3 module builds on (client, errors, secret redaction);
 * ``s3_upload``: single-PUT and multipart uploads (and the ``_S3Tier`` surface they drive);
 * ``s3_transfer``: the S3 reader and the S3 sink (marker, files, manifest commit);
+* ``s3_trash``: an S3 tier's trash (server-side copies into and out of it);
 * ``s3_staging``: staging markers and multipart uploads in an S3 tier, for the reaper;
 * ``s3_fleet``: the fleet's lease and heartbeat objects in a shared bucket (conditional writes)
   and read-only views of other nodes' prefixes;

@@ -16,7 +16,8 @@ from ckptkeeper.core.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.hook.protocol import STAGING_MARK, TRASH_DIR
+from ckptkeeper.storage import trash
 from ckptkeeper.storage.base import (
     _MAX_MANIFEST_BYTES,
     _MAX_PIN_BYTES,
@@ -234,6 +235,8 @@ class LocalTierStorage(TierStorage):
                 ):
                     reldir = os.path.normpath(dirpath)
                     _skip_mounts(dirnames, reldir, mounts)
+                    if reldir == ".":  # the trash is listed by list_trash, never as copies or litter
+                        dirnames[:] = [d for d in dirnames if d != TRASH_DIR]
                     present = set(dirnames) | set(filenames)
                     committed_dirs: set[str] = set()
                     for fname in filenames:
@@ -410,6 +413,26 @@ class LocalTierStorage(TierStorage):
         self.delete(rel)
         return False
 
+    # -- trash (undo_window): :mod:`ckptkeeper.storage.trash` -------------------------------
+
+    def move_aside(self, manifest: Manifest, entry: str) -> None:
+        trash.local_move_aside(self, manifest, entry)
+
+    def probe_aside(self, manifest: Manifest, entry: str) -> tuple[bool, bool]:
+        return trash.local_probe(self, manifest, entry)
+
+    def finish_aside(self, manifest: Manifest) -> None:
+        trash.local_finish_move(self, manifest)
+
+    def list_trash(self) -> list[tuple[str, Manifest | None, float, str | None]]:
+        return trash.local_list(self)
+
+    def purge_trash(self, entry: str) -> int:
+        return trash.local_purge(self, entry)
+
+    def undelete(self, manifest: Manifest, entry: str) -> None:
+        trash.local_restore(self, manifest, entry)
+
     # -- pins ------------------------------------------------------------------------------
 
     def write_pin(self, run: str, name: str, step: int, node: str) -> None:
@@ -465,6 +488,8 @@ class LocalTierStorage(TierStorage):
                 ):
                     reldir = os.path.normpath(dirpath)
                     _skip_mounts(dirnames, reldir, mounts)
+                    if reldir == ".":  # the trash is listed by list_trash, never as copies or litter
+                        dirnames[:] = [d for d in dirnames if d != TRASH_DIR]
                     present = set(dirnames) | set(filenames)
                     committed: set[str] = set()
                     for entry in sorted(present):

@@ -18,7 +18,7 @@ from ckptkeeper.core.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.hook.protocol import STAGING_MARK, TRASH_DIR
 from ckptkeeper.storage.base import (
     _MAX_PIN_BYTES,
     DAMAGED_COPY,
@@ -40,6 +40,7 @@ from ckptkeeper.storage.s3_client import _CREDENTIAL_ENV, _collect_secrets
 from ckptkeeper.storage.s3_fleet import FleetObjects
 from ckptkeeper.storage.s3_staging import StagingObjects
 from ckptkeeper.storage.s3_transfer import _marker_doc, _S3Reader, _S3Sink
+from ckptkeeper.storage.s3_trash import TrashObjects
 from ckptkeeper.storage.tier import TierStorage, _compare_sizes
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ _NO_CONDITIONAL_WRITE = (
 )
 
 
-class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
+class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     """A tier in S3-compatible object storage, through s3fs/aiobotocore."""
 
     is_local = False
@@ -195,10 +196,13 @@ class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
 
         with self._errors(f"listing {self.url}", TierUnavailable):
             sizes = {o["Key"]: int(o["Size"]) for o in objs}
+            trash = f"{self.prefix}{TRASH_DIR}/"  # listed by list_trash, never as copies
             keys = [
                 o["Key"]
                 for o in objs
-                if o["Key"].endswith(MANIFEST_SUFFIX) and STAGING_MARK not in o["Key"].rsplit("/", 1)[-1]
+                if o["Key"].endswith(MANIFEST_SUFFIX)
+                and STAGING_MARK not in o["Key"].rsplit("/", 1)[-1]
+                and not o["Key"].startswith(trash)
             ]
 
             async def fetch_all() -> list[bytes | BaseException]:
@@ -359,10 +363,15 @@ class S3TierStorage(StagingObjects, FleetObjects, TierStorage):
         at the next one (pins are only ever added from a listing, so a late one costs nothing but a
         pass)."""
         out: set[tuple[str, str]] = set()
+        trash = f"{self.prefix}{TRASH_DIR}/"
         with self._errors(f"listing pins in {self.url}", TierUnavailable):
             for obj in objs:
                 key = obj["Key"]
-                if not key.endswith(PIN_SUFFIX) or STAGING_MARK in key.rsplit("/", 1)[-1]:
+                if (
+                    not key.endswith(PIN_SUFFIX)
+                    or STAGING_MARK in key.rsplit("/", 1)[-1]
+                    or key.startswith(trash)
+                ):
                     continue
                 if int(obj.get("Size", 0)) > _MAX_PIN_BYTES:
                     continue  # no pin of ours is that big: never downloaded

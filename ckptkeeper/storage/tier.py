@@ -145,6 +145,35 @@ class TierStorage:
     def same_filesystem(self, other: TierStorage) -> bool:
         return False
 
+    # -- trash (undo_window; layout and order in :mod:`ckptkeeper.storage.trash`) -------------
+
+    def move_aside(self, manifest: Manifest, entry: str) -> None:
+        """Move this tier's copy of ``manifest`` into trash entry ``entry`` (never a byte copy
+        through this host: a rename locally, a server-side copy + delete in S3), manifest beside it."""
+        raise StorageError(f"tier {self.name!r} has no trash")
+
+    def probe_aside(self, manifest: Manifest, entry: str) -> tuple[bool, bool]:
+        """(a whole copy is in ``entry``, data is still at its place): what journal recovery reads."""
+        raise StorageError(f"tier {self.name!r} has no trash")
+
+    def finish_aside(self, manifest: Manifest) -> None:
+        """Once the copy is whole in its entry: remove what is left at the old place (idempotent)."""
+        raise StorageError(f"tier {self.name!r} has no trash")
+
+    def list_trash(self) -> list[tuple[str, Manifest | None, float, str | None]]:
+        """Every trash entry: ``(entry, manifest, deleted_at, None)``, or ``(entry, None,
+        deleted_at, why)`` for one that holds no whole copy. Raises :class:`TierUnavailable`."""
+        return []
+
+    def purge_trash(self, entry: str) -> int:
+        """Remove ``entry`` for good; bytes freed (0 if already gone)."""
+        raise StorageError(f"tier {self.name!r} has no trash")
+
+    def undelete(self, manifest: Manifest, entry: str) -> None:
+        """Bring the copy in ``entry`` back to its place, checked against ``manifest``; refuses
+        when something occupies the place."""
+        raise StorageError(f"tier {self.name!r} has no trash")
+
     def copy_from(
         self,
         src: TierStorage,
