@@ -4,7 +4,10 @@ Values (pure, no files): ``checkpoint``, ``run``, ``snapshot``, ``tier``, ``mani
 ``manifest_of`` / ``file_entries`` which hash what is on disk as the catalog would.
 Config files: ``write_config`` renders a TOML config from plain values (mode 0600, replaced
 atomically, as the daemon expects), ``config_text`` is the same text, ``s3_tier`` a cold tier table
-on a moto endpoint.
+on a moto endpoint, ``fleet_node`` the config of one node of a fleet sharing a bucket.
+On disk and in processes: ``hf_checkpoint`` (a settled HF-style checkpoint), ``index_checkpoint``
+(a row in an :class:`~ckptkeeper.index.Index`), ``start_cli`` / ``run_cli`` (the real CLI in a
+subprocess, without the test environment's ``CKPTKEEPER_*`` variables).
 
 Argument order is the same everywhere: what identifies the thing first (``run, step``, ``name,
 url``), positionally; everything else by keyword, with the model's own field names (except
@@ -17,6 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -264,3 +270,93 @@ def write_config(
 ) -> Path:
     """``config_text(...)`` written to ``path`` (0600, atomically); returns ``path``."""
     return write_text_config(path, config_text(index=index, tiers=tiers, daemon=daemon, reaper=reaper, **top))
+
+
+def fleet_node(
+    base: Path,
+    name: str,
+    bucket: str,
+    endpoint: str,
+    *,
+    hot_keep_last: int = 1,
+    cold_keep_last: int | None = 10,
+    shared: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path:
+    """The config of node ``name`` of a fleet (``base/name/``: its own hot dir, index and
+    ``node``), with a ``replicate`` cold tier in ``bucket`` (``shared`` unless told otherwise).
+    Tests back-date checkpoints to mean "settled", hence ``trust_mtimes``."""
+    home = base / name
+    (home / "hot").mkdir(parents=True, exist_ok=True)
+    cold = s3_tier(
+        "cold", bucket, endpoint, storage_options=storage_options, replicate=True, keep_last=cold_keep_last
+    )
+    if shared:
+        cold["shared"] = True
+    return write_config(
+        home / "config.toml",
+        index=home / "index.db",
+        node=name,
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
+        tiers=[local_tier("hot", home / "hot", keep_last=hot_keep_last), cold],
+    )
+
+
+def hf_checkpoint(run_dir: Path, step: int, payload: bytes, *, age: float = 3600.0) -> Path:
+    """``run_dir/checkpoint-<step>`` as the HF Trainer leaves it (weights + ``trainer_state.json``),
+    every mtime ``age - step`` seconds ago: settled, and newer steps newer."""
+    when = time.time() - age + step
+    ckpt = run_dir / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.bin").write_bytes(payload)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    for p in [*ckpt.rglob("*"), ckpt]:
+        os.utime(p, (when, when))
+    return ckpt
+
+
+def index_checkpoint(index: Any, run: str, step: int, *, version: str | None = None, nbytes: int = 1) -> int:
+    """Catalog a complete ``checkpoint-<step>`` of ``run`` in ``index`` (an open
+    :class:`~ckptkeeper.index.Index`); returns its id. ``version`` defaults to ``v<step>``."""
+    return int(
+        index.upsert_checkpoint(
+            run=run,
+            name=f"checkpoint-{step}",
+            step=step,
+            layout="hf",
+            state=COMPLETE,
+            created_at=0.0,
+            last_write=0.0,
+            bytes=nbytes,
+            metrics={},
+            committed=False,
+            version=f"v{step}" if version is None else version,
+            manifest_json=None,
+            problem=None,
+        )
+    )
+
+
+def start_cli(config: Path, *args: str) -> subprocess.Popen[str]:
+    """``ckptkeeper --config CONFIG ARGS`` in a subprocess (text pipes), without ``CKPTKEEPER_*``
+    variables of the test environment (crash points, overrides)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def run_cli(config: Path, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """:func:`start_cli` to the end."""
+    proc = start_cli(config, *args)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

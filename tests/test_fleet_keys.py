@@ -6,60 +6,14 @@ keys; copies of the single-node layout stay readable."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from builders import local_tier, manifest_of, s3_tier, write_config
+from builders import fleet_node, hf_checkpoint, manifest_of, run_cli, start_cli
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, TierPolicy, TierSpec
 from ckptkeeper.storage import LocalTierStorage, TierStorage, s3_transfer
-
-
-def _write_checkpoint(run_dir: Path, step: int, payload: bytes) -> None:
-    when = time.time() - 3600
-    ckpt = run_dir / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
-    (ckpt / "model.bin").write_bytes(payload)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    for p in [*ckpt.rglob("*"), ckpt]:
-        os.utime(p, (when, when))
-
-
-def _node(base: Path, name: str, bucket: str, endpoint: str, *, shared: bool = True) -> Path:
-    home = base / name
-    (home / "hot").mkdir(parents=True)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=10)
-    if shared:
-        cold["shared"] = True
-    return write_config(
-        home / "config.toml",
-        index=home / "index.db",
-        node=name,
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},  # back-dated mtimes
-        tiers=[local_tier("hot", home / "hot", keep_last=5), cold],
-    )
-
-
-def _start(config: Path, *args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = _start(config, *args)
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _keys(client: Any, bucket: str) -> list[str]:
@@ -76,13 +30,13 @@ def _sha(path: Path) -> str:
 def test_same_run_name_on_two_nodes_never_shares_a_key_and_restores_by_node(
     tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
 ) -> None:
-    a = _node(tmp_path, "node-a", s3_bucket, s3_reset)
-    b = _node(tmp_path, "node-b", s3_bucket, s3_reset)
-    c = _node(tmp_path, "node-c", s3_bucket, s3_reset)
+    a = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset, hot_keep_last=5)
+    b = fleet_node(tmp_path, "node-b", s3_bucket, s3_reset, hot_keep_last=5)
+    c = fleet_node(tmp_path, "node-c", s3_bucket, s3_reset, hot_keep_last=5)
     payload = {"node-a": os.urandom(300_000), "node-b": os.urandom(300_000)}
     for name, data in payload.items():
-        _write_checkpoint(tmp_path / name / "hot" / "exp", 100, data)  # same run, same step, same moment
-    procs = [_start(a, "prune", "--json"), _start(b, "prune", "--json")]
+        hf_checkpoint(tmp_path / name / "hot" / "exp", 100, data)  # same run, same step, same moment
+    procs = [start_cli(a, "prune", "--json"), start_cli(b, "prune", "--json")]
     for p in procs:
         _out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
@@ -95,43 +49,43 @@ def test_same_run_name_on_two_nodes_never_shares_a_key_and_restores_by_node(
     # data under each node's own prefix; the fleet's heartbeats under .ckptkeeper/
     assert all(k.startswith(("ckpt/node-a/", "ckpt/node-b/", "ckpt/.ckptkeeper/nodes/")) for k in keys), keys
     for cfg in (a, b):
-        verify = _cli(cfg, "verify")
+        verify = run_cli(cfg, "verify")
         assert verify.returncode == 0, verify.stdout + verify.stderr
 
     # node C never held the run: by name alone it is ambiguous, and the error names the nodes
-    amb = _cli(c, "restore", "exp", "--to", str(tmp_path / "out"))
+    amb = run_cli(c, "restore", "exp", "--to", str(tmp_path / "out"))
     assert amb.returncode == 1
     assert "held by several nodes: node-a, node-b" in amb.stderr and "--node" in amb.stderr
     assert not (tmp_path / "out").exists()
     for name in ("node-a", "node-b"):
-        done = _cli(c, "restore", "exp", "--node", name, "--to", str(tmp_path / name / "out"))
+        done = run_cli(c, "restore", "exp", "--node", name, "--to", str(tmp_path / name / "out"))
         assert done.returncode == 0, done.stderr
         restored = tmp_path / name / "out" / "checkpoint-100" / "model.bin"
         assert restored.read_bytes() == payload[name]
     # node A restores its own run by name: its own wins over B's
-    own = _cli(a, "restore", "exp", "--to", str(tmp_path / "own"))
+    own = run_cli(a, "restore", "exp", "--to", str(tmp_path / "own"))
     assert own.returncode == 0, own.stderr
     assert (tmp_path / "own" / "checkpoint-100" / "model.bin").read_bytes() == payload["node-a"]
-    missing = _cli(c, "restore", "exp", "--node", "node-z", "--to", str(tmp_path / "z"))
+    missing = run_cli(c, "restore", "exp", "--node", "node-z", "--to", str(tmp_path / "z"))
     assert missing.returncode == 1 and "node 'node-z' holds no copy of run 'exp'" in missing.stderr
 
 
 def test_single_node_layout_stays_readable_after_sharing(
     tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
 ) -> None:
-    old = _node(tmp_path, "node-a", s3_bucket, s3_reset, shared=False)
+    old = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset, hot_keep_last=5, shared=False)
     data = os.urandom(100_000)
-    _write_checkpoint(tmp_path / "node-a" / "hot" / "legacy", 100, data)
-    done = _cli(old, "prune", "--json")
+    hf_checkpoint(tmp_path / "node-a" / "hot" / "legacy", 100, data)
+    done = run_cli(old, "prune", "--json")
     assert done.returncode == 0, done.stderr
     assert f"ckpt/legacy/checkpoint-100{MANIFEST_SUFFIX}" in _keys(s3_client, s3_bucket)
     before = _keys(s3_client, s3_bucket)
 
-    c = _node(tmp_path, "node-c", s3_bucket, s3_reset)  # a node of the shared era
-    done = _cli(c, "restore", "legacy", "--to", str(tmp_path / "out"))
+    c = fleet_node(tmp_path, "node-c", s3_bucket, s3_reset, hot_keep_last=5)  # a node of the shared era
+    done = run_cli(c, "restore", "legacy", "--to", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "checkpoint-100" / "model.bin").read_bytes() == data
-    pruned = _cli(c, "prune", "--json")  # C's own pass lists only its own prefix: the old copy stays
+    pruned = run_cli(c, "prune", "--json")  # C's own pass lists only its own prefix: the old copy stays
     assert pruned.returncode == 0, pruned.stderr
     assert [k for k in _keys(s3_client, s3_bucket) if "/.ckptkeeper/" not in k] == before
 
@@ -142,7 +96,7 @@ def test_a_losing_writer_deletes_only_its_own_keys(
     """Two writers of one key (the single-node layout shared by mistake): the one that aborts
     leaves the other's object and upload alone."""
     root = tmp_path / "hot"
-    _write_checkpoint(root / "exp", 100, os.urandom(50_000))
+    hf_checkpoint(root / "exp", 100, os.urandom(50_000))
     m = manifest_of(root, "exp", 100)
     hot = LocalTierStorage(TierSpec("hot", str(root), TierPolicy()), hot=True)
     cold = TierStorage(TierSpec("cold", f"s3://{s3_bucket}/ckpt", TierPolicy(), s3_storage_options))

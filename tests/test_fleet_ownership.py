@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import checkpoint, local_tier, s3_tier, snapshot, tier, write_config
+from builders import checkpoint, fleet_node, hf_checkpoint, index_checkpoint, run_cli, snapshot, tier
 
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import MANIFEST_SUFFIX, ActionKind
@@ -64,25 +61,9 @@ def _with(snap: Any, foreign: dict[tuple[str, int, str], str]) -> Any:
 
 
 def test_index_snapshot_reports_copies_other_nodes_wrote(tmp_path: Path) -> None:
-    from ckptkeeper.core.model import CheckpointState
-
     with Index(tmp_path / "i.db") as ix:
         for step, owner in ((1, "node-a"), (2, "node-b"), (3, "")):
-            cid = ix.upsert_checkpoint(
-                run="exp",
-                name=f"checkpoint-{step}",
-                step=step,
-                layout="hf",
-                state=CheckpointState.COMPLETE,
-                created_at=0.0,
-                last_write=0.0,
-                bytes=1,
-                metrics={},
-                committed=False,
-                version=f"v{step}",
-                manifest_json=None,
-                problem=None,
-            )
+            cid = index_checkpoint(ix, "exp", step)
             ix.set_location(cid, "cold", f"v{step}", node=owner)
         ix.set_tier_status("cold", True)
         assert ix.snapshot(["cold"], node="node-b").foreign == {("exp", 1, "cold"): "node-a"}
@@ -93,26 +74,10 @@ def test_damaged_copy_of_another_node_stays_its_own(tmp_path: Path) -> None:
     """A copy found damaged (version ``damaged: …``, issue #13) keeps its owner: marked by a
     listing (owner from its manifest) or by a survivor re-check (owner already recorded), it is
     still reported foreign, so this node's plan never deletes it."""
-    from ckptkeeper.core.model import CheckpointState
-
     with Index(tmp_path / "i.db") as ix:
         cids = {}
         for step in (1, 2, 3):
-            cids[step] = ix.upsert_checkpoint(
-                run="exp",
-                name=f"checkpoint-{step}",
-                step=step,
-                layout="hf",
-                state=CheckpointState.COMPLETE,
-                created_at=0.0,
-                last_write=0.0,
-                bytes=1,
-                metrics={},
-                committed=False,
-                version=f"v{step}",
-                manifest_json=None,
-                problem=None,
-            )
+            cids[step] = index_checkpoint(ix, "exp", step)
         ix.set_location(cids[1], "cold", "v1", node="node-a")
         ix.mark_damaged(cids[1], "cold", "data missing")  # survivor re-check: owner unchanged
         ix.mark_damaged(cids[2], "cold", "size differs", node="node-a")  # a listing: from the manifest
@@ -132,42 +97,8 @@ def test_damaged_copy_of_another_node_stays_its_own(tmp_path: Path) -> None:
 
 def _write_checkpoints(run_dir: Path, steps: list[int]) -> None:
     """HF-style checkpoints, old enough to have settled."""
-    when = time.time() - 3600
     for step in steps:
-        ckpt = run_dir / f"checkpoint-{step}"
-        ckpt.mkdir(parents=True)
-        (ckpt / "model.bin").write_bytes(os.urandom(4096 + step))
-        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-        for p in [*ckpt.rglob("*"), ckpt]:
-            os.utime(p, (when + step, when + step))
-
-
-def _node(
-    base: Path, name: str, bucket: str, endpoint: str, *, cold_keep_last: int | None, shared: bool
-) -> Path:
-    home = base / name
-    (home / "hot").mkdir(parents=True)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=cold_keep_last)
-    if shared:
-        cold["shared"] = True
-    return write_config(
-        home / "config.toml",
-        index=home / "index.db",
-        node=name,
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},  # back-dated mtimes
-        tiers=[local_tier("hot", home / "hot", keep_last=1), cold],
-    )
-
-
-def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+        hf_checkpoint(run_dir, step, os.urandom(4096 + step))
 
 
 def _manifests(client: Any, bucket: str) -> list[str]:
@@ -188,17 +119,17 @@ def _owners(client: Any, bucket: str) -> dict[str, str]:
 def test_node_b_policy_never_deletes_node_a_copies(
     tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str, shared: bool
 ) -> None:
-    a = _node(tmp_path, "node-a", s3_bucket, s3_reset, cold_keep_last=None, shared=shared)
-    b = _node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep_last=1, shared=shared)
+    a = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset, cold_keep_last=None, shared=shared)
+    b = fleet_node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep_last=1, shared=shared)
     _write_checkpoints(tmp_path / "node-a" / "hot" / "exp-a", [100, 200, 300])
     _write_checkpoints(tmp_path / "node-b" / "hot" / "exp-b", [100, 200, 300])
 
-    done = _cli(a, "prune", "--json")
+    done = run_cli(a, "prune", "--json")
     assert done.returncode == 0, done.stderr
     a_copies = {k for k, owner in _owners(s3_client, s3_bucket).items() if owner == "node-a"}
     assert len(a_copies) == 3, _owners(s3_client, s3_bucket)
 
-    dry = _cli(b, "prune", "--dry-run", "--json")
+    dry = run_cli(b, "prune", "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr
     plan = json.loads(dry.stdout)
     assert not [x for x in plan["actions"] if x["run"] == "exp-a"]
@@ -208,10 +139,10 @@ def test_node_b_policy_never_deletes_node_a_copies(
         assert kept[("exp-a", 200)] == ["owned by node node-a: not ours"]
 
     for _ in range(2):  # copy, then expire what B's own keep_last=1 does not keep
-        done = _cli(b, "prune", "--json")
+        done = run_cli(b, "prune", "--json")
         assert done.returncode == 0, done.stderr
     owners = _owners(s3_client, s3_bucket)
     assert {k for k, o in owners.items() if o == "node-a"} == a_copies  # counted from the bucket
     assert len([k for k, o in owners.items() if o == "node-b"]) == 1  # B's own rule did apply to B
-    verify = _cli(a, "verify")
+    verify = run_cli(a, "verify")
     assert verify.returncode == 0, verify.stdout + verify.stderr
