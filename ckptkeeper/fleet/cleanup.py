@@ -2,8 +2,12 @@
 of nodes that are gone — their heartbeat object is older than ``fleet.orphan_after`` — and whose
 own marker heartbeat is older than ``fleet.heartbeat_ttl`` (never a live copy).
 
-Only the lease holder does this, and it renews the lease (If-Match) before every delete, so two
-nodes never clean the same litter: each orphan is cleaned exactly once. A node with no heartbeat
+Only the lease holder does this, and it renews the lease (If-Match on the etag it wrote itself)
+before every delete, so two nodes never clean the same litter: each orphan is cleaned exactly
+once. A holder whose lease expired and was taken over meanwhile (a stall past ``lease_ttl``) stops,
+even if the other node has released it since: what it listed is stale. Uploads are listed after
+the markers are discarded: a marker's discard aborts the uploads under its target, and an upload
+already aborted is not reported again. A node with no heartbeat
 object at all is unknown, not gone (it may run an older version): its litter is left alone.
 """
 
@@ -15,6 +19,9 @@ from dataclasses import dataclass, field
 from ckptkeeper.fleet.lease import Lease
 from ckptkeeper.fleet.nodes import NodeBeat
 from ckptkeeper.storage import S3TierStorage, StorageError
+from ckptkeeper.util.logs import get_logger
+
+log = get_logger("ckptkeeper.fleet.cleanup")
 
 __all__ = ["CleanReport", "clean_gone_nodes", "gone_nodes"]
 
@@ -43,23 +50,45 @@ def clean_gone_nodes(
         view = tier.adopt(node)
         try:
             staging = view.list_staging()
-            uploads = view.list_multipart_uploads()
         except StorageError as exc:
             report.errors.append(f"{node}: {exc}")
             continue
-        for artifact, dispose, done in (
-            *((a, view.discard_staging, report.discarded) for a in staging),
-            *((u, view.abort_multipart, report.aborted) for u in uploads),
-        ):
+        for artifact in staging:
             if now - artifact.last_write < heartbeat_ttl:
                 report.skipped_live += 1
                 continue
-            if not lease.acquire():
+            if not lease.renew():
                 report.lost_lease = True
                 return report
             try:
-                dispose(artifact)
-                done.append(f"{node}/{artifact.path}")
+                view.discard_staging(artifact)
+                report.discarded.append(f"{node}/{artifact.path}")
+                # one line per item, written the moment it is gone: who cleaned what survives a
+                # kill of this process before its pass reports (the fleet stress mode counts these)
+                log.info("fleet cleanup: discarded a gone node's staging marker", gone=node, path=artifact.path)
             except StorageError as exc:
                 report.errors.append(f"{node}/{artifact.path}: {exc}")
+        try:
+            uploads = view.list_multipart_uploads()  # what the discards above left
+        except StorageError as exc:
+            report.errors.append(f"{node}: {exc}")
+            continue
+        for upload in uploads:
+            if now - upload.last_write < heartbeat_ttl:
+                report.skipped_live += 1
+                continue
+            if not lease.renew():
+                report.lost_lease = True
+                return report
+            try:
+                view.abort_multipart(upload)
+                report.aborted.append(f"{node}/{upload.path}")
+                log.info(
+                    "fleet cleanup: aborted a gone node's upload",
+                    gone=node,
+                    path=upload.path,
+                    upload_id=upload.upload_id,
+                )
+            except StorageError as exc:
+                report.errors.append(f"{node}/{upload.path}: {exc}")
     return report

@@ -127,6 +127,21 @@ class Lease:
         self.etag, self.info = new, info
         return True
 
+    def renew(self) -> bool:
+        """Extend the lease we hold, only if nobody has written it since we did (If-Match on our
+        own etag). False when it is not ours any more: it expired and another node took it over
+        (released or not since) — work planned under the old lease is stale and must stop, or two
+        holders clean the same litter. :meth:`acquire` would take a released lease back."""
+        if self.etag is None or self.info is None:
+            return False
+        info = LeaseInfo(self.node, os.getpid(), self.info.acquired, self.clock() + self.ttl)
+        new = self.tier.put_fleet_object(LEASE, info.to_json(), if_match=self.etag)
+        if new is None:
+            self.etag, self.info = None, None
+            return False
+        self.etag, self.info = new, info
+        return True
+
     def release(self) -> None:
         """Expire our lease now (If-Match: only if it is still ours), so another node need not
         wait out the TTL. Best effort: an unreleased lease simply expires."""
