@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builders import config_text, local_tier, s3_tier, write_text_config  # noqa: E402
+from builders import config_text, local_tier, s3_tier, write_text_config
 
-from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest  # noqa: E402
-from ckptkeeper.hook.protocol import STAGING_MARK  # noqa: E402
-from ckptkeeper.util import hashing  # noqa: E402
+from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
+from ckptkeeper.hook.protocol import STAGING_MARK
+from ckptkeeper.util import hashing
 
 PREFIX = "ckpt"
 FLEET = f"{PREFIX}/.ckptkeeper/"
@@ -69,7 +69,10 @@ BIG = 40 * MiB
 (three parts: a wide window for the driver to see it in flight and kill the node)."""
 HASH_BELOW = MiB
 """Objects below this are downloaded and hashed by the checker; bigger ones are checked by size."""
-CLEANUP_EVENTS = ("fleet cleanup: discarded a gone node's staging marker", "fleet cleanup: aborted a gone node's upload")
+CLEANUP_EVENTS = (
+    "fleet cleanup: discarded a gone node's staging marker",
+    "fleet cleanup: aborted a gone node's upload",
+)
 
 
 @dataclass
@@ -200,7 +203,9 @@ def write_checkpoint(node: Node, run: str, step: int, size: int, rng: random.Ran
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
+    )
     return {**env, **extra}
 
 
@@ -221,8 +226,11 @@ class Fleet:
         self.rng = random.Random(args.seed)
         self.store = Store(endpoint, bucket)
         self.fig = Figures(nodes=args.nodes, rounds=args.rounds)
-        fleet = {"lease_ttl": f"{args.lease_ttl}s", "heartbeat_ttl": f"{args.heartbeat_ttl}s",
-                 "orphan_after": f"{args.orphan_after}s"}
+        fleet = {
+            "lease_ttl": f"{args.lease_ttl}s",
+            "heartbeat_ttl": f"{args.heartbeat_ttl}s",
+            "orphan_after": f"{args.orphan_after}s",
+        }
         self.nodes = [make_node(base, f"node-{i:02d}", endpoint, bucket, fleet) for i in range(args.nodes)]
         n_orphans = max(1, args.nodes // 10) if args.rounds >= 2 else 0
         for i, node in enumerate(self.rng.sample(self.nodes, n_orphans)):
@@ -246,7 +254,9 @@ class Fleet:
         with open(p.node.home / "logs" / f"{tag}.out", "wb") as out, open(p.stderr, "wb") as err:
             return subprocess.Popen(
                 [sys.executable, "-m", "ckptkeeper.cli", "--config", str(p.node.config), "prune", "--json"],
-                stdout=out, stderr=err, env=_env(env),
+                stdout=out,
+                stderr=err,
+                env=_env(env),
             )
 
     def _run(self, p: Pass) -> Pass:
@@ -260,7 +270,9 @@ class Fleet:
                     proc.wait(timeout=p.arg)
             elif p.fate == "orphan":
                 prefix = f"{PREFIX}/{p.node.name}/"
-                while proc.poll() is None and not any(k.startswith(prefix) for k in self.store.uploads().values()):
+                while proc.poll() is None and not any(
+                    k.startswith(prefix) for k in self.store.uploads().values()
+                ):
                     time.sleep(0.05)
             else:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -306,7 +318,11 @@ class Fleet:
         stalled: set[int] = set()
         while not stop.wait(0.1):
             lease = self.store.lease()
-            if not lease or not isinstance(lease.get("pid"), int) or float(lease.get("expires", 0)) <= time.time():
+            if (
+                not lease
+                or not isinstance(lease.get("pid"), int)
+                or float(lease.get("expires", 0)) <= time.time()
+            ):
                 continue
             pid = lease["pid"]
             with self.lock:
@@ -342,7 +358,9 @@ class Fleet:
             write_checkpoint(node, "exp", step, size, self.rng)
             self.fig.checkpoints_written += 1
             if self.rng.random() < 0.7:
-                write_checkpoint(node, f"job-{int(node.name[5:]) % 5}", step, self.rng.randint(20_000, 80_000), self.rng)
+                write_checkpoint(
+                    node, f"job-{int(node.name[5:]) % 5}", step, self.rng.randint(20_000, 80_000), self.rng
+                )
                 self.fig.checkpoints_written += 1
         before = self.store.objects()
         passes = self.run_passes([self.fate(n, rnd) for n in live])
@@ -364,7 +382,9 @@ class Fleet:
         for i in range(2):
             before = self.store.objects()
             self.run_passes([Pass(n, "clean") for n in live])
-            self.check_owner_deletes(before, self.store.objects(), ran={n.name for n in live}, where=f"final pass {i}")
+            self.check_owner_deletes(
+                before, self.store.objects(), ran={n.name for n in live}, where=f"final pass {i}"
+            )
         self.check_cold("end")
         self.check_orphans()
 
@@ -382,7 +402,9 @@ class Fleet:
             self.orphan_litter[node.name] = items
             self.fig.orphan_litter += len(items)
 
-    def _cold_copy_problem(self, node: Node, run: str, step: int, objects: dict[str, tuple[str, int]]) -> str | None:
+    def _cold_copy_problem(
+        self, node: Node, run: str, step: int, objects: dict[str, tuple[str, int]]
+    ) -> str | None:
         base = f"{PREFIX}/{node.name}/{run}/checkpoint-{step}"
         if base + MANIFEST_SUFFIX not in objects:
             return "no manifest"
@@ -395,7 +417,9 @@ class Fleet:
         want = node.written[run][step]
         got = {f.path: (f.size, f.hash) for f in m.files}
         if got != want:
-            return f"manifest files {sorted(got.items())} are not what {node.name} wrote {sorted(want.items())}"
+            return (
+                f"manifest files {sorted(got.items())} are not what {node.name} wrote {sorted(want.items())}"
+            )
         for rel, (size, digest) in want.items():
             key = f"{base}/{rel}"
             if key not in objects:
@@ -421,7 +445,9 @@ class Fleet:
                     continue
                 problem = self._cold_copy_problem(node, run, step, objects)
                 if problem:
-                    self.violation(f"{where}: {node.name} {run}/checkpoint-{step} kept by policy is lost: hot incomplete, cold {problem}")
+                    self.violation(
+                        f"{where}: {node.name} {run}/checkpoint-{step} kept by policy is lost: hot incomplete, cold {problem}"
+                    )
 
     def check_cold(self, where: str) -> None:
         """After a clean pass: each kept checkpoint of every node (orphans: what they had when they
@@ -429,12 +455,18 @@ class Fleet:
         objects = self.store.objects()
         for node in self.nodes:
             for run, step in node.kept():
-                if node.dead and f"{PREFIX}/{node.name}/{run}/checkpoint-{step}{MANIFEST_SUFFIX}" not in self.orphan_committed(node):
+                if (
+                    node.dead
+                    and f"{PREFIX}/{node.name}/{run}/checkpoint-{step}{MANIFEST_SUFFIX}"
+                    not in self.orphan_committed(node)
+                ):
                     continue  # died before copying it: still in its hot dir, which no one else prunes
                 self.fig.kept_checked += 1
                 problem = self._cold_copy_problem(node, run, step, objects)
                 if problem:
-                    self.violation(f"{where}: {node.name} {run}/checkpoint-{step} kept by policy: cold copy {problem}")
+                    self.violation(
+                        f"{where}: {node.name} {run}/checkpoint-{step} kept by policy: cold copy {problem}"
+                    )
         names = {n.name for n in self.nodes}
         for key in objects:
             if key.startswith(FLEET):
@@ -456,7 +488,9 @@ class Fleet:
         self.fig.keys_diffed += len(before)
         for node in self.nodes:
             if node.dead and node.name not in self._committed:
-                self._committed[node.name] = {k for k in after if k.startswith(f"{PREFIX}/{node.name}/") and k.endswith(MANIFEST_SUFFIX)}
+                self._committed[node.name] = {
+                    k for k in after if k.startswith(f"{PREFIX}/{node.name}/") and k.endswith(MANIFEST_SUFFIX)
+                }
         committed_before = {k[: -len(MANIFEST_SUFFIX)] for k in before if k.endswith(MANIFEST_SUFFIX)}
         for key, (etag, _size) in before.items():
             if key.startswith(FLEET):
@@ -471,7 +505,9 @@ class Fleet:
             litter = STAGING_MARK in key or not any(key.startswith(c + "/") for c in committed_before)
             if gone and litter:
                 continue  # the lease holder's cleanup; counted in check_orphans
-            self.violation(f"{where}: {key} of {owner} {'deleted' if gone else 'overwritten'} while {owner} ran no pass")
+            self.violation(
+                f"{where}: {key} of {owner} {'deleted' if gone else 'overwritten'} while {owner} ran no pass"
+            )
 
     def cleanup_log(self) -> tuple[Counter[str], Counter[str]]:
         """From every pass's stderr (killed passes included): (items cleaned: marker keys and
@@ -504,7 +540,9 @@ class Fleet:
                 self.violation(f"{item} discarded {n} times by the fleet cleanup (want at most once)")
         for upload_id, n in sorted(ids.items()):
             if n > 1:
-                self.violation(f"upload {upload_id} aborted {n} times by the fleet cleanup (want at most once)")
+                self.violation(
+                    f"upload {upload_id} aborted {n} times by the fleet cleanup (want at most once)"
+                )
         objects, uploads = self.store.objects(), self.store.uploads()
         for node in self.nodes:
             if not node.dead:
@@ -518,7 +556,11 @@ class Fleet:
                 n = seen[item]
                 if item.startswith("upload:"):  # a marker's discard aborts the uploads under its target
                     target = item[len("upload:") :]
-                    n += sum(c for k, c in seen.items() if STAGING_MARK in k and target.startswith(k.split(STAGING_MARK)[0] + "/"))
+                    n += sum(
+                        c
+                        for k, c in seen.items()
+                        if STAGING_MARK in k and target.startswith(k.split(STAGING_MARK)[0] + "/")
+                    )
                 if n != 1:
                     self.violation(f"orphan {node.name}: {item} cleaned {n} times (want exactly once)")
 
@@ -529,7 +571,11 @@ def _moto() -> tuple[Any, str]:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ[name] = value
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -545,7 +591,10 @@ def run_stress(base: Path, endpoint: str, bucket: str, args: argparse.Namespace)
     for rnd in range(args.rounds):
         fleet.round(rnd)
         if args.verbose:
-            print(f"round {rnd}: {len(fleet.fig.violations)} violations, {time.time() - started:.0f} s", file=sys.stderr)
+            print(
+                f"round {rnd}: {len(fleet.fig.violations)} violations, {time.time() - started:.0f} s",
+                file=sys.stderr,
+            )
     fleet.finish()
     fleet.fig.seconds = round(time.time() - started, 1)
     return fleet.fig
@@ -557,8 +606,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--parallel", type=int, default=16, help="node processes running at once")
-    p.add_argument("--kill-chance", type=float, default=0.3, help="share of passes killed (half at a crash point)")
-    p.add_argument("--stall-chance", type=float, default=0.5, help="chance to stop a lease holder past its TTL")
+    p.add_argument(
+        "--kill-chance", type=float, default=0.3, help="share of passes killed (half at a crash point)"
+    )
+    p.add_argument(
+        "--stall-chance", type=float, default=0.5, help="chance to stop a lease holder past its TTL"
+    )
     p.add_argument("--lease-ttl", type=float, default=5.0)
     p.add_argument("--heartbeat-ttl", type=float, default=5.0)
     p.add_argument("--orphan-after", type=float, default=20.0)

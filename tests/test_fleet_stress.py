@@ -15,10 +15,8 @@ from stress_fleet import parser, run_stress
 
 @pytest.mark.slow
 def test_fleet_stress_small(tmp_path: Path, s3_reset: str) -> None:
-    args = parser().parse_args(
-        ["--nodes", "4", "--rounds", "2", "--seed", "7", "--parallel", "4", "--kill-chance", "0.6",
-         "--stall-chance", "1.0", "--orphan-after", "6"]
-    )
+    cli = "--nodes 4 --rounds 2 --seed 7 --parallel 4 --kill-chance 0.6 --stall-chance 1 --orphan-after 6"
+    args = parser().parse_args(cli.split(" "))
     fig = run_stress(tmp_path, s3_reset, "fleet-stress", args)
     assert fig.violations == []
     assert fig.orphans == 1 and fig.orphan_litter >= 1 and fig.cleanup_events >= 1, fig

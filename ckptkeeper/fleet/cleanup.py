@@ -65,7 +65,9 @@ def clean_gone_nodes(
                 report.discarded.append(f"{node}/{artifact.path}")
                 # one line per item, written the moment it is gone: who cleaned what survives a
                 # kill of this process before its pass reports (the fleet stress mode counts these)
-                log.info("fleet cleanup: discarded a gone node's staging marker", gone=node, path=artifact.path)
+                log.info(
+                    "fleet cleanup: discarded a gone node's staging marker", gone=node, path=artifact.path
+                )
             except StorageError as exc:
                 report.errors.append(f"{node}/{artifact.path}: {exc}")
         try:
