@@ -43,10 +43,11 @@ def test_conditional_writes_and_the_lease(store: tuple[str, dict[str, Any]]) -> 
     assert probe_conditional_writes(a, "node-a")
     la = Lease(a, "node-a", 60)
     lb = Lease(b, "node-b", 60, clock=lambda: time.time() + 120)
-    assert la.acquire()
+    assert la.acquire() and la.renew()  # renewed with If-Match on the etag A wrote
     assert lb.acquire()  # B's clock says A's lease expired: taken over with If-Match
     assert not la.acquire()
     lb.release()
+    assert not la.renew()  # A's etag is stale: a holder that lost its lease stops, released or not
     assert la.acquire()
 
 
