@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ``builders`` beside this file, and the checkout's ``ckptkeeper`` (the node processes get it too)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builders import config_text, local_tier, s3_tier, write_text_config
 
