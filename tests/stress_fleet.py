@@ -504,7 +504,10 @@ class Fleet:
             changed = not gone and after[key][0] != etag
             if not gone and not changed:
                 continue
-            litter = STAGING_MARK in key or not any(key.startswith(c + "/") for c in committed_before)
+            litter = STAGING_MARK in key or (
+                not key.endswith(MANIFEST_SUFFIX)
+                and not any(key.startswith(c + "/") for c in committed_before)
+            )
             if gone and litter:
                 continue  # the lease holder's cleanup; counted in check_orphans
             self.violation(
