@@ -246,6 +246,8 @@ class Fleet:
         self._committed: dict[str, set[str]] = {}
         """orphan -> its committed manifest keys when it died (what it had in cold)."""
         self.stall_rng = random.Random(f"{args.seed}:stall")
+        self.late: Counter[str] = Counter()
+        """Cleaned items whose delete ended after the cleaner's lease had expired (it logs so)."""
 
     # ---- passes --------------------------------------------------------------------------------
 
@@ -530,10 +532,11 @@ class Fleet:
                         continue
                     key = f"{PREFIX}/{doc.get('gone')}/{doc.get('path')}"
                     if "aborted" in doc["event"]:
-                        items[f"upload:{key}"] += 1
+                        key = f"upload:{key}"
                         ids[str(doc.get("upload_id"))] += 1
-                    else:
-                        items[key] += 1
+                    items[key] += 1
+                    if doc.get("late"):
+                        self.late[key] += 1
         return items, ids
 
     def check_orphans(self) -> None:
@@ -542,7 +545,9 @@ class Fleet:
         # anywhere in the fleet (also a live node's litter while it looked gone): never twice
         for item, n in sorted(seen.items()):
             if STAGING_MARK in item and n > 1:
-                self.violation(f"{item} discarded {n} times by the fleet cleanup (want at most once)")
+                self.violation(
+                    f"{item} discarded {n} times by the fleet cleanup (want at most once){self._why(item)}"
+                )
         for upload_id, n in sorted(ids.items()):
             if n > 1:
                 self.violation(
@@ -567,7 +572,15 @@ class Fleet:
                         if STAGING_MARK in k and target.startswith(k.split(STAGING_MARK)[0] + "/")
                     )
                 if n != 1:
-                    self.violation(f"orphan {node.name}: {item} cleaned {n} times (want exactly once)")
+                    self.violation(
+                        f"orphan {node.name}: {item} cleaned {n} times (want exactly once){self._why(item)}"
+                    )
+
+    def _why(self, item: str) -> str:
+        late = self.late[item] or sum(
+            c for k, c in self.late.items() if STAGING_MARK in k and item.startswith("upload:")
+        )
+        return f" ({late} by a holder whose lease expired during the delete)" if late else ""
 
 
 def _moto() -> tuple[Any, str]:

@@ -274,3 +274,25 @@ def test_a_holder_whose_lease_was_taken_over_stops_cleaning(
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert marker in keys and len(_uploads(s3_client, s3_bucket)) == 1
     assert not a.renew() and a.acquire()  # a new pass may take the released lease back
+
+
+def test_a_delete_that_outlived_the_lease_is_reported_and_cleaning_stops(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_storage_options: dict[str, Any]
+) -> None:
+    """The window no lease closes on S3 (deletes carry no fencing token): the holder renewed, then
+    was stalled past lease_ttl inside the delete. It cannot undo the delete; it says so and stops
+    (the fleet stress mode saw one marker discarded by both holders, 0.7 s apart)."""
+    _abandoned_copy(tmp_path, s3_bucket, s3_storage_options, "node-z")
+    _abandoned_copy(tmp_path / "second", s3_bucket, s3_storage_options, "node-z")  # same key: one marker each
+    later = time.time() + 3700
+    ticks = iter([later, later])  # acquire, renew; every later reading is past the TTL
+    a = Lease(
+        _shared(s3_bucket, s3_storage_options, "node-a"), "node-a", 60, clock=lambda: next(ticks, later + 61)
+    )
+    assert a.acquire()
+    report = clean_gone_nodes(a.tier, a, ["node-z"], later, 300.0)
+    assert report.lost_lease and len(report.discarded) == 1 and report.late == report.discarded
+    markers = [
+        o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"] if STAGING_MARK in o["Key"]
+    ]
+    assert len(markers) == 1  # the second item is left for the next holder

@@ -89,6 +89,11 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
             for item in report.aborted:
                 notes.append(f"{tier.name}: lease holder aborted upload {item} (node gone)")
             notes += [f"{tier.name}: fleet cleanup: {e}" for e in report.errors]
+            notes += [
+                f"{tier.name}: fleet cleanup: the lease expired during the delete of {item} "
+                "(this process was stalled); another holder may have cleaned it too"
+                for item in report.late
+            ]
         except StorageError as exc:
             log.warning(
                 "fleet step failed; the node's own pass is unaffected", tier=tier.name, error=str(exc)

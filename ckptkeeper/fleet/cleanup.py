@@ -38,6 +38,11 @@ class CleanReport:
     skipped_live: int = 0
     errors: list[str] = field(default_factory=list)
     lost_lease: bool = False
+    late: list[str] = field(default_factory=list)
+    """Items whose delete finished after our lease had expired (this process was stalled past
+    ``lease_ttl`` mid-delete): another holder may have cleaned them too. S3 deletes carry no
+    fencing token, so this window is reported, not closed; repeating a delete of a dead copy's
+    marker, objects and uploads changes nothing."""
 
 
 def clean_gone_nodes(
@@ -66,10 +71,15 @@ def clean_gone_nodes(
                 # one line per item, written the moment it is gone: who cleaned what survives a
                 # kill of this process before its pass reports (the fleet stress mode counts these)
                 log.info(
-                    "fleet cleanup: discarded a gone node's staging marker", gone=node, path=artifact.path
+                    "fleet cleanup: discarded a gone node's staging marker",
+                    gone=node,
+                    path=artifact.path,
+                    late=not lease.held,
                 )
             except StorageError as exc:
                 report.errors.append(f"{node}/{artifact.path}: {exc}")
+            if _expired_during(lease, report, f"{node}/{artifact.path}"):
+                return report
         try:
             uploads = view.list_multipart_uploads()  # what the discards above left
         except StorageError as exc:
@@ -90,7 +100,25 @@ def clean_gone_nodes(
                     gone=node,
                     path=upload.path,
                     upload_id=upload.upload_id,
+                    late=not lease.held,
                 )
             except StorageError as exc:
                 report.errors.append(f"{node}/{upload.path}: {exc}")
+            if _expired_during(lease, report, f"{node}/{upload.path}"):
+                return report
     return report
+
+
+def _expired_during(lease: Lease, report: CleanReport, item: str) -> bool:
+    """Did our lease run out while we deleted ``item`` (by our clock)? Then stop: another node may
+    hold it now, and this process's listing is stale."""
+    if lease.held:
+        return False
+    log.warning(
+        "fleet cleanup: the lease expired during a delete (this process was stalled); another "
+        "holder may have cleaned this item too; stopping",
+        item=item,
+    )
+    report.late.append(item)
+    report.lost_lease = True
+    return True
