@@ -141,6 +141,11 @@ def _no_nul_byte(value: str) -> str:
     return value
 
 
+MARKER_BEAT = 60.0
+"""Seconds between staging-marker rewrites of a copy in progress, unless ``fleet.heartbeat_ttl`` / 4
+is shorter (:attr:`ckptkeeper.core.model.TierSpec.marker_beat`)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -176,6 +181,7 @@ class TierConfig(_Strict):
     (DESIGN §10); only an ``s3://`` tier can be shared."""
 
     _node: str = PrivateAttr(default="")
+    _marker_beat: float = PrivateAttr(default=60.0)
 
     @field_validator("url")
     @classmethod
@@ -220,6 +226,7 @@ class TierConfig(_Strict):
             storage_options=dict(self.storage_options),
             node=self._node,
             shared=self.shared,
+            marker_beat=self._marker_beat,
             policy=TierPolicy(
                 keep_last=self.keep_last,
                 keep_best=self.keep_best,
@@ -349,6 +356,8 @@ class Settings(BaseSettings):
                 )
         for t in self.tiers:
             t._node = self.node
+            # a copy's marker must beat several times within the TTL other nodes judge it by
+            t._marker_beat = min(MARKER_BEAT, self.fleet.heartbeat_ttl / 4)
         return self
 
     @classmethod

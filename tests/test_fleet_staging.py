@@ -156,3 +156,33 @@ def test_another_node_with_a_short_partial_after_leaves_a_live_upload_alone(
     finally:
         sink.abort()
         reader.close()
+
+
+@pytest.mark.parametrize(("heartbeat_ttl", "beat"), [("8s", 2.0), ("10m", 60.0), ("1h", 60.0)])
+def test_a_copy_beats_several_times_within_the_ttl_others_judge_it_by(
+    tmp_path: Path, s3_bucket: str, s3_reset: str, heartbeat_ttl: str, beat: float
+) -> None:
+    """A lease holder discards a marker silent for ``fleet.heartbeat_ttl``; the copy rewrites it
+    every 60 s, so a TTL under a minute let the holder take a live copy for an abandoned one (the
+    50-node stress ran with 5 s). The marker now beats at least four times per TTL."""
+    from ckptkeeper.config import load_settings
+
+    (tmp_path / "hot").mkdir()
+    cfg = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        node="node-a",
+        fleet={"heartbeat_ttl": heartbeat_ttl},
+        tiers=[local_tier("hot", tmp_path / "hot"), {**s3_tier("cold", s3_bucket, s3_reset), "shared": True}],
+    )
+    settings = load_settings(str(cfg))
+    cold = TierStorage(settings.tiers[1].to_spec())
+    assert cold.marker_beat == beat  # type: ignore[attr-defined]
+    ckpt = tmp_path / "hot" / "exp" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.bin").write_bytes(os.urandom(1000))
+    sink = s3_transfer._S3Sink(cold, "exp/checkpoint-1", manifest_of(tmp_path / "hot", "exp", 1), with_manifest=True)  # type: ignore[arg-type]
+    try:
+        assert sink.beat_every == beat <= settings.fleet.heartbeat_ttl / 4
+    finally:
+        sink.abort()

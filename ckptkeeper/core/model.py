@@ -258,6 +258,10 @@ class TierSpec:
     """This node's name (DESIGN §10): written into manifests and staging markers; "" = unnamed."""
     shared: bool = False
     """Several nodes write this tier: this node's copies live under ``<node>/`` in it."""
+    marker_beat: float = 60.0
+    """Seconds between rewrites of a copy's staging marker (its heartbeat) while it runs: at most a
+    quarter of ``fleet.heartbeat_ttl``, so a lease holder that waits that long for a silent marker
+    never takes a live copy for an abandoned one."""
 
 
 @dataclass(frozen=True, slots=True)

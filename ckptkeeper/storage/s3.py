@@ -90,6 +90,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
         if not bucket:
             raise StorageError(f"tier {spec.name!r}: no bucket in URL {spec.url!r}")
         self.bucket = bucket
+        self.marker_beat = spec.marker_beat
         prefix = prefix.strip("/")
         self.root_prefix = f"{prefix}/" if prefix else ""
         """The tier URL's prefix: the bucket-wide root every node of a shared tier shares."""

@@ -129,6 +129,7 @@ class _S3Sink:
     """
 
     beat_every: float = 60.0
+    """The tier's ``marker_beat`` (:attr:`ckptkeeper.core.model.TierSpec.marker_beat`)."""
 
     def __init__(self, tier: _S3Tier, rel: str, manifest: Manifest, *, with_manifest: bool) -> None:
         self.tier = tier
@@ -145,6 +146,7 @@ class _S3Sink:
         self.committed = False
         self.is_dir = manifest.is_dir
         self.uploads: list[str] = []
+        self.beat_every = tier.marker_beat
         self.started = time.time()
         self.last_beat = self.started
         with tier._errors(f"start copy of {rel}"):

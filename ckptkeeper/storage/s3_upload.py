@@ -43,6 +43,7 @@ class _S3Tier(Protocol):
     node: str
     bucket: str
     max_inflight: int
+    marker_beat: float
 
     @property
     def fs(self) -> S3FileSystem: ...
