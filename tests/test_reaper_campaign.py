@@ -22,6 +22,7 @@ from builders import local_tier, s3_tier, write_config
 from click.testing import CliRunner
 
 from ckptkeeper.cli import main
+from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 
 HOUR = 3600.0
 
@@ -77,11 +78,15 @@ def hook_state(run: Path, state: str, *, pid: int | None = None) -> None:
 
 def regular_bytes(root: Path, *, excluding: Path | None = None) -> int:
     """Bytes of the regular files under ``root``, in one walk that skips ``excluding`` (measuring
-    the live run in a second walk raced its writer: it grew 1024 bytes between the two walks)."""
+    the live run in a second walk raced its writer: it grew 1024 bytes between the two walks) and
+    ckptkeeper's own index record in the root (written by the first real prune: not waste)."""
     return sum(
         p.lstat().st_size
         for p in root.rglob("*")
-        if p.is_file() and not p.is_symlink() and (excluding is None or excluding not in p.parents)
+        if p.is_file()
+        and not p.is_symlink()
+        and (excluding is None or excluding not in p.parents)
+        and not (p.parent == root and p.name.startswith(INDEX_RECORD_PREFIX))
     )
 
 
