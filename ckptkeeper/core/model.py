@@ -154,6 +154,60 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
+class NodePart:
+    """This node's share of a checkpoint spanning nodes (README "Checkpoints spanning nodes").
+
+    ``count`` is None when no hook said the run is a node's part: the files only look like one
+    (the marker rank 0 writes, and rank 0's shards, are missing); such a checkpoint is kept, never
+    reaped as partial, until the fleet knows what it is.
+    """
+
+    note: str
+    """Why it is a part, in words (the layout's evidence, or the hook's word)."""
+    job: str | None = None
+    index: int | None = None
+    """0-based part index (the node's ``GROUP_RANK``), as the hook recorded it."""
+    count: int | None = None
+    """Number of parts (nodes) of the job, as the hook recorded it."""
+    marker_elsewhere: bool = False
+    """Its files lack only the completion marker rank 0 writes on another node (and rank 0's
+    shards): not a partial save. The reaper never reaps such a checkpoint as partial or stale."""
+
+    @property
+    def known(self) -> bool:
+        """The hook said so (a part of a known job), rather than the files' shape alone."""
+        return self.count is not None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "note": self.note,
+                "job": self.job,
+                "index": self.index,
+                "count": self.count,
+                "marker_elsewhere": self.marker_elsewhere,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> NodePart | None:
+        """Tolerant: the index is ours, but a value that does not parse is no part, not a crash."""
+        if not text:
+            return None
+        try:
+            doc = json.loads(text)
+            note = schema.text(doc.get("note"), "note")
+            job = None if doc.get("job") is None else schema.text(doc["job"], "job", max_len=255)
+            count = None if doc.get("count") is None else schema.integer(doc["count"], "count", lo=1)
+            index = None if doc.get("index") is None else schema.integer(doc["index"], "index", lo=0)
+            elsewhere = schema.boolean(doc.get("marker_elsewhere", False), "marker_elsewhere")
+        except (ValueError, TypeError, AttributeError):
+            return None
+        return cls(note=note, job=job, index=index, count=count, marker_elsewhere=elsewhere)
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """One cataloged checkpoint and where verified copies of it live."""
 
@@ -175,6 +229,8 @@ class Checkpoint:
     """Newest mtime seen under the checkpoint (for settle / partial age)."""
     committed: bool = False
     """Committed by the training-loop hook (stronger than a framework marker)."""
+    part: NodePart | None = None
+    """This node's share of a checkpoint spanning nodes; None for a whole checkpoint."""
 
     @property
     def key(self) -> tuple[str, int]:
