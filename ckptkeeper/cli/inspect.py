@@ -20,8 +20,8 @@ from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table, w
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.status import StatusSummary
-    from ckptkeeper.core.model import NodePart
     from ckptkeeper.config import Settings
+    from ckptkeeper.core.model import NodePart
 
 
 ACCELERATE_STEP_NOTE = (
