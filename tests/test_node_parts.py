@@ -360,3 +360,118 @@ def test_real_fixtures_are_never_node_parts(framework: str, variant: str) -> Non
     if not run.is_dir():
         pytest.skip("fixture not committed")
     assert [c.name for c in scan_run(run, "run").candidates if c.node_part is not None] == []
+
+
+# -- the hook: which node, which part, who writes ---------------------------------------------------
+
+TORCHRUN_NODE1 = {
+    "RANK": "2",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "TORCHELASTIC_RUN_ID": "j1",
+}
+DETECT = {
+    "torchrun node 1, local rank 0 writes": (TORCHRUN_NODE1, {}, (True, ("j1", 1, 2))),
+    "torchrun node 1, local rank 1 does not": (
+        {**TORCHRUN_NODE1, "RANK": "3", "LOCAL_RANK": "1"},
+        {},
+        (False, ("j1", 1, 2)),
+    ),
+    "torchrun one node: rank 0 only, no part": (
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"},
+        {},
+        (True, None),
+    ),
+    "torchrun one node, rank 2": (
+        {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+        {},
+        (False, None),
+    ),
+    "no launcher at all": ({}, {}, (True, None)),
+    "node index from RANK // LOCAL_WORLD_SIZE": (
+        {"RANK": "6", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"},
+        {},
+        (True, (None, 3, 4)),
+    ),
+    "slurm": (
+        {
+            "SLURM_PROCID": "8",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "1",
+            "SLURM_NNODES": "3",
+            "SLURM_JOB_ID": "991",
+        },
+        {},
+        (True, ("991", 1, 3)),
+    ),
+    "torchrun's default rendezvous id is no job id": (
+        {**TORCHRUN_NODE1, "TORCHELASTIC_RUN_ID": "none"},
+        {},
+        (True, (None, 1, 2)),
+    ),
+    "explicit arguments win": (
+        TORCHRUN_NODE1,
+        {"job": "mine", "part": 0, "parts": 5},
+        (True, ("mine", 0, 5)),
+    ),
+    "explicit, no launcher": ({}, {"part": 1, "parts": 2}, (True, (None, 1, 2))),
+    "a count of nodes without this node's index is no part": (
+        {"RANK": "0", "SLURM_NNODES": "2"},
+        {},
+        (True, None),
+    ),
+    "malformed launcher values are unset": (
+        {"RANK": "x", "WORLD_SIZE": "-4", "LOCAL_WORLD_SIZE": "2"},
+        {},
+        (True, None),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DETECT))
+def test_hook_detects_its_node_and_part(case: str) -> None:
+    from ckptkeeper.hook.parts import detect
+
+    env, kwargs, (writes, part) = DETECT[case]
+    got_writes, got = detect(env, **kwargs)
+    assert got_writes == writes
+    assert (None if got is None else (got.job, got.part, got.parts)) == part
+
+
+def test_hook_refuses_a_part_outside_its_parts() -> None:
+    import ckptkeeper
+
+    with pytest.raises(ValueError, match=r"part must be below parts \(2\), got 2"):
+        ckptkeeper.track_run("/nonexistent-never-created", part=2, parts=2)
+    with pytest.raises(TypeError, match="parts must be an int"):
+        ckptkeeper.track_run("/nonexistent-never-created", part=0, parts="2")  # type: ignore[arg-type]
+
+
+def test_run_json_job_is_validated_and_old_files_still_read(tmp_path: Path) -> None:
+    state = tmp_path / protocol.STATE_DIR
+    state.mkdir()
+    base = {"version": 1, "name": "r", "state": "active", "host": "h", "pid": 1, "started": 1.0}
+    (state / protocol.RUN_FILE).write_text(json.dumps(base))  # an older writer: no job
+    info = protocol.read_run_dir(tmp_path)
+    assert info is not None and info.error is None and info.job is None
+    for job, problem in (
+        ({"id": "j", "part": 2, "parts": 2}, "job.part: 2 is out of range [0, 1]"),
+        ({"id": "j", "part": 0, "parts": 10**30}, "job.parts: an integer of 100 bits is out of range"),
+        ({"id": 5, "part": 0, "parts": 2}, "job.id: 5 is not a string"),
+        ("node-1", "job: 'node-1' is not an object"),
+    ):
+        (state / protocol.RUN_FILE).write_text(json.dumps({**base, "job": job}))
+        info = protocol.read_run_dir(tmp_path)
+        assert info is not None and info.job is None and info.state == "active"
+        assert info.error is not None and problem in info.error, info.error
+    lines = [
+        {"path": "a", "step": 1, "metrics": {}, "time": 1.0, "part": 1, "parts": 2},
+        {"path": "b", "step": 2, "metrics": {}, "time": 1.0, "part": 3, "parts": 2},
+        {"path": "c", "step": 3, "metrics": {}, "time": 1.0},
+    ]
+    (state / protocol.COMMITS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    commits, errors = protocol.read_commits(tmp_path)
+    assert [(c.path, c.part, c.parts) for c in commits] == [("a", 1, 2), ("b", None, None), ("c", None, None)]
+    assert errors == ["commits.jsonl:2: job.part: 3 is out of range [0, 1]: part ignored"]
