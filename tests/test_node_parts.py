@@ -475,3 +475,38 @@ def test_run_json_job_is_validated_and_old_files_still_read(tmp_path: Path) -> N
     commits, errors = protocol.read_commits(tmp_path)
     assert [(c.path, c.part, c.parts) for c in commits] == [("a", 1, 2), ("b", None, None), ("c", None, None)]
     assert errors == ["commits.jsonl:2: job.part: 3 is out of range [0, 1]: part ignored"]
+
+
+def test_a_part_copied_to_a_slower_tier_says_so_in_its_manifest(job: Path, tmp_path: Path) -> None:
+    """A part copied down carries its job and part in the manifest beside the copy, so an index
+    rebuilt from the tiers alone still knows it (the digest, the content's version, is unchanged)."""
+    hot, _ = _node(job, tmp_path, 1)
+    cold = tmp_path / "node1" / "cold"
+    cold.mkdir()
+    index = tmp_path / "node1" / "index.db"
+    config = write_config(
+        tmp_path / "node1" / "tiered.toml",
+        index=index,
+        node="node1",
+        daemon={"settle_seconds": "1s", "trust_mtimes": True},
+        tiers=[local_tier("hot", hot, keep_last=1), local_tier("cold", cold, keep_last=5)],
+        reaper={"partial_after": "10m", "failed_after": "1h", "keep_last_of_failed": 1},
+    )
+    cli(config, "scan", "--json")
+    cli(config, "prune", "--json")
+    manifest = json.loads((cold / "hooked" / "step-100.ckptkeeper-manifest.json").read_text())
+    assert manifest["part"] == {
+        "index": 1,
+        "count": 2,
+        "job": JOB,
+        "marker_elsewhere": True,
+        "note": f"part 1 of 2 of job {JOB} (hook): ranks 2-3 without .metadata (rank 0 writes it, on another node)",
+    }
+    assert sorted(f["path"] for f in manifest["files"]) == ["__2_0.distcp", "__3_0.distcp"]
+    assert not (hot / "hooked" / "step-100").exists()  # demoted: its own copy is verified in cold
+    assert not (cold / "bare").exists()  # an unknown part is never copied (nor deleted)
+
+    index.unlink()  # lost: rebuilt from the tiers
+    cli(config, "scan", "--json")
+    (c100,) = [c for c in _checkpoints(cli(config, "ls", "--json"), "hooked") if c["step"] == 100]
+    assert c100["tiers"] == ["cold"] and c100["part"]["index"] == 1 and c100["part"]["job"] == JOB

@@ -230,7 +230,7 @@ class Catalog:
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
         hashed = {
-            cand.name: self._try_hash(run_dir, cand, commit)
+            cand.name: self._try_hash(run_dir, cand, commit, part)
             for cand, commit, part in managed
             if self._state_of(cand, commit, now, part) is CheckpointState.COMPLETE
             and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
@@ -293,12 +293,16 @@ class Catalog:
         return CheckpointState.WRITING
 
     def _try_hash(
-        self, run_dir: Path, cand: layouts.Candidate, commit: protocol.Commit | None
+        self, run_dir: Path, cand: layouts.Candidate, commit: protocol.Commit | None, part: NodePart | None
     ) -> Manifest | OSError:
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         try:
             return self._hash_candidate(
-                run_dir, cand, metrics, created_at=commit.time if commit else _sane_time(cand.last_write)
+                run_dir,
+                cand,
+                metrics,
+                created_at=commit.time if commit else _sane_time(cand.last_write),
+                part=part,
             )
         except OSError as exc:
             return exc
@@ -357,7 +361,10 @@ class Catalog:
         if hashed is None:  # unchanged since it was hashed: nothing to read again
             assert row is not None and row.version is not None
             report.unchanged += 1
-            if dict(row.metrics) != metrics or row.committed != (commit is not None) or row.part != part:
+            old = row.manifest() if row.part != part else None
+            if old is not None:  # the hook spoke after the bytes were hashed: the manifest says so too
+                record(state, manifest=replace(old, part=part))
+            elif dict(row.metrics) != metrics or row.committed != (commit is not None) or row.part != part:
                 record(state, version=row.version)
             return
         if isinstance(hashed, OSError):
@@ -383,7 +390,13 @@ class Catalog:
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
     def _hash_candidate(
-        self, run_dir: Path, cand: layouts.Candidate, metrics: Mapping[str, float], *, created_at: float
+        self,
+        run_dir: Path,
+        cand: layouts.Candidate,
+        metrics: Mapping[str, float],
+        *,
+        created_at: float,
+        part: NodePart | None = None,
     ) -> Manifest:
         base = run_dir / cand.name
         entries = []
@@ -400,6 +413,7 @@ class Catalog:
             metrics=dict(metrics),
             created_at=created_at,
             node=self.settings.node,
+            part=part,
         )
 
     def _update_run_state(
