@@ -182,6 +182,11 @@ def test_without_the_hook_node1_keeps_its_parts_with_the_reason(job: Path, tmp_p
             "note": f"{UNKNOWN_PART}: ranks 2-3 without .metadata (rank 0 writes it, on another node)",
         }
     assert "dcp part?" in cli(config, "ls", "bare")
+    warnings = cli(config, "status", "--json")["warnings"]
+    assert [w for w in warnings if w.startswith("bare:")] == [
+        "bare: 2 node-local part(s) of a multi-node checkpoint (steps 100, 200) kept, never reaped: no hook says "
+        "which job they belong to (track_run on every rank; or delete them by hand once the job is gone)"
+    ]
 
     cli(config, "prune", "--json")  # the real pass deletes nothing of them either
     assert sorted(p.name for p in (hot / "bare").iterdir()) == ["step-100", "step-200"]
