@@ -422,6 +422,11 @@ DETECT = {
         (True, ("mine", 0, 5)),
     ),
     "explicit, no launcher": ({}, {"part": 1, "parts": 2}, (True, (None, 1, 2))),
+    "parts=1: a run dir all nodes share has one writer, global rank 0": (
+        TORCHRUN_NODE1,
+        {"parts": 1},
+        (False, None),
+    ),
     "a count of nodes without this node's index is no part": (
         {"RANK": "0", "SLURM_NNODES": "2"},
         {},
