@@ -520,3 +520,20 @@ def test_a_part_copied_to_a_slower_tier_says_so_in_its_manifest(job: Path, tmp_p
     cli(config, "scan", "--json")
     (c100,) = [c for c in _checkpoints(cli(config, "ls", "--json"), "hooked") if c["step"] == 100]
     assert c100["tiers"] == ["cold"] and c100["part"]["index"] == 1 and c100["part"]["job"] == JOB
+
+
+def test_with_the_hook_a_settled_part_is_complete_without_its_commit(job: Path, tmp_path: Path) -> None:
+    """The hook's run.json names the part; a part the hook did not commit (the trainer commits on
+    global rank 0 only, say) is complete once settled, like a checkpoint with its own marker, and
+    a part being written (not settled) is not."""
+    hot, config = _node(job, tmp_path, 1)
+    (hot / "hooked" / protocol.STATE_DIR / protocol.COMMITS_FILE).write_text("")
+    cli(config, "scan", "--json")
+    doc = cli(config, "ls", "--json")
+    assert [(c["state"], c["part"]["index"]) for c in _checkpoints(doc, "hooked")] == [("complete", 1)] * 2
+
+    fresh = hot / "hooked" / "step-300"
+    shutil.copytree(hot / "hooked" / "step-200", fresh, copy_function=shutil.copyfile)  # written just now
+    cli(config, "scan", "--json")
+    (c300,) = [c for c in _checkpoints(cli(config, "ls", "--json"), "hooked") if c["step"] == 300]
+    assert c300["state"] == "writing" and c300["part"]["known"]
