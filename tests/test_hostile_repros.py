@@ -93,7 +93,11 @@ def age(root: Path, seconds: float = 600.0) -> None:
 
 
 def hot_steps(hot: Path, run: str) -> set[int]:
-    return {int(p.name.split("-")[1]) for p in (hot / run).glob("checkpoint-*")}
+    """Steps of the HF checkpoints in hot; a delete's staging name (``checkpoint-2.ckptkeeper-tmp-…``,
+    there for an instant while the daemon prunes) is not a checkpoint (it once failed this poll)."""
+    return {
+        int(p.name.split("-")[1]) for p in (hot / run).glob("checkpoint-*") if p.name.split("-")[1].isdigit()
+    }
 
 
 def test_hostile_manifests_in_a_shared_bucket_are_quarantined_and_hot_is_still_pruned(

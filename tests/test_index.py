@@ -74,7 +74,9 @@ def _index_at(path: Path, version: int) -> None:
            VALUES ('cold', 'r/x.ckptkeeper-staging', 'staging', 5, 4.0, 'r', '')"""
     )
     if version >= 2:
-        db.execute("INSERT INTO quarantine VALUES ('hot', 'r/bad.json', 'manifest', 'r', 'too big', 5.0, 6.0)")
+        db.execute(
+            "INSERT INTO quarantine VALUES ('hot', 'r/bad.json', 'manifest', 'r', 'too big', 5.0, 6.0)"
+        )
     db.execute(f"PRAGMA user_version = {version}")
     db.commit()
     db.close()
@@ -86,12 +88,13 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
     last re-hash time per copy and its totals (issue #19): an index at version 3 gets 4 only; one
     at 1 gets 2, 3 then 4. Rows survive; existing copies, damaged or not, are this node's ('': the
     single-node default), as they were before, and were never re-hashed (scrubbed first). 5 adds
-    the trash table (undo window), empty after an upgrade."""
-    assert SCHEMA_VERSION == 5
+    the trash table (undo window), empty after an upgrade. 6 adds a checkpoint's node part (issue
+    #15): NULL, a whole checkpoint, for every row that was there."""
+    assert SCHEMA_VERSION == 6
     path = tmp_path / "i.db"
     _index_at(path, version)
     with Index(path) as ix:
-        assert ix.schema_version == 5
+        assert ix.schema_version == 6
         assert [
             tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
         ] == [
@@ -111,7 +114,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         assert ix.trash() == []
         row = ix.checkpoint("r", "checkpoint-100")
         assert row is not None and row.locations == {"hot": "v1", "cold": "damaged: gone"}
-        assert row.damaged == {"cold": "gone"}
+        assert row.damaged == {"cold": "gone"} and row.part is None
         assert [tuple(r) for r in ix._db.execute("SELECT tier, node FROM locations ORDER BY tier")] == [
             ("cold", ""),
             ("hot", ""),
@@ -126,7 +129,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "cold", "v1", node="node-b")
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
     with Index(path) as ix:  # reopened: not migrated again
-        assert ix.schema_version == 5
+        assert ix.schema_version == 6
 
 
 def test_corrupt_file_detected(tmp_path: Path) -> None:

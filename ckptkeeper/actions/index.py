@@ -220,7 +220,12 @@ def write_index_record(settings: Settings, index: Index) -> None:
     does not take it, and is per node, so nodes sharing a hot file system keep their own."""
     path = index_record_path(settings)
     doc = json.dumps(
-        {"version": 1, "node": settings.node, "index": str(settings.index), "pins": sorted(index.pinned_names())},
+        {
+            "version": 1,
+            "node": settings.node,
+            "index": str(settings.index),
+            "pins": sorted(index.pinned_names()),
+        },
         sort_keys=True,
     )
     try:

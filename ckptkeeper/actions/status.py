@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +163,8 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
             + "; ".join(f"{t}: {p}" for t, p in sorted(damaged.items()))
             + " (kept, never deleted; restore it from elsewhere or remove it by hand)"
             for run, step, name, damaged in lost
-        ),
+        )
+        + _unknown_parts(checkpoints),
         policy_held=read_policy_held(settings),
         scrub=index.scrub_totals(),
         scrub_oldest=index.oldest_scrub([t.name for t in settings.tiers[1:]]),
@@ -219,3 +220,18 @@ def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[Tie
         "cost_per_month": cost.by_tier({t.name: t.bytes for t in tiers}, prices),
         "run_cost_per_month": cost.by_run(copies, prices),
     }
+
+
+def _unknown_parts(checkpoints: Iterable[CheckpointRow]) -> tuple[str, ...]:
+    """One warning per run holding node-local parts no hook vouches for: they are kept forever
+    (README "Checkpoints spanning nodes"), so an operator must hear of them."""
+    steps: dict[str, list[int]] = {}
+    for c in checkpoints:
+        if c.part is not None and not c.part.known and c.state is not CheckpointState.COMPLETE:
+            steps.setdefault(c.run, []).append(c.step)
+    return tuple(
+        f"{run}: {len(found)} node-local part(s) of a multi-node checkpoint (steps "
+        f"{', '.join(map(str, sorted(found)[:5]))}{', …' if len(found) > 5 else ''}) kept, never reaped: "
+        "no hook says which job they belong to (track_run on every rank; or delete them by hand once the job is gone)"
+        for run, found in sorted(steps.items())
+    )

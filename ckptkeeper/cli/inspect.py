@@ -21,6 +21,7 @@ from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table, w
 if TYPE_CHECKING:
     from ckptkeeper.actions.status import StatusSummary
     from ckptkeeper.config import Settings
+    from ckptkeeper.core.model import NodePart
 
 
 ACCELERATE_STEP_NOTE = (
@@ -54,6 +55,7 @@ def scan(app: Context, as_json: bool) -> None:
         "tiers_failed": report.tiers_failed,
         "damaged": report.damaged,
         "quarantined": report.quarantined,
+        "parts": report.parts,
     }
     if as_json:
         emit_json(doc)
@@ -86,6 +88,28 @@ def scan(app: Context, as_json: bool) -> None:
 
 def _tier_order(settings: Settings) -> dict[str, int]:
     return {t.name: i for i, t in enumerate(settings.tiers)}
+
+
+def _part_doc(part: NodePart | None) -> dict[str, Any] | None:
+    """``ls --json``'s ``part`` of a checkpoint: null for a whole checkpoint."""
+    if part is None:
+        return None
+    return {
+        "index": part.index,
+        "count": part.count,
+        "job": part.job,
+        "known": part.known,
+        "marker_elsewhere": part.marker_elsewhere,
+        "note": part.note,
+    }
+
+
+def _layout_text(layout: str, part: dict[str, Any] | None) -> str:
+    """``dcp part 1/2`` (part 1 of 2, numbered from 0 like GROUP_RANK); ``dcp part?`` when only
+    the files' shape says so."""
+    if part is None:
+        return layout
+    return f"{layout} part {part['index']}/{part['count']}" if part["known"] else f"{layout} part?"
 
 
 @click.command(name="ls")
@@ -133,6 +157,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
                         "created_at": c.created_at,
                         "problem": c.problem,
                         "damaged": c.damaged,
+                        "part": _part_doc(c.part),
                     }
                     for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
                 ],
@@ -154,7 +179,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
             (
                 c["step"],
                 c["state"],
-                c["layout"],
+                _layout_text(c["layout"], c["part"]),
                 ",".join([*c["tiers"], *(f"{t}:DAMAGED" for t in sorted(c["damaged"]))]) or "-",
                 human_bytes(c["bytes"]),
                 format_metrics(c["metrics"]),
@@ -174,6 +199,8 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
         if any(c["layout"] == "accelerate" for c in doc["checkpoints"]):
             click.echo(ACCELERATE_STEP_NOTE)
         for c in doc["checkpoints"]:
+            if c["part"] is not None and not c["part"]["known"]:
+                click.echo(wrap_text(f"step {c['step']}: {c['part']['note']}", out_width()))
             for tier, problem in sorted(c["damaged"].items()):
                 click.echo(
                     f"damaged copy of step {c['step']} in {tier} (the next prune copies it again): {problem}"

@@ -47,6 +47,71 @@ class FileEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class NodePart:
+    """This node's share of a checkpoint spanning nodes (README "Checkpoints spanning nodes").
+
+    ``count`` is None when no hook said the run is a node's part: the files only look like one
+    (the marker rank 0 writes, and rank 0's shards, are missing); such a checkpoint is kept, never
+    reaped as partial, until the fleet knows what it is.
+    """
+
+    note: str
+    """Why it is a part, in words (the layout's evidence, or the hook's word)."""
+    job: str | None = None
+    index: int | None = None
+    """0-based part index (the node's ``GROUP_RANK``), as the hook recorded it."""
+    count: int | None = None
+    """Number of parts (nodes) of the job, as the hook recorded it."""
+    marker_elsewhere: bool = False
+    """Its files lack only the completion marker rank 0 writes on another node (and rank 0's
+    shards): not a partial save. The reaper never reaps such a checkpoint as partial or stale."""
+
+    @property
+    def known(self) -> bool:
+        """The hook said so (a part of a known job), rather than the files' shape alone."""
+        return self.count is not None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "note": self.note,
+            "job": self.job,
+            "index": self.index,
+            "count": self.count,
+            "marker_elsewhere": self.marker_elsewhere,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_doc(), sort_keys=True)
+
+    @classmethod
+    def from_doc(cls, value: Any, field: str = "part") -> NodePart:
+        """Validate a part read back (a manifest in a tier is untrusted); SchemaError names the field."""
+        doc = schema.mapping(value, field, max_len=16)
+
+        def opt(key: str, check: Any, **bounds: Any) -> Any:
+            return None if doc.get(key) is None else check(doc[key], f"{field}.{key}", **bounds)
+
+        count = opt("count", schema.integer, lo=1, hi=1_000_000)
+        return cls(
+            note=schema.text(doc.get("note") or "", f"{field}.note"),
+            job=opt("job", schema.text, max_len=255),
+            index=opt("index", schema.integer, lo=0, hi=(count or 1_000_000) - 1),
+            count=count,
+            marker_elsewhere=schema.boolean(doc.get("marker_elsewhere", False), f"{field}.marker_elsewhere"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> NodePart | None:
+        """The index's column, tolerantly: a value that does not parse is no part, not a crash."""
+        if not text:
+            return None
+        try:
+            return cls.from_doc(schema.parse_json(text, "part"))
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """Content manifest: what a verified copy must contain. Its digest is the version id."""
 
@@ -61,6 +126,10 @@ class Manifest:
     created_at: float = 0.0
     node: str = ""
     algorithm: str = HASH_ALGORITHM
+    part: NodePart | None = None
+    """The node's share of a checkpoint spanning nodes this copy holds (the job, part k of N);
+    written only when set, so a whole checkpoint's manifest is byte-identical to before. Not in
+    the digest: the version is the content."""
 
     @property
     def total_bytes(self) -> int:
@@ -90,6 +159,8 @@ class Manifest:
             "metrics": dict(self.metrics),
             "files": [{"path": f.path, "size": f.size, "hash": f.hash} for f in self.files],
         }
+        if self.part is not None:
+            doc["part"] = self.part.to_doc()
         return json.dumps(doc, sort_keys=True, indent=1)
 
     @classmethod
@@ -136,6 +207,7 @@ class Manifest:
             created_at=0.0 if created_at is None else schema.timestamp(created_at, "created_at"),
             node=schema.text(doc.get("node") or "", "node", max_len=255),
             algorithm=schema.text(doc.get("algorithm") or HASH_ALGORITHM, "algorithm", max_len=64),
+            part=None if doc.get("part") is None else NodePart.from_doc(doc["part"]),
         )
         if "digest" in doc and doc["digest"] != manifest.digest:
             raise ValueError("manifest digest does not match its file list")
@@ -175,6 +247,8 @@ class Checkpoint:
     """Newest mtime seen under the checkpoint (for settle / partial age)."""
     committed: bool = False
     """Committed by the training-loop hook (stronger than a framework marker)."""
+    part: NodePart | None = None
+    """This node's share of a checkpoint spanning nodes; None for a whole checkpoint."""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -297,6 +297,10 @@ class _Judge:
             # wrong (a truncated write, or a recognizer that misreads a new framework version);
             # deleting on our word alone could destroy the run's only good state.
             reasons.append("committed by hook but judged corrupt: left for a human (ckptkeeper ls, verify)")
+        if c.part is not None and c.part.marker_elsewhere and c.state is CheckpointState.WRITING:
+            # One node's share of a checkpoint spanning nodes lacks the marker rank 0 writes on
+            # another node: "partial" here, yet the other nodes' parts are useless without it.
+            reasons.append(c.part.note)
         last = max(c.last_write, c.created_at)
         if not _older_than(last, self.policy.partial_after, self.now):
             # Also for failed runs: a fresh partial may be an async save still finishing or a
@@ -347,7 +351,9 @@ def plan_reaps(
       write for ``partial_after`` is reaped from the hot tier (rule ``partial``).
 
     Never reaped: pinned checkpoints, the newest complete checkpoint of any run (even with
-    ``keep_last_of_failed = 0``), the parent of an active run, anything written to within
+    ``keep_last_of_failed = 0``), the parent of an active run, a node's part of a checkpoint
+    spanning nodes that lacks only the marker another node holds (``Checkpoint.part``,
+    ``marker_elsewhere``), anything written to within
     ``partial_after`` — the last is stricter than "for an active run" on purpose: a failed run's
     fresh partial may still be an async save finishing or a checkpoint not yet settled.
 

@@ -8,11 +8,15 @@ File protocol (version 1), all under ``<run_dir>/.ckptkeeper/``:
 
 ``run.json``
     ``{"version": 1, "name", "state": "active"|"finished"|"failed", "host", "pid", "started", "ended",
-    "reason", "parent": {"run", "step"[, "path"]} | null, "heartbeat_interval"}``, replaced atomically
-    (tmp + fsync + ``os.replace`` + directory fsync) on every state change.
+    "reason", "parent": {"run", "step"[, "path"]} | null, "heartbeat_interval"[, "job": {"id": str | null,
+    "part", "parts"}]}``, replaced atomically (tmp + fsync + ``os.replace`` + directory fsync) on every
+    state change. ``job`` is written only by a node of a multi-node job (:mod:`.parts`): its 0-based
+    ``part`` of ``parts``; a run.json without it (every older writer) is a one-node run.
 ``commits.jsonl``
     Append-only, never rewritten by anyone. One line per commit:
-    ``{"path": <relative to run_dir, "/"-separated>, "step": int, "metrics": {str: float}, "time": float}``.
+    ``{"path": <relative to run_dir, "/"-separated>, "step": int, "metrics": {str: float}, "time": float
+    [, "part": int, "parts": int]}`` (``part``/``parts``: the commit of one node's part of a checkpoint
+    spanning nodes).
     Each line is one ``os.write`` on an ``O_APPEND`` descriptor under a threading lock *and* an exclusive
     ``flock``, so threads and processes never interleave even for lines bigger than ``PIPE_BUF``. A writer
     that finds the file not ending in a newline (someone crashed mid-write) starts with one, so a torn
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from ckptkeeper.hook import schema
+from ckptkeeper.hook.parts import JobPart
 
 PROTOCOL_VERSION = 1
 STATE_DIR = ".ckptkeeper"
@@ -113,6 +118,9 @@ class Commit:
     time: float
     line: int
     """1-based line number in ``commits.jsonl`` (for error messages and incremental readers)."""
+    part: int | None = None
+    """0-based part of a checkpoint spanning ``parts`` nodes this commit declares complete."""
+    parts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,9 @@ class RunInfo:
     error: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Fields this reader does not know (newer writers), kept rather than dropped."""
+    job: JobPart | None = None
+    """This node's part of a multi-node job, as the hook recorded it; None for a one-node run (or
+    a ``job`` field that failed the schema: ``error`` says so)."""
 
     def writer_alive(self, *, hostname: str | None = None) -> bool | None:
         """Whether the process that wrote ``run.json`` still runs.
@@ -156,7 +167,19 @@ class RunInfo:
 
 
 _KNOWN_RUN_KEYS = frozenset(
-    {"version", "name", "state", "host", "pid", "started", "ended", "reason", "parent", "heartbeat_interval"}
+    {
+        "version",
+        "name",
+        "state",
+        "host",
+        "pid",
+        "started",
+        "ended",
+        "reason",
+        "parent",
+        "heartbeat_interval",
+        "job",
+    }
 )
 
 
@@ -248,6 +271,12 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
             parent = _parent_from_json(raw_parent)
         except (TypeError, ValueError) as exc:
             errors.append(f"parent: {exc}")
+    job: JobPart | None = None
+    if d.get("job") is not None:
+        try:
+            job = schema.job_part(d["job"])
+        except schema.SchemaError as exc:
+            errors.append(str(exc))
     return RunInfo(
         run_dir=os.fspath(run_dir),
         name=pick("name", schema.text),
@@ -264,6 +293,7 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
         version=version,
         error="; ".join(schema.capped(errors)) or None,
         extra={k: v for k, v in list(d.items())[: schema.MAX_METRICS] if k not in _KNOWN_RUN_KEYS},
+        job=job,
     )
 
 
@@ -339,9 +369,16 @@ def _parse_commit_line(line: bytes, number: int) -> tuple[Commit | None, str | N
         metrics, dropped = schema.metrics(doc.get("metrics"))
     except schema.SchemaError as exc:
         return None, str(exc)
-    commit = Commit(path=rel, step=step, metrics=metrics, time=when, line=number)
-    note = f"metrics {sorted(dropped)!r} dropped: not finite numbers" if dropped else None
-    return commit, note
+    notes = [f"metrics {sorted(dropped)!r} dropped: not finite numbers"] if dropped else []
+    part = parts = None
+    if doc.get("part") is not None or doc.get("parts") is not None:
+        try:
+            found = schema.job_part({"id": None, "part": doc.get("part"), "parts": doc.get("parts")})
+            part, parts = found.part, found.parts
+        except schema.SchemaError as exc:
+            notes.append(f"{exc}: part ignored")
+    commit = Commit(path=rel, step=step, metrics=metrics, time=when, line=number, part=part, parts=parts)
+    return commit, "; ".join(notes) or None
 
 
 def _preview(text: str, limit: int = 80) -> str:

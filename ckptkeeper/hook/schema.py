@@ -17,7 +17,10 @@ import json
 import math
 import sys
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from ckptkeeper.hook.parts import JobPart
 
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
@@ -198,6 +201,19 @@ def numeric_items(items: Iterable[tuple[Any, Any]]) -> tuple[dict[str, float], l
         if math.isfinite(raw):
             kept[name] = float(raw)
     return kept, dropped
+
+
+def job_part(value: Any, field: str = "job") -> JobPart:
+    """A node's part of a multi-node job (``run.json``'s ``job``): ``{"id": str | null, "part",
+    "parts"}`` with 2 <= parts <= 10**6 and 0 <= part < parts."""
+    from ckptkeeper.hook.parts import MAX_PARTS, JobPart
+
+    doc = mapping(value, field, max_len=16)
+    raw_id = doc.get("id")
+    job = None if raw_id is None else text(raw_id, f"{field}.id", max_len=255, empty=False)
+    parts = integer(doc.get("parts"), f"{field}.parts", lo=2, hi=MAX_PARTS)
+    part = integer(doc.get("part"), f"{field}.part", lo=0, hi=parts - 1)
+    return JobPart(job=job, part=part, parts=parts)
 
 
 def parse_json(data: bytes | str, what: str) -> Any:

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from ckptkeeper.hook.parts import JobPart, detect
 from ckptkeeper.hook.protocol import (
     ACTIVE,
     COMMITS_FILE,
@@ -218,12 +219,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
-def _default_enabled() -> bool:
-    """Only one process per distributed job may write: launchers (torchrun, deepspeed, accelerate) set
-    ``RANK``; without it this is the only process."""
-    return os.environ.get("RANK", "0").strip() in ("", "0")
-
-
 class TrackedRun:
     """A run being written by this process; usually made by :func:`track_run` and used as a context manager.
 
@@ -232,7 +227,9 @@ class TrackedRun:
     checkpoint. The first terminal transition (``finish``/``fail``) wins; later ones are ignored.
     If the process exits while the run is still active, an ``atexit`` handler marks it failed, with the
     uncaught exception when there was one: a script that dies of an exception needs no ``with`` block.
-    A run that is not ``enabled`` (a non-zero ``RANK``) accepts every call and writes nothing.
+    A run that is not ``enabled`` (a non-zero ``RANK``; in a multi-node job, a non-zero
+    ``LOCAL_RANK``) accepts every call and writes nothing. In a multi-node job (:mod:`.parts`) the
+    node's local rank 0 writes, and ``run.json`` and every commit name the job and this node's part.
     """
 
     def __init__(
@@ -244,8 +241,17 @@ class TrackedRun:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         enabled: bool | None = None,
         fsync_commits: bool = False,
+        job: str | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> None:
         text = _fspath(run_dir, "run_dir")
+        writes, job_part = detect(os.environ, job=job, part=part, parts=parts)
+        self.job_part: JobPart | None = job_part
+        """This node's part of a multi-node job, or None (one node)."""
+        self._part_fields: dict[str, int] = (
+            {} if self.job_part is None else {"part": self.job_part.part, "parts": self.job_part.parts}
+        )
         if (
             isinstance(heartbeat_interval, bool)
             or not isinstance(heartbeat_interval, int | float)
@@ -255,7 +261,7 @@ class TrackedRun:
             raise ValueError(
                 f"heartbeat_interval must be a positive number of seconds, got {heartbeat_interval!r}"
             )
-        self.enabled: bool = _default_enabled() if enabled is None else bool(enabled)
+        self.enabled: bool = writes if enabled is None else bool(enabled)
         self.fsync_commits = fsync_commits
         self.heartbeat_interval = float(heartbeat_interval)
         self._root = os.path.realpath(text)
@@ -321,7 +327,13 @@ class TrackedRun:
         rel = self._relative_checkpoint_path(path)
         step = _check_step(step)
         line = json.dumps(
-            {"path": rel, "step": step, "metrics": self._clean_metrics(metrics), "time": time.time()},
+            {
+                "path": rel,
+                "step": step,
+                "metrics": self._clean_metrics(metrics),
+                "time": time.time(),
+                **self._part_fields,
+            },
             separators=(",", ":"),
             allow_nan=False,
         )
@@ -529,6 +541,8 @@ class TrackedRun:
             "parent": None if self.parent is None else self.parent.to_json(),
             "heartbeat_interval": self.heartbeat_interval,
         }
+        if self.job_part is not None:
+            doc["job"] = self.job_part.to_json()
         _atomic_write(os.path.join(self._state_dir, RUN_FILE), json.dumps(doc, indent=1).encode() + b"\n")
 
     def _touch_heartbeat(self) -> None:
@@ -593,6 +607,9 @@ def track_run(
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     enabled: bool | None = None,
     fsync_commits: bool = False,
+    job: str | None = None,
+    part: int | None = None,
+    parts: int | None = None,
 ) -> TrackedRun:
     """Start tracking the run whose checkpoints live in ``run_dir`` (created if missing).
 
@@ -601,6 +618,14 @@ def track_run(
     to an existing checkpoint (its step read from the parent's commits or its name). ``enabled`` defaults to
     "this is rank 0" (``RANK`` unset or ``0``), so every rank of a distributed job may call this safely.
     Restarting a run in the same dir (a resume) marks it active again and keeps its earlier commits.
+
+    Multi-node jobs saving to node-local disks: call it on every rank of every node, like above; the
+    node's local rank 0 writes, recording the job (``job``, else ``TORCHELASTIC_RUN_ID`` /
+    ``SLURM_JOB_ID``), this node's 0-based ``part`` (else ``GROUP_RANK`` / ``NODE_RANK`` /
+    ``SLURM_NODEID``) and the number of ``parts`` (else ``WORLD_SIZE / LOCAL_WORLD_SIZE`` /
+    ``SLURM_NNODES``), so this node's daemon keeps its share of each checkpoint as a complete part
+    instead of reaping it as a partial save (README "Checkpoints spanning nodes"). Nodes that all
+    save into one shared run dir pass ``parts=1``: only global rank 0 writes then, as for one node.
     """
     return TrackedRun(
         run_dir,
@@ -609,4 +634,7 @@ def track_run(
         heartbeat_interval=heartbeat_interval,
         enabled=enabled,
         fsync_commits=fsync_commits,
+        job=job,
+        part=part,
+        parts=parts,
     )

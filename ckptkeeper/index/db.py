@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from ckptkeeper.core.model import CheckpointState, RunState, Snapshot
+from ckptkeeper.core.model import CheckpointState, NodePart, RunState, Snapshot
 from ckptkeeper.index.artifacts import ArtifactsMixin
 from ckptkeeper.index.connection import IndexReplaced
 from ckptkeeper.index.journal import JournalMixin
@@ -99,16 +99,17 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
         version: str | None,
         manifest_json: str | None,
         problem: str | None,
+        part: NodePart | None = None,
     ) -> int:
         """Insert or update by (run, name); keeps ``pinned`` and locations. Returns the row id."""
         row = self._exec(
             """INSERT INTO checkpoints (run, name, step, layout, state, created_at, last_write, bytes, metrics,
-                                        committed, version, manifest, problem)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                        committed, version, manifest, problem, part)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (run, name) DO UPDATE SET step = excluded.step, layout = excluded.layout,
                  state = excluded.state, last_write = excluded.last_write, bytes = excluded.bytes,
                  metrics = excluded.metrics, committed = excluded.committed, version = excluded.version,
-                 manifest = excluded.manifest, problem = excluded.problem,
+                 manifest = excluded.manifest, problem = excluded.problem, part = excluded.part,
                  created_at = CASE WHEN checkpoints.version IS excluded.version THEN checkpoints.created_at
                                    ELSE excluded.created_at END
                RETURNING id""",
@@ -126,6 +127,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
                 version,
                 manifest_json,
                 problem,
+                None if part is None else part.to_json(),
             ),
         ).fetchone()
         return int(row[0])

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkeeper.core.model import Artifact, Checkpoint, CheckpointState, Manifest, Run, RunState
+from ckptkeeper.core.model import Artifact, Checkpoint, CheckpointState, Manifest, NodePart, Run, RunState
 from ckptkeeper.core.scrub import DAMAGED_PREFIX
 
 DAMAGED = DAMAGED_PREFIX
@@ -71,6 +71,8 @@ class CheckpointRow:
     manifest_json: str | None
     problem: str | None
     locations: Mapping[str, str]
+    part: NodePart | None = None
+    """This node's share of a checkpoint spanning nodes; None for a whole checkpoint."""
 
     @property
     def verified_tiers(self) -> frozenset[str]:
@@ -100,6 +102,7 @@ class CheckpointRow:
             tiers=self.verified_tiers,
             last_write=self.last_write,
             committed=self.committed,
+            part=self.part,
         )
 
 
@@ -183,6 +186,7 @@ def checkpoint_row(r: sqlite3.Row, locations: Mapping[str, str]) -> CheckpointRo
         manifest_json=r["manifest"],
         problem=r["problem"],
         locations=dict(locations),
+        part=NodePart.from_json(r["part"]) if "part" in r.keys() else None,  # noqa: SIM118
     )
 
 
@@ -236,9 +240,7 @@ def job_run_row(r: sqlite3.Row) -> JobRun:
     )
 
 
-SNAPSHOT_COLUMNS = (
-    "id, run, name, step, layout, state, created_at, last_write, bytes, metrics, pinned, committed, version"
-)
+SNAPSHOT_COLUMNS = "id, run, name, step, layout, state, created_at, last_write, bytes, metrics, pinned, committed, version, part"
 """The checkpoints columns :func:`snapshot_checkpoints` reads, in its order: no manifest (the bulk of
 a row), which the planner never reads."""
 
@@ -272,6 +274,7 @@ def snapshot_checkpoints(
         pinned,
         committed,
         version,
+        part,
     ) in rows:
         tiers = nowhere
         locs = locations.get(cid)
@@ -295,6 +298,7 @@ def snapshot_checkpoints(
                 tiers=tiers,
                 last_write=last_write,
                 committed=bool(committed),
+                part=NodePart.from_json(part) if part else None,
             )
         )
     return tuple(out)

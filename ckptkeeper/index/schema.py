@@ -145,6 +145,11 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX trash_run_step ON trash (run, step);
     """,
+    # 5 -> 6: a node's share of a checkpoint spanning nodes (issue #15): JSON of
+    # ``core.model.NodePart`` (``{"note", "job", "index", "count"}``), NULL for a whole checkpoint.
+    """
+    ALTER TABLE checkpoints ADD COLUMN part TEXT;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -19,7 +19,10 @@ def read_checkpoints(db: sqlite3.Connection) -> tuple[Checkpoint, ...]:
     by_id: dict[int, list[tuple[str, str]]] = {}
     for cid, tier, version in db.execute("SELECT checkpoint_id, tier, version FROM locations"):
         by_id.setdefault(cid, []).append((tier, version))
-    rows = db.execute(f"SELECT {SNAPSHOT_COLUMNS} FROM checkpoints ORDER BY run, step, name")
+    columns = SNAPSHOT_COLUMNS
+    if not any(r[1] == "part" for r in db.execute("PRAGMA table_info(checkpoints)")):
+        columns = columns.replace(", part", ", NULL AS part")  # a read-only index not yet migrated
+    rows = db.execute(f"SELECT {columns} FROM checkpoints ORDER BY run, step, name")
     return snapshot_checkpoints(rows, by_id)
 
 

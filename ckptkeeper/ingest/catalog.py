@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest
+from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, NodePart
 from ckptkeeper.core.reaper import RunFacts, derive_run_state
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
@@ -179,6 +179,8 @@ class Catalog:
                 )
             )
         committed = {c.path: c for c in commits}
+        hook = hookfiles.hook_state(run_dir, run, hot, scan)
+        info = hook[0]
         candidates = {c.name: c for c in scan.candidates}
         for c in commits:
             if c.path not in candidates and not any(c.path.startswith(n + "/") for n in candidates):
@@ -192,7 +194,7 @@ class Catalog:
             [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
-        managed: list[tuple[layouts.Candidate, protocol.Commit | None]] = []
+        managed: list[tuple[layouts.Candidate, protocol.Commit | None, NodePart | None]] = []
         for name, cand in sorted(candidates.items()):
             if cand.step > MAX_STEP:
                 log.warning("step out of range, ignored", run=run, name=name, step=schema.describe(cand.step))
@@ -224,19 +226,19 @@ class Catalog:
             if commit is not None and cand.layout == "accelerate" and commit.step != cand.step:
                 # checkpoint_N counts saves; the step the training script committed is the real one.
                 cand = replace(cand, step=commit.step)
-            managed.append((cand, commit))
+            managed.append((cand, commit, hookfiles.node_part(cand, commit, info)))
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
         hashed = {
-            cand.name: self._try_hash(run_dir, cand, commit)
-            for cand, commit in managed
-            if self._state_of(cand, commit, now) is CheckpointState.COMPLETE
+            cand.name: self._try_hash(run_dir, cand, commit, part)
+            for cand, commit, part in managed
+            if self._state_of(cand, commit, now, part) is CheckpointState.COMPLETE
             and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
         }
         with self.index.transaction():
-            for cand, commit in managed:
+            for cand, commit, part in managed:
                 row = existing.pop(cand.name, None)
-                self._apply_candidate(cand, commit, row, now, hashed.get(cand.name), report)
+                self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
             # Whatever the index knew in hot that is no longer there was removed (by us or by hand),
             # unless part of the run could not be read: then absence proves nothing.
             if scan.errors:
@@ -255,7 +257,7 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            held.extend(self._update_run_state(run, run_dir, newest_write, now, scan))
+            held.extend(self._update_run_state(run, newest_write, now, hook))
             self.index.replace_quarantine(hot, held, run=run)
         report.quarantined += len(held)
         return report
@@ -270,26 +272,37 @@ class Catalog:
         return max(cand.last_write, cand.changed_at)
 
     def _state_of(
-        self, cand: layouts.Candidate, commit: protocol.Commit | None, now: float
+        self,
+        cand: layouts.Candidate,
+        commit: protocol.Commit | None,
+        now: float,
+        part: NodePart | None = None,
     ) -> CheckpointState:
-        # Settled means untouched for settle_seconds by mtime AND ctime (see _written).
+        """Settled means untouched for settle_seconds by mtime AND ctime (see _written). A node's
+        part lacking only the marker rank 0 writes elsewhere is complete once settled when the
+        hook said the run is a node's part (README "Checkpoints spanning nodes")."""
         changed = self._written(cand)
         settle = self.settings.daemon.settle_seconds
         if cand.corrupt and now - changed < settle:
             return CheckpointState.WRITING  # a marker caught mid-write looks malformed
         if cand.corrupt:
             return CheckpointState.CORRUPT
-        if commit is not None or (cand.complete and now - changed >= settle):
+        complete = cand.complete or (cand.node_part is not None and part is not None and part.known)
+        if commit is not None or (complete and now - changed >= settle):
             return CheckpointState.COMPLETE
         return CheckpointState.WRITING
 
     def _try_hash(
-        self, run_dir: Path, cand: layouts.Candidate, commit: protocol.Commit | None
+        self, run_dir: Path, cand: layouts.Candidate, commit: protocol.Commit | None, part: NodePart | None
     ) -> Manifest | OSError:
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         try:
             return self._hash_candidate(
-                run_dir, cand, metrics, created_at=commit.time if commit else _sane_time(cand.last_write)
+                run_dir,
+                cand,
+                metrics,
+                created_at=commit.time if commit else _sane_time(cand.last_write),
+                part=part,
             )
         except OSError as exc:
             return exc
@@ -298,6 +311,7 @@ class Catalog:
         self,
         cand: layouts.Candidate,
         commit: protocol.Commit | None,
+        part: NodePart | None,
         row: CheckpointRow | None,
         now: float,
         hashed: Manifest | OSError | None,
@@ -307,7 +321,8 @@ class Catalog:
         changed (hashed before the transaction), or why reading it failed."""
         hot = self.settings.hot.name
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
-        state = self._state_of(cand, commit, now)
+        state = self._state_of(cand, commit, now, part)
+        report.parts += part is not None
 
         def record(
             state: CheckpointState,
@@ -334,6 +349,7 @@ class Catalog:
                 if manifest
                 else (row.manifest_json if row and version else None),
                 problem=problem,
+                part=part,
             )
 
         if state is not CheckpointState.COMPLETE:
@@ -345,7 +361,10 @@ class Catalog:
         if hashed is None:  # unchanged since it was hashed: nothing to read again
             assert row is not None and row.version is not None
             report.unchanged += 1
-            if dict(row.metrics) != metrics or row.committed != (commit is not None):
+            old = row.manifest() if row.part != part else None
+            if old is not None:  # the hook spoke after the bytes were hashed: the manifest says so too
+                record(state, manifest=replace(old, part=part))
+            elif dict(row.metrics) != metrics or row.committed != (commit is not None) or row.part != part:
                 record(state, version=row.version)
             return
         if isinstance(hashed, OSError):
@@ -371,7 +390,13 @@ class Catalog:
         self.index.set_location(record(state, manifest=manifest), hot, manifest.digest)
 
     def _hash_candidate(
-        self, run_dir: Path, cand: layouts.Candidate, metrics: Mapping[str, float], *, created_at: float
+        self,
+        run_dir: Path,
+        cand: layouts.Candidate,
+        metrics: Mapping[str, float],
+        *,
+        created_at: float,
+        part: NodePart | None = None,
     ) -> Manifest:
         base = run_dir / cand.name
         entries = []
@@ -388,14 +413,15 @@ class Catalog:
             metrics=dict(metrics),
             created_at=created_at,
             node=self.settings.node,
+            part=part,
         )
 
     def _update_run_state(
-        self, run: str, run_dir: Path, newest_write: float, now: float, scan: layouts.RunScan
+        self, run: str, newest_write: float, now: float, hook: hookfiles.HookState
     ) -> list[Quarantined]:
-        """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run); return
-        those that failed the schema."""
-        info, heartbeat, warning, held = hookfiles.hook_state(run_dir, run, self.settings.hot.name, scan)
+        """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run, read by
+        :func:`hookfiles.hook_state`); return those that failed the schema."""
+        info, heartbeat, warning, held = hook
         host = info.host if info and info.host else None
         pid = info.pid if info else None
         alive = info.writer_alive(hostname=self.hostname) if info else None

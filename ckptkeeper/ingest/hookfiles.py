@@ -12,7 +12,9 @@ import os
 import stat
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeAlias
 
+from ckptkeeper.core.model import NodePart
 from ckptkeeper.hook import protocol
 from ckptkeeper.hook.protocol import STATE_DIR
 from ckptkeeper.index import Quarantined
@@ -58,9 +60,10 @@ def read_hook_commits(
     return commits, errors
 
 
-def hook_state(
-    run_dir: Path, run: str, hot: str, scan: layouts.RunScan
-) -> tuple[protocol.RunInfo | None, float | None, str | None, list[Quarantined]]:
+HookState: TypeAlias = tuple[protocol.RunInfo | None, float | None, str | None, list[Quarantined]]
+
+
+def hook_state(run_dir: Path, run: str, hot: str, scan: layouts.RunScan) -> HookState:
     """(the run.json that speaks for the run, newest heartbeat, a warning or None, the hook files
     that failed the schema).
 
@@ -111,6 +114,41 @@ def _hook_warning(scan: layouts.RunScan, info: protocol.RunInfo | None) -> str |
             "once no write for failed_after it counts as stale and is reaped down to one checkpoint"
         )
     return None
+
+
+UNKNOWN_PART = "node-local part of a multi-node checkpoint? kept until the fleet knows"
+"""The keep reason of a checkpoint that looks like one node's part but no hook says so."""
+
+
+def node_part(
+    cand: layouts.Candidate, commit: protocol.Commit | None, info: protocol.RunInfo | None
+) -> NodePart | None:
+    """Whether ``cand`` is this node's share of a checkpoint spanning nodes, and what is known.
+
+    The hook's word first: a commit naming its part, else ``run.json``'s ``job`` (every checkpoint
+    of such a run is this node's part). Without it, a checkpoint the layouts find lacking only the
+    marker rank 0 writes, with rank 0's shards absent too (``Candidate.node_part``), is a part
+    of an unknown job: kept, never reaped as partial (README "Checkpoints spanning nodes").
+    """
+    job = info.job if info is not None else None
+    if commit is not None and commit.parts is not None and commit.part is not None:
+        index, count = commit.part, commit.parts
+    elif job is not None:
+        index, count = job.part, job.parts
+    elif cand.node_part is not None:
+        return NodePart(note=f"{UNKNOWN_PART}: {cand.node_part}", marker_elsewhere=True)
+    else:
+        return None
+    name = job.job if job is not None else None
+    where = f"part {index} of {count}" + (f" of job {name}" if name else "")
+    how = f": {cand.node_part}" if cand.node_part else ""
+    return NodePart(
+        note=f"{where} (hook){how}",
+        job=name,
+        index=index,
+        count=count,
+        marker_elsewhere=cand.node_part is not None,
+    )
 
 
 def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:

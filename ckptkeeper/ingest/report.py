@@ -33,6 +33,8 @@ class ReconcileReport:
     damaged: dict[str, str] = field(default_factory=dict)
     """``tier:path`` -> what is wrong, for each copy whose data does not match its manifest."""
     quarantined: int = 0
+    parts: int = 0
+    """Checkpoints that are one node's share of a checkpoint spanning nodes (complete or kept)."""
 
     def merge(self, other: ReconcileReport) -> None:
         for name in (
@@ -45,6 +47,7 @@ class ReconcileReport:
             "corrupt",
             "hashed_bytes",
             "quarantined",
+            "parts",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tiers_failed.update(other.tiers_failed)

@@ -144,6 +144,7 @@ class SlowerTiers:
                 version=manifest.digest,
                 manifest_json=manifest.to_json(),
                 problem=None,
+                part=manifest.part,
             )
             report.new += 1
             if self.index.run(manifest.run) is None:

@@ -65,6 +65,12 @@ class Candidate:
     rejected: tuple[str, ...] = ()
     """What the schema refused in this checkpoint's markers (unparseable, values out of range): the
     catalog quarantines the marker with these reasons."""
+    node_part: str | None = None
+    """Not complete only for lack of the marker rank 0 writes, and rank 0's shards are not here
+    either (DCP ``__8_0.distcp … __15_0.distcp`` without ``.metadata``): the shape one node of a
+    multi-node job leaves on its local disk. The evidence, in words; None otherwise. The catalog
+    makes it a complete part when the hook says the run is a node's part, and keeps it otherwise
+    (README "Checkpoints spanning nodes")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +359,16 @@ def torch_pickle_values(path: str, key: str) -> list[Any]:
     return values
 
 
+def contiguous_without_zero(ranks: set[int]) -> bool:
+    """Ranks ``k..m`` with ``k > 0`` and none missing: one node's share of a job's ranks (rank 0,
+    which writes the completion markers, is on another node)."""
+    return bool(ranks) and 0 not in ranks and max(ranks) - min(ranks) + 1 == len(ranks)
+
+
+def rank_span(ranks: set[int]) -> str:
+    return f"rank {min(ranks)}" if len(ranks) == 1 else f"ranks {min(ranks)}-{max(ranks)}"
+
+
 def _numeric(items: Iterable[tuple[Any, Any]]) -> tuple[dict[str, float], list[str]]:
     """Finite numbers only (a NaN loss cannot be ranked, and bools are not metrics), and the names
     of numbers the schema refused (integers beyond the float range)."""
@@ -370,6 +386,10 @@ class _Verdict:
     metrics: Mapping[str, float] = field(default_factory=dict)
     rejected: tuple[str, ...] = ()
     """Reasons the schema refused (part of) a marker; see :attr:`Candidate.rejected`."""
+    part: str | None = None
+    """Set when every problem is a marker that rank 0 writes and rank 0's files are not here: the
+    evidence that this is one node's part of a checkpoint spanning nodes (see
+    :attr:`Candidate.node_part`)."""
 
 
 class _Recognizer(Protocol):

@@ -7,7 +7,17 @@ import re
 import stat
 from typing import Final
 
-from ckptkeeper.ingest.layouts.base import _Dir, _Node, _read_small, _strip_ext, _to_int, _Verdict, parse_step
+from ckptkeeper.ingest.layouts.base import (
+    _Dir,
+    _Node,
+    _read_small,
+    _strip_ext,
+    _to_int,
+    _Verdict,
+    contiguous_without_zero,
+    parse_step,
+    rank_span,
+)
 
 DS_LATEST: Final = "latest"
 
@@ -25,6 +35,12 @@ class _DeepSpeed:
 
     Lightning's ``DeepSpeedStrategy`` makes ``epoch=E-step=S.ckpt/`` the save dir itself: ``latest``
     inside it names the tag dir (``checkpoint/``) holding the shards; same checks, one level down.
+
+    One node of a multi-node job holds only its data-parallel ranks' ZeRO files
+    (``zero_pp_rank_8_mp_rank_00_optim_states.pt`` …) and neither ``latest`` nor the
+    ``mp_rank_*_model_states.pt`` that dp rank 0 writes: ``global_stepN/`` with no ``latest``
+    beside it, ZeRO files of contiguous dp ranks from above 0 (the same under every mp rank) and no
+    file of dp rank 0 is reported as a node part (:attr:`Candidate.node_part`).
     """
 
     layout = "deepspeed"
@@ -61,11 +77,30 @@ class _DeepSpeed:
             shards = node.children.subdir(tag) if tag else None
             if tag and shards is None:
                 problems.append(f"'{DS_LATEST}' names {tag[:60]!r}, which is absent")
+        part = None
         if shards is not None:
             problems.extend(self._shard_problems(shards))
+            if self._name.match(node.name) and not node.parent.has_file(DS_LATEST):
+                part = self._part(shards)
         # A `latest` that is not a short UTF-8 tag is a broken or hostile marker, not a save in flight.
         rejected = tuple(p for p in problems if p.startswith(f"'{DS_LATEST}' unparseable"))
-        return _Verdict(problems=tuple(problems), rejected=rejected)
+        return _Verdict(problems=tuple(problems), rejected=rejected, part=part)
+
+    def _part(self, shards: _Dir) -> str | None:
+        """The evidence that ``shards`` is one node's share of a multi-node save, or None."""
+        by_mp: dict[int, set[int]] = {}
+        for name in shards.entries:
+            if self._mp_model.match(name):
+                return None  # dp rank 0's file: the save is rooted here
+            if (m := self._zero.match(name)) and shards.has_file(name):
+                by_mp.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+        dps = {frozenset(v) for v in by_mp.values()}
+        if len(dps) != 1:
+            return None
+        ranks = set(next(iter(dps)))
+        if not contiguous_without_zero(ranks):
+            return None
+        return f"ZeRO dp {rank_span(ranks)} without '{DS_LATEST}' (rank 0 writes it, on another node)"
 
     def _shard_problems(self, shards: _Dir) -> list[str]:
         problems: list[str] = []

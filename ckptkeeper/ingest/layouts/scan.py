@@ -107,8 +107,14 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     corrupt = False
     metrics: dict[str, float] = {}
     rejected: list[str] = []
+    parts: list[str] = []
+    unexplained = False
     for recognizer in reversed(claiming):  # higher precedence last: its metrics win on a clash
         verdict = _safe_check(recognizer, node)
+        if verdict.part is not None:
+            parts[:0] = [verdict.part]
+        elif verdict.problems:
+            unexplained = True
         problems[:0] = verdict.problems
         corrupt = corrupt or verdict.corrupt
         metrics.update(verdict.metrics)
@@ -139,6 +145,7 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         corrupt=corrupt,
         temps=tuple(sorted(temps)),
         rejected=tuple(rejected),
+        node_part=parts[0] if parts and problems and not unexplained and not corrupt else None,
     )
 
 
