@@ -13,9 +13,10 @@ object at all is unknown, not gone (it may run an older version): its litter is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ckptkeeper.core.model import Artifact
 from ckptkeeper.fleet.lease import Lease
 from ckptkeeper.fleet.nodes import NodeBeat
 from ckptkeeper.storage import S3TierStorage, StorageError
@@ -53,59 +54,36 @@ def clean_gone_nodes(
     report = CleanReport()
     for node in nodes:
         view = tier.adopt(node)
-        try:
-            staging = view.list_staging()
-        except StorageError as exc:
-            report.errors.append(f"{node}: {exc}")
-            continue
-        for artifact in staging:
-            if now - artifact.last_write < heartbeat_ttl:
-                report.skipped_live += 1
-                continue
-            if not lease.renew():
-                report.lost_lease = True
-                return report
+        # Uploads are listed after the markers are discarded: a marker's discard aborts the uploads
+        # under its checkpoint, and an upload listed before would be "aborted" (reported) twice.
+        stages: tuple[tuple[Callable[[], list[Artifact]], Callable[[Artifact], object], list[str], str], ...] = (
+            (view.list_staging, view.discard_staging, report.discarded, "discarded a gone node's staging marker"),
+            (view.list_multipart_uploads, view.abort_multipart, report.aborted, "aborted a gone node's upload"),
+        )
+        for list_items, dispose, done, what in stages:
             try:
-                view.discard_staging(artifact)
-                report.discarded.append(f"{node}/{artifact.path}")
-                # one line per item, written the moment it is gone: who cleaned what survives a
-                # kill of this process before its pass reports (the fleet stress mode counts these)
-                log.info(
-                    "fleet cleanup: discarded a gone node's staging marker",
-                    gone=node,
-                    path=artifact.path,
-                    late=not lease.held,
-                )
+                items = list_items()
             except StorageError as exc:
-                report.errors.append(f"{node}/{artifact.path}: {exc}")
-            if _expired_during(lease, report, f"{node}/{artifact.path}"):
-                return report
-        try:
-            uploads = view.list_multipart_uploads()  # what the discards above left
-        except StorageError as exc:
-            report.errors.append(f"{node}: {exc}")
-            continue
-        for upload in uploads:
-            if now - upload.last_write < heartbeat_ttl:
-                report.skipped_live += 1
-                continue
-            if not lease.renew():
-                report.lost_lease = True
-                return report
-            try:
-                view.abort_multipart(upload)
-                report.aborted.append(f"{node}/{upload.path}")
-                log.info(
-                    "fleet cleanup: aborted a gone node's upload",
-                    gone=node,
-                    path=upload.path,
-                    upload_id=upload.upload_id,
-                    late=not lease.held,
-                )
-            except StorageError as exc:
-                report.errors.append(f"{node}/{upload.path}: {exc}")
-            if _expired_during(lease, report, f"{node}/{upload.path}"):
-                return report
+                report.errors.append(f"{node}: {exc}")
+                break
+            for item in items:
+                if now - item.last_write < heartbeat_ttl:
+                    report.skipped_live += 1
+                    continue
+                if not lease.renew():
+                    report.lost_lease = True
+                    return report
+                try:
+                    dispose(item)
+                    done.append(f"{node}/{item.path}")
+                    # one line per item, written the moment it is gone: who cleaned what survives a
+                    # kill of this process before its pass reports (the fleet stress mode counts these)
+                    ids = {"upload_id": item.upload_id} if item.upload_id else {}
+                    log.info(f"fleet cleanup: {what}", gone=node, path=item.path, **ids, late=not lease.held)
+                except StorageError as exc:
+                    report.errors.append(f"{node}/{item.path}: {exc}")
+                if _expired_during(lease, report, f"{node}/{item.path}"):
+                    return report
     return report
 
 
