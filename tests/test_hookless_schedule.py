@@ -72,7 +72,9 @@ def test_a_hookless_run_changes_state_exactly_when_the_rule_says() -> None:
         ({"hook_state": "weird"}, "now"),
     ],
 )
-def test_anything_that_changes_unseen_is_rederived_every_pass(kw: dict[str, Any], expected: str | None) -> None:
+def test_anything_that_changes_unseen_is_rederived_every_pass(
+    kw: dict[str, Any], expected: str | None
+) -> None:
     got = run_state_changes_at(facts(**kw), now=5000.0, failed_after=FAILED_AFTER)
     assert got == (5000.0 if expected == "now" else None)
 
@@ -160,7 +162,9 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     return predicate()
 
 
-def test_hookless_run_turns_stale_exactly_when_its_clock_says(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hookless_run_turns_stale_exactly_when_its_clock_says(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
     written = hookless_run(env, "quiet", (100, 200), env.now - 600)
     w = started(env)
     try:
