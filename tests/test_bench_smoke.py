@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "planning,campaign,hook_latency",
+        [sys.executable, "-m", "bench", "--tiny", "--only", "planning,campaign,hook_latency,daemon_idle",
          "--json", str(out), "--disk-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
@@ -33,6 +33,7 @@ def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     assert "plan() 10k checkpoints" in metrics
     assert "campaign" in metrics
     assert "run.commit()" in metrics and "visible in the daemon's index" in metrics
+    assert "CPU per retention pass" in metrics and "CPU per reap pass" in metrics  # hookless rows
     assert "(error)" not in metrics, proc.stdout
 
     doc = json.loads(out.read_text())

@@ -97,8 +97,10 @@ def make_plan(
     kinds: Sequence[str] = KINDS,
 ) -> Plan:
     specs = settings.tier_specs()
-    snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs], node=settings.node))
-    with gc_paused():  # a plan allocates millions of objects for a big catalog, none in cycles
+    # The snapshot allocates a few objects per checkpoint and the plan millions for a big catalog,
+    # none in cycles: one pause over both (100k hookless checkpoints: make_plan 1.17 -> 0.88 CPU-s).
+    with gc_paused():
+        snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs], node=settings.node))
         result = planner.plan(
             snapshot,
             specs,

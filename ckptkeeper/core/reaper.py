@@ -5,6 +5,8 @@ decision is reproducible from a :class:`~ckptkeeper.core.model.Snapshot` and tes
 
 - :func:`derive_run_state` turns facts the catalog gathered (hook file, pid, heartbeat, mtimes)
   into a :class:`~ckptkeeper.core.model.RunState` plus a human reason.
+- :func:`run_state_changes_at` says when the clock alone can next change that verdict, so the
+  daemon re-derives a run's state when its time comes instead of on every pass.
 - :func:`plan_reaps` decides which checkpoints and temp artifacts are waste and returns REAP
   actions, the keys it reaped (the retention planner leaves those alone) and why it spared others.
 - :func:`summarize_reclaim` totals reclaimed bytes per rule and per run — the headline users want.
@@ -48,6 +50,7 @@ __all__ = [
     "RunFacts",
     "derive_run_state",
     "plan_reaps",
+    "run_state_changes_at",
     "summarize_reclaim",
 ]
 
@@ -168,6 +171,28 @@ def derive_run_state(
         gone.append(f"no heartbeat for {human_age(now - facts.heartbeat)}")
     gone.append(f"no write for {human_age(now - facts.newest_write)}")
     return RunState.STALE, "; ".join(gone)
+
+
+def run_state_changes_at(facts: RunFacts, *, now: float, failed_after: float) -> float | None:
+    """The earliest time at which :func:`derive_run_state` can give another verdict on these same
+    facts, the clock being the only thing that moves; ``None``: never (only new facts change it).
+
+    Why: a run without the hook is ``active`` until ``newest_write + failed_after`` and ``stale``
+    after, so re-reading its directory on every pass to find that out is wasted work — writes under
+    the run raise events of their own. Anything the catalog can only learn by looking again is
+    returned as ``now`` (re-derive on every pass): a pid's liveness, a heartbeat (written without
+    events), any hook state other than finished/failed. The hook's ``finished``/``failed`` never
+    changes with the clock. At exactly ``newest_write + failed_after`` the run is still active
+    (:func:`_older_than` is strict), so a caller re-derives when ``now >= `` the returned time and
+    asks again.
+    """
+    if facts.hook_state in (_HOOK_FINISHED, _HOOK_FAILED):
+        return None
+    if facts.hook_state is not None or facts.pid is not None or facts.heartbeat is not None:
+        return now
+    if _older_than(facts.newest_write, failed_after, now):
+        return None  # stale until someone writes under the run
+    return facts.newest_write + failed_after
 
 
 # --------------------------------------------------------------------------------------------

@@ -328,7 +328,7 @@ class Daemon:
             return
         if not self._index_still_ours(job):
             return
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         try:
             self.index.job_started(job)
         except Exception:
@@ -350,6 +350,9 @@ class Daemon:
             ok=error is None,
             error=error,
             seconds=round(time.monotonic() - started, 3),
+            # The whole process's CPU (utime + stime of every thread) while the job ran: what a
+            # pass costs a shared node, load-tolerant where wall time is not (bench/daemon_idle).
+            cpu_seconds=round(time.process_time() - cpu_started, 3),
         )
         _release_memory()
         notify(self._status_line())

@@ -9,6 +9,7 @@ and cheap when nothing changed.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import stat
@@ -18,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, NodePart
-from ckptkeeper.core.reaper import RunFacts, derive_run_state
+from ckptkeeper.core.model import CheckpointState, FileEntry, Manifest, NodePart, RunState
+from ckptkeeper.core.reaper import RunFacts, derive_run_state, run_state_changes_at
 from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
@@ -53,6 +54,9 @@ class Catalog:
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
         self.tiers = SlowerTiers(settings, index)
+        self._state_due: dict[str, float] = {}
+        """Run -> when its recorded state can next change by the clock alone (``inf``: never), as
+        of its last reconcile; a run missing here is unknown (see :meth:`state_due`)."""
 
     @property
     def tier_pins(self) -> dict[str, set[tuple[str, str]]]:
@@ -66,6 +70,15 @@ class Catalog:
         return self.tiers.own_copies
 
     # -- the hot tier ----------------------------------------------------------------------
+
+    def state_due(self, run: str) -> float:
+        """When the state recorded for ``run`` by this catalog's last reconcile of it can next be
+        changed by the clock alone: ``inf`` never (finished/failed, or stale without the hook),
+        ``-inf`` when this catalog has not reconciled the run (or its reconcile did not finish),
+        the time it turns stale for a run without the hook, and the reconcile's own time for
+        anything that can change unseen (a pid, a heartbeat, a ``.ckptkeeper/`` dir). The watcher
+        re-derives a run's state only once its time has come: writes raise events of their own."""
+        return self._state_due.get(run, -math.inf)
 
     def iter_run_dirs(self) -> Iterator[tuple[str, Path]]:
         """(run name, dir) for every directory ``run_depth`` levels under the hot root.
@@ -148,6 +161,9 @@ class Catalog:
     def _reconcile_run(self, run: str, run_dir: Path | None) -> ReconcileReport:
         run_dir = run_dir or self.hot_root / run
         report = ReconcileReport(runs=1)
+        # Unknown until this reconcile has recorded the run: an early return or an error leaves
+        # the run to be re-checked by every sync, the safe side.
+        self._state_due.pop(run, None)
         try:
             st = os.lstat(run_dir)
         except FileNotFoundError:
@@ -257,8 +273,10 @@ class Catalog:
             self.index.replace_artifacts(
                 hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
             )
-            held.extend(self._update_run_state(run, newest_write, now, hook))
+            run_held, due = self._update_run_state(run, newest_write, now, hook, hooked=bool(scan.hook_dirs))
+            held.extend(run_held)
             self.index.replace_quarantine(hot, held, run=run)
+        self._state_due[run] = due  # only once the state it describes is committed
         report.quarantined += len(held)
         return report
 
@@ -417,10 +435,12 @@ class Catalog:
         )
 
     def _update_run_state(
-        self, run: str, newest_write: float, now: float, hook: hookfiles.HookState
-    ) -> list[Quarantined]:
+        self, run: str, newest_write: float, now: float, hook: hookfiles.HookState, *, hooked: bool
+    ) -> tuple[list[Quarantined], float]:
         """Record the run's state from its hook files (every ``.ckptkeeper/`` in the run, read by
-        :func:`hookfiles.hook_state`); return those that failed the schema."""
+        :func:`hookfiles.hook_state`); return those that failed the schema, and when the clock
+        alone can next change the state (see :meth:`state_due`). ``hooked``: the run holds a
+        ``.ckptkeeper/`` directory."""
         info, heartbeat, warning, held = hook
         host = info.host if info and info.host else None
         pid = info.pid if info else None
@@ -433,9 +453,11 @@ class Catalog:
             heartbeat=heartbeat,
             newest_write=newest_write,
         )
-        state, reason = derive_run_state(
-            facts, this_host=self.hostname, now=now, failed_after=self.settings.reaper.failed_after
-        )
+        failed_after = self.settings.reaper.failed_after
+        state, reason = derive_run_state(facts, this_host=self.hostname, now=now, failed_after=failed_after)
+        changes = run_state_changes_at(facts, now=now, failed_after=failed_after)
+        if hooked and state not in (RunState.FINISHED, RunState.FAILED):
+            changes = now  # a hook dir may gain a heartbeat without raising an event: every pass
         if warning:
             reason = f"{reason}; WARNING: {warning}"  # actions.status.WARNING_MARK
         last_seen = max(newest_write, heartbeat or 0.0)
@@ -449,7 +471,7 @@ class Catalog:
             pid=pid,
             on_hot=True,
         )
-        return held
+        return held, math.inf if changes is None else changes
 
     def _parent_of(self, info: protocol.RunInfo | None) -> tuple[str, int] | None:
         """The parent (run, step) the hook recorded; when it also recorded the parent checkpoint's
@@ -468,6 +490,7 @@ class Catalog:
     def _run_gone_from_hot(self, run: str) -> None:
         """The run directory disappeared: its hot copies are gone; copies elsewhere stay cataloged."""
         hot = self.settings.hot.name
+        self._state_due.pop(run, None)
         with self.index.transaction():
             for row in self.index.checkpoints(run):
                 self.index.remove_location(row.id, hot)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 from enum import Enum
+from typing import Any
 
 from ckptkeeper.hook.protocol import COMMITS_FILE, RUN_FILE, STAGING_MARK, STATE_DIR
 
-__all__ = ["EventKind", "classify_path"]
+__all__ = ["EventKind", "classify_path", "hook_dir_created"]
 
 
 class EventKind(Enum):
@@ -51,3 +52,18 @@ def classify_path(root: str, path: str, run_depth: int) -> tuple[EventKind, str 
     if any(STAGING_MARK in part for part in rest):
         return EventKind.IGNORE, None
     return EventKind.WRITE, run
+
+
+def hook_dir_created(root: str, path: str, run_depth: int, event: Any) -> str | None:
+    """The run in which a hook state directory (``.ckptkeeper/``) was just created or moved in, else
+    None. The watcher ignores everything inside that directory but run.json and commits.jsonl, and
+    the heartbeat the hook starts writing there raises no work: a run that was cataloged without
+    the hook must be re-read once, so that from then on its state is re-derived on every pass."""
+    if not getattr(event, "is_directory", False) or event.event_type not in ("created", "moved"):
+        return None
+    if os.path.basename(path.rstrip(os.sep)) != STATE_DIR:
+        return None
+    kind, run = classify_path(root, os.path.dirname(path.rstrip(os.sep)), run_depth)
+    if kind in (EventKind.WRITE, EventKind.RUN_STATE, EventKind.COMMIT):
+        return run
+    return None

@@ -25,9 +25,13 @@ Trust, and what it saves: after a full reconcile, an inotify watcher that has lo
 (no queue overflow, no failed reconcile, observer alive) can vouch for the index — every change
 under a run either raised an event that queued the run, or happened before a reconcile that was
 scheduled after it. :meth:`Watcher.sync` (the daemon's pre-pass reconcile) then reconciles only the
-runs with queued work plus the runs whose state depends on the clock (not finished/failed: pid,
-heartbeat and write ages; heartbeats raise no events), instead of re-walking and re-parsing every
-checkpoint (10k checkpoints: ~2 CPU-s per walk). Anything that breaks the chain — an overflow, a
+runs with queued work plus the runs whose state the clock may have changed, instead of re-walking
+and re-parsing every checkpoint (10k checkpoints: ~2 CPU-s per walk). Which runs those are, the
+catalog records per run when it reconciles it (:meth:`Catalog.state_due`): a run with a pid or a
+heartbeat (heartbeats raise no events) can change at any moment and is re-derived on every pass; a
+run without the hook turns stale exactly ``failed_after`` after its newest write — a write raises
+an event — so it is re-read only once that time has come (10k hookless checkpoints: ~1.1 CPU-s a
+pass saved). The hook arriving in such a run (a ``.ckptkeeper/`` directory created) queues it. Anything that breaks the chain — an overflow, a
 reconcile error, polling (mtime-granular snapshots), a dead observer, a missing root — marks the
 watcher untrusted and the next sync is a full reconcile. What events cannot show at all (e.g. a
 change of only an mtime, IN_ATTRIB is filtered) is found by the daemon's periodic ``rescan`` job,
@@ -52,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkeeper.ingest.events import EventKind, classify_path
+from ckptkeeper.ingest.events import EventKind, classify_path, hook_dir_created
 from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
@@ -287,8 +291,10 @@ class Watcher:
         """Bring the index up to date before a prune pass, as cheaply as the watcher can vouch for.
 
         Trusted (see :attr:`trusted`): reconcile the runs with queued work (events not yet
-        debounced, settle checks, retries) and every hot run whose state the clock can change
-        (anything but finished/failed: a writer that died sends no event). Otherwise, or when a
+        debounced, settle checks, retries) and every hot run whose state the clock may have changed
+        since it was last reconciled (:meth:`Catalog.state_due`: a run without the hook only once
+        ``failed_after`` has passed since its newest write; one with a pid or a heartbeat on every
+        pass, since a writer that died sends no event). Otherwise, or when a
         whole-tree rescan is queued: :meth:`reconcile_all`. Runs reconciled here stay queued, so
         the worker still reconciles them (and reports new checkpoints) when they come due.
         """
@@ -304,10 +310,13 @@ class Watcher:
         report = ReconcileReport()
         since = time.time()
         with self.reconcile_lock:
+            now = self.catalog.clock()
             live = {
                 row.name
                 for row in self.catalog.index.runs()
-                if row.on_hot and row.state not in (RunState.FINISHED, RunState.FAILED)
+                if row.on_hot
+                and row.state not in (RunState.FINISHED, RunState.FAILED)
+                and self.catalog.state_due(row.name) <= now
             }
             settling = []
             for run in sorted(queued | live):
@@ -491,6 +500,10 @@ class Watcher:
             path = os.fsdecode(raw)
             kind, run = classify_path(self.root, path, self.run_depth)
             if kind is EventKind.IGNORE:
+                hooked = hook_dir_created(self.root, path, self.run_depth, event)
+                if hooked is not None:
+                    self.request(hooked)  # its heartbeats will raise no events: re-derive from now on
+                    handled = True
                 continue
             if kind is EventKind.TREE:
                 if event.is_directory and event.event_type in ("created", "deleted", "moved"):
