@@ -471,3 +471,51 @@ def test_s3_kill_during_move_aside_loses_nothing(
     restored = tmp_path / "restored"
     assert node.cli("restore", "r", "--step", "200", "--to", str(restored))[0] == 0
     assert digest(restored / "checkpoint-200") == node.originals[200]
+
+
+@pytest.mark.parametrize("copied", ["some", "all"])
+def test_s3_kill_between_the_server_side_copies_and_the_manifest_loses_nothing(
+    tmp_path: Path, s3_server: str, s3_bucket: str, s3_client: Any, copied: str
+) -> None:
+    """The S3 move aside copies every data key into the entry, then writes the entry's manifest
+    (its commit point), then deletes the originals. A kill -9 after some or all of the copies but
+    before the manifest leaves an entry without a manifest beside an intact original: the next
+    prune must remove that half entry, keep the original, and move it aside again, whole."""
+    import sqlite3
+
+    cold = s3_tier("cold", s3_bucket, s3_server, keep_last=2, undo_window="24h")
+    node = Node(tmp_path, [local_tier("hot", tmp_path / "hot", keep_last=1), cold], [100, 200, 300])
+    assert node.cli("prune")[0] == 0  # 200 moves to cold
+    node.tiers[1] = {**cold, "keep_last": 1}  # 200 now expires from cold, into its trash
+    node.write_config()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "prune"],
+        env={**os.environ, "CKPTKEEPER_TEST_CRASH_AFTER": "1"},  # killed once the move aside is journaled
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
+    with sqlite3.connect(node.index) as db:
+        rows = db.execute("SELECT phase, detail FROM journal WHERE done = 0").fetchall()
+    assert [phase for phase, _ in rows] == ["moving aside"]
+    entry = json.loads(rows[0][1])["entry"]
+    # What the killed process would have left: server-side copies of the data keys into the entry,
+    # no manifest there (the manifest PUT comes after every copy).
+    original = [k for k in s3_keys(s3_client, s3_bucket, "ckpt/r/checkpoint-200") if not k.endswith(".json")]
+    data = [k for k in original if "/checkpoint-200/" in k]
+    assert len(data) >= 2, original
+    for key in data if copied == "all" else data[: len(data) // 2]:
+        dest = f"ckpt/{entry}/r/" + key[len("ckpt/r/") :]
+        s3_client.copy_object(Bucket=s3_bucket, Key=dest, CopySource={"Bucket": s3_bucket, "Key": key})
+
+    code, out = node.cli_json("prune")
+    assert code == 0, out
+    assert not s3_keys(s3_client, s3_bucket, f"ckpt/{entry}/"), "the half entry must be removed"
+    assert not s3_keys(s3_client, s3_bucket, "ckpt/r/checkpoint-200")  # moved aside again, whole
+    code, deleted = node.cli_json("ls", "--deleted")
+    assert [(d["step"], d["tier"]) for d in deleted["deleted"]] == [(200, "cold")]
+    assert node.cli("undelete", "r", "200")[0] == 0
+    restored = tmp_path / "restored"
+    assert node.cli("restore", "r", "--step", "200", "--to", str(restored))[0] == 0
+    assert digest(restored / "checkpoint-200") == node.originals[200]
