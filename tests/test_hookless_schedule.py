@@ -258,3 +258,25 @@ def test_the_hook_arriving_in_a_hookless_run_is_seen_without_a_full_walk(env: En
         assert env.run_state("resumed") == "active"
     finally:
         w.stop()
+
+
+def test_a_touch_only_change_to_a_stale_hookless_run_is_seen_at_the_hourly_rescan(env: Env) -> None:
+    """README (issue 17, the price): attribute-only events are filtered, so a stale hookless run
+    whose files are only touched stays stale until the next whole-tree rescan (the daemon's hourly
+    ``rescan`` job), which then sees the new mtime and the run as active again."""
+    hookless_run(env, "touched", (100, 200), env.now - 2 * 86400)
+    w = started(env)
+    try:
+        assert env.run_state("touched") == "stale"
+        newest = env.hot / "touched" / "checkpoint-200" / "trainer_state.json"
+        assert newest.is_file()
+        os.utime(newest, (env.now - 5, env.now - 5))  # a touch: no data written, no event kept
+        assert w.wait_idle(5.0)
+        w.sync()
+        assert not w.last_sync_full and env.run_state("touched") == "stale"
+        w.request_full()  # what the hourly rescan job queues
+        w.sync()
+        assert w.last_sync_full and env.run_state("touched") == "active"
+        assert env.catalog.state_due("touched") == env.now - 5 + FAILED_AFTER
+    finally:
+        w.stop()
