@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import local_tier, write_config
+from click.testing import CliRunner
 
+from ckptkeeper.cli import main
 from ckptkeeper.hook import read_commits, read_run_dir
 from ckptkeeper.hook.parts import JobPart
 
@@ -207,6 +210,27 @@ def _check_node(node_dir: Path, run: str, k: int, steps: list[int]) -> list[str]
     return [c.path for c in commits]
 
 
+def _node_view(node_dir: Path, run: str) -> list[dict[str, Any]]:
+    """What node's daemon makes of the run: ``scan`` then ``ls --json``'s checkpoints, with its
+    own config, index and ``node``; and ``prune --dry-run`` reaps nothing of it."""
+    config = write_config(
+        node_dir.parent / f"{node_dir.name}.toml",
+        index=node_dir.parent / f"{node_dir.name}.db",
+        node=node_dir.name,
+        tiers=[local_tier("hot", node_dir)],
+    )
+
+    def cli(*args: str) -> Any:
+        result = CliRunner().invoke(main, ["--config", str(config), *args], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    cli("scan", "--json")
+    plan = cli("prune", "--dry-run", "--json")
+    assert [a for a in plan["actions"] if a["run"] == run and a["action"] in ("reap", "delete")] == []
+    return next(r for r in cli("ls", "--json")["runs"] if r["name"] == run)["checkpoints"]
+
+
 def test_lightning_fsdp2_across_two_nodes_each_node_writes_its_part(tmp_path: Path) -> None:
     pytest.importorskip("lightning.pytorch")
     node0, node1 = _run_job(tmp_path, "lightning")
@@ -219,6 +243,13 @@ def test_lightning_fsdp2_across_two_nodes_each_node_writes_its_part(tmp_path: Pa
         on1 = sorted(p.name for p in (node1 / "pl-run" / path).iterdir())
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(on0)
         assert on1 == ["__2_0.distcp", "__3_0.distcp"]
+    # Node 1's daemon: its halves are complete parts of job-42, never partial saves to reap.
+    for k, node_dir in enumerate((node0, node1)):
+        seen = _node_view(node_dir, "pl-run")
+        assert [(c["step"], c["state"]) for c in seen] == [(1, "complete"), (2, "complete")]
+        for c in seen:
+            assert (c["part"]["index"], c["part"]["count"], c["part"]["job"]) == (k, NODES, JOB)
+            assert c["part"]["known"] and c["part"]["marker_elsewhere"] == (k == 1)
 
 
 def test_transformers_across_two_nodes_each_node_writes_its_part(tmp_path: Path) -> None:
@@ -230,6 +261,16 @@ def test_transformers_across_two_nodes_each_node_writes_its_part(tmp_path: Path)
     assert (node0 / "hf-run" / "checkpoint-4" / "trainer_state.json").is_file()
     on1 = sorted(p.name for p in (node1 / "hf-run" / "checkpoint-4").iterdir())
     assert on1 == ["rng_state_2.pth", "rng_state_3.pth"]
+    for k, node_dir in enumerate((node0, node1)):
+        seen = _node_view(node_dir, "hf-run")
+        assert [(c["step"], c["state"]) for c in seen] == [(2, "complete"), (4, "complete")]
+        for c in seen:
+            assert (c["part"]["index"], c["part"]["count"], c["part"]["job"], c["part"]["known"]) == (
+                k,
+                NODES,
+                JOB,
+                True,
+            )
 
 
 @pytest.mark.parametrize(
