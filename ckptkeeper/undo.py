@@ -87,7 +87,7 @@ class TrashSteps:
         if row is not None:
             self.index.remove_location(row.id, tier)
         deleted_at = entry_time(entry) or self.clock()
-        self.index.add_trash(_entry(tier, entry, manifest, deleted_at), manifest)
+        self.index.add_trash(TrashEntry.of(tier, entry, manifest, deleted_at), manifest)
 
     # -- purge -----------------------------------------------------------------------------
 
@@ -160,16 +160,3 @@ class TrashSteps:
             return f"move aside of {rel} in {tier} finished (in the trash as {entry})"
         storage.purge_trash(entry)
         return f"move aside of {rel} in {tier} had not happened; the copy stays in place"
-
-
-def _entry(tier: str, entry: str, manifest: Manifest, deleted_at: float) -> TrashEntry:
-    return TrashEntry(
-        tier=tier,
-        path=entry,
-        run=manifest.run,
-        step=manifest.step,
-        name=manifest.name,
-        bytes=manifest.total_bytes,
-        deleted_at=deleted_at,
-        node=manifest.node,
-    )

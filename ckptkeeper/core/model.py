@@ -381,6 +381,22 @@ class TrashEntry:
     node: str = ""
     """The node that wrote the copy (its manifest's ``node``); "" = this node or unknown."""
 
+    @classmethod
+    def of(cls, tier: str, path: str, manifest: Manifest, deleted_at: float) -> TrashEntry:
+        """The entry at ``path`` in ``tier``'s trash holding the copy ``manifest`` describes: what
+        it is a copy of comes from the manifest alone, whether the entry was just moved aside or
+        found by a listing of the trash."""
+        return cls(
+            tier=tier,
+            path=path,
+            run=manifest.run,
+            step=manifest.step,
+            name=manifest.name,
+            bytes=manifest.total_bytes,
+            deleted_at=deleted_at,
+            node=manifest.node,
+        )
+
     @property
     def rel_path(self) -> str:
         """Where the copy lived (and comes back to), relative to the tier root."""

@@ -21,7 +21,7 @@ is not watched for headroom at all, and its plain checkpoints stay on the planne
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from ckptkeeper.core.headroom import describe_need
@@ -142,22 +142,28 @@ def watermarks(
 
     for i in sorted(watched):
         w = watched[i]
+        # Headroom is measured after the watermark's demotions: they may have made the room.
         if w.high is not None:
-            _watermark(i, w, items, tiers, unknown, projected, ended, notes)
+            _relieve(i, _watermark(i, w, tiers, projected), items, tiers, unknown, projected, ended, notes)
         if w.needed:
-            _headroom(i, w, items, tiers, unknown, projected, ended, notes)
+            _relieve(i, _headroom(i, w, tiers, projected), items, tiers, unknown, projected, ended, notes)
 
 
-def _watermark(
-    i: int,
-    w: Watch,
-    items: Sequence[Item],
-    tiers: Sequence[TierSpec],
-    unknown: frozenset[int],
-    projected: dict[int, float],
-    ended: frozenset[str],
-    notes: list[str],
-) -> None:
+class _Pressure(NamedTuple):
+    """Why a tier must shed checkpoints now, and down to where."""
+
+    why: str
+    """The pressure in words (the note when there is nowhere to demote to)."""
+    target: float
+    """Projected bytes of the tier at which the pressure is gone: the walk's stop condition."""
+    demotion: tuple[str, str]
+    """Each demotion's (rule, reason)."""
+    still: Callable[[float], str]
+    """The note when every checkpoint the tier may demote is gone and the projection (the
+    argument) is still above ``target``."""
+
+
+def _watermark(i: int, w: Watch, tiers: Sequence[TierSpec], projected: dict[int, float]) -> _Pressure | None:
     """Tier ``i`` above its high watermark (now or projected): demote down to its low watermark."""
     u, high = w.usage, w.high
     low = w.low if w.low is not None else high
@@ -165,26 +171,46 @@ def _watermark(
     name = tiers[i].name
     now_fraction = u.fraction
     if now_fraction <= high and projected[i] <= high * u.total_bytes:
-        return
-    if _nowhere_to_go(i, tiers, unknown, f"{name} above high watermark {high:.0%}", notes):
-        return
+        return None
     if now_fraction > high:
         usage_text = f"usage {now_fraction:.0%}"
     else:
         usage_text = f"projected {projected[i] / u.total_bytes:.0%}"
-    demotion = (
-        f"demoted: {name} above high watermark {high:.0%}",
-        f"{name} above high watermark {high:.0%} ({usage_text})",
+    still = f"{name} still above low watermark {low:.0%} after demoting every checkpoint it may ({_STAYS})"
+    return _Pressure(
+        why=f"{name} above high watermark {high:.0%}",
+        target=low * u.total_bytes,
+        demotion=(
+            f"demoted: {name} above high watermark {high:.0%}",
+            f"{name} above high watermark {high:.0%} ({usage_text})",
+        ),
+        still=lambda _projected: still,
     )
-    if not _demote(i, items, projected, low * u.total_bytes, demotion, ended):
-        notes.append(
-            f"{name} still above low watermark {low:.0%} after demoting every checkpoint it may ({_STAYS})"
-        )
 
 
-def _headroom(
+def _headroom(i: int, w: Watch, tiers: Sequence[TierSpec], projected: dict[int, float]) -> _Pressure | None:
+    """Tier ``i``'s free space after this plan below ``w.needed``: demote until it holds it."""
+    u = w.usage
+    name = tiers[i].name
+    free_after = u.free - (projected[i] - u.used_bytes)
+    if free_after >= w.needed:
+        return None
+    need = describe_need(w.needed, free_after, w.saving_runs)
+    target = u.used_bytes + u.free - w.needed  # projected usage at which free_after == needed
+    return _Pressure(
+        why=f"{name} short of headroom ({need})",
+        target=target,
+        demotion=(f"demoted: {name} short of headroom for active runs' next saves", f"{HEADROOM}: {need}"),
+        still=lambda now: (
+            f"{name} short of headroom: {need}; still {human_bytes(max(0.0, now - target))} short after "
+            f"demoting every checkpoint it may ({_STAYS}): the next save may fail for lack of space"
+        ),
+    )
+
+
+def _relieve(
     i: int,
-    w: Watch,
+    pressure: _Pressure | None,
     items: Sequence[Item],
     tiers: Sequence[TierSpec],
     unknown: frozenset[int],
@@ -192,23 +218,12 @@ def _headroom(
     ended: frozenset[str],
     notes: list[str],
 ) -> None:
-    """Tier ``i``'s free space after this plan below ``w.needed``: demote until it holds it."""
-    u = w.usage
-    name = tiers[i].name
-    free_after = u.free - (projected[i] - u.used_bytes)
-    if free_after >= w.needed:
+    """Demote from tier ``i`` until ``pressure`` is gone (both rounds of :func:`_demote`); a note
+    when there is nowhere to demote to, or when what the tier may demote is not enough."""
+    if pressure is None or _nowhere_to_go(i, tiers, unknown, pressure.why, notes):
         return
-    need = describe_need(w.needed, free_after, w.saving_runs)
-    if _nowhere_to_go(i, tiers, unknown, f"{name} short of headroom ({need})", notes):
-        return
-    demotion = (f"demoted: {name} short of headroom for active runs' next saves", f"{HEADROOM}: {need}")
-    target = u.used_bytes + u.free - w.needed  # projected usage at which free_after == needed
-    if not _demote(i, items, projected, target, demotion, ended):
-        short = projected[i] - target
-        notes.append(
-            f"{name} short of headroom: {need}; still {human_bytes(max(0.0, short))} short after demoting every "
-            f"checkpoint it may ({_STAYS}): the next save may fail for lack of space"
-        )
+    if not _demote(i, items, projected, pressure.target, pressure.demotion, ended):
+        notes.append(pressure.still(projected[i]))
 
 
 def _nowhere_to_go(

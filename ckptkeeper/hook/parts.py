@@ -10,8 +10,9 @@ of each node then knows its checkpoints are parts, complete for that node, never
 Read once when a run is tracked, from the environment launchers set (torchrun / torchelastic:
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``TORCHELASTIC_RUN_ID``; Slurm: ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
-``SLURM_NNODES``, ``SLURM_JOB_ID``; ``NODE_RANK`` of Lightning / DeepSpeed launchers) or from
-explicit ``track_run(job=, part=, parts=)``. Standard library only, pure (the environment is an
+``SLURM_NNODES``, ``SLURM_JOB_ID``; ``NODE_RANK`` of Lightning / DeepSpeed launchers), from
+explicit ``track_run(job=, part=, parts=)``, or from what a framework knows of the process (the
+Lightning and Hugging Face callbacks pass their ranks, world size and node count). Standard library only, pure (the environment is an
 argument): training processes import it.
 """
 
@@ -65,10 +66,16 @@ def detect(
     job: str | None = None,
     part: int | None = None,
     parts: int | None = None,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world: int | None = None,
 ) -> tuple[bool, JobPart | None]:
     """(does this process write the hook's files, this node's part or None for a one-node job).
 
-    Explicit arguments win over the environment. The number of parts is ``parts``, else
+    Explicit arguments win over the environment. ``rank``, ``local_rank`` and ``world`` (the
+    number of processes) are what a framework knows of this process (Lightning's
+    ``trainer.global_rank``, Hugging Face's ``args.process_index``, …); they stand for ``RANK``,
+    ``LOCAL_RANK`` and ``WORLD_SIZE``, so a framework callback decides exactly as the hook would. The number of parts is ``parts``, else
     ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (torchrun), else ``SLURM_NNODES``; the part index is
     ``part``, else ``GROUP_RANK`` / ``NODE_RANK`` / ``SLURM_NODEID``, else ``RANK //
     LOCAL_WORLD_SIZE``. With more than one part the writer is the node's local rank 0
@@ -84,11 +91,17 @@ def detect(
         parts = _checked(parts, "parts", 1)
     if part is not None and parts is not None and part >= parts:
         raise ValueError(f"part must be below parts ({parts}), got {part}")
-    rank = _env_int(env, "RANK", "SLURM_PROCID")
-    local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID")
+    for value, what in ((rank, "rank"), (local_rank, "local_rank"), (world, "world")):
+        if value is not None:
+            _checked(value, what, 0)
+    if rank is None:
+        rank = _env_int(env, "RANK", "SLURM_PROCID")
+    if local_rank is None:
+        local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID")
     local_world = _env_int(env, "LOCAL_WORLD_SIZE")
     if parts is None:
-        world = _env_int(env, "WORLD_SIZE")
+        if world is None:
+            world = _env_int(env, "WORLD_SIZE")
         if world and local_world and world % local_world == 0:
             parts = world // local_world
         else:

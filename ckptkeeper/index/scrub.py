@@ -58,29 +58,22 @@ class ScrubMixin(Connection):
     def record_scrubbed(self, loc: ScrubCandidate, version: str, when: float | None = None) -> bool:
         """The copy ``loc`` re-hashed whole: it is a copy of ``version``, verified at ``when``.
         False (nothing written) if the location changed since it was read."""
-        cur = self._exec(
-            """UPDATE locations SET version = ?, scrubbed_at = ?
-               WHERE checkpoint_id = ? AND tier = ? AND version = ? AND scrubbed_at IS ?""",
-            (
-                version,
-                time.time() if when is None else when,
-                loc.checkpoint_id,
-                loc.tier,
-                loc.location_version,
-                loc.scrubbed_at,
-            ),
-        )
-        return cur.rowcount > 0
+        return self._record_scrub(loc, version, when)
 
     def record_scrub_bad(self, loc: ScrubCandidate, problem: str, when: float | None = None) -> bool:
         """The copy ``loc`` does not match its manifest: mark it damaged (its owner kept). False
         (nothing written) if the location changed since it was read."""
-        text = DAMAGED + SCRUB_PROBLEM + " ".join(problem.split())[:500]
+        return self._record_scrub(loc, DAMAGED + SCRUB_PROBLEM + " ".join(problem.split())[:500], when)
+
+    def _record_scrub(self, loc: ScrubCandidate, outcome: str, when: float | None) -> bool:
+        """Write a scrub's ``outcome`` (the version hashed, or the damage found) into ``loc``'s
+        ``version`` with the time it was checked, guarded by the version and check time read with
+        ``loc``: a copy moved, rewritten or checked by another pass meanwhile keeps what it says."""
         cur = self._exec(
             """UPDATE locations SET version = ?, scrubbed_at = ?
                WHERE checkpoint_id = ? AND tier = ? AND version = ? AND scrubbed_at IS ?""",
             (
-                text,
+                outcome,
                 time.time() if when is None else when,
                 loc.checkpoint_id,
                 loc.tier,

@@ -187,17 +187,7 @@ def record_trash(
             log.warning("trash entry quarantined", tier=tier, path=path, error=error)
             held.append(Quarantined(tier, path, "trash", error or "unreadable"))
             continue
-        entry = TrashEntry(
-            tier=tier,
-            path=path,
-            run=manifest.run,
-            step=manifest.step,
-            name=manifest.name,
-            bytes=manifest.total_bytes,
-            deleted_at=deleted_at,
-            node=manifest.node,
-        )
-        entries.append((entry, manifest))
+        entries.append((TrashEntry.of(tier, path, manifest, deleted_at), manifest))
     with index.transaction():
         index.replace_trash(tier, entries)
         index.replace_quarantine(tier, held, kinds=["trash"])

@@ -24,8 +24,14 @@ step the file no longer holds. Metrics: ``trainer.callback_metrics`` at save tim
 monitored score ``ModelCheckpoint`` recorded for the file.
 
 Run state: ``finished`` at ``on_fit_end``, ``failed`` at ``on_exception`` (``"<Type>: message"``, also for
-KeyboardInterrupt). Only global rank zero writes. Bookkeeping errors are logged, never raised into
-training.
+KeyboardInterrupt). Bookkeeping errors are logged, never raised into training.
+
+Writer: global rank zero on one node. In a job spanning nodes (``Trainer(num_nodes=N)``: DDP, FSDP,
+DeepSpeed) each node's local rank zero writes into its node's run dir, as the hook does (README
+"Checkpoints spanning nodes"), recording the job and the node's part (``trainer.node_rank`` of
+``trainer.num_nodes``): a strategy that shards its checkpoints (FSDP ``state_dict_type="sharded"``,
+DeepSpeed) leaves on each node only its ranks' files. ``KeeperCallback(parts=1)`` when the nodes save
+into one shared directory: global rank zero writes alone again.
 """
 
 from __future__ import annotations
@@ -109,8 +115,12 @@ class _KeeperCallbackMixin(CallbackBase):
         name: str | None = None,
         parent: ParentSpec = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        job: str | None = None,
+        parts: int | None = None,
     ) -> None:
-        super().__init__(run_dir, name=name, parent=parent, heartbeat_interval=heartbeat_interval)
+        super().__init__(
+            run_dir, name=name, parent=parent, heartbeat_interval=heartbeat_interval, job=job, parts=parts
+        )
         self._runs: dict[str, TrackedRun] = {}
         self._observed: list[tuple[Any, Callable[..., Any]]] = []
         self._polled: list[Any] = []
@@ -120,8 +130,6 @@ class _KeeperCallbackMixin(CallbackBase):
     # -- Lightning hooks ----------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.is_global_zero:
-            return
         self._guard(self._start, trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -161,6 +169,15 @@ class _KeeperCallbackMixin(CallbackBase):
         return [cb for cb in getattr(trainer, "checkpoint_callbacks", []) if getattr(cb, "dirpath", None)]
 
     def _start(self, trainer: Any) -> None:
+        writes, job_part = self._node_part(
+            rank=trainer.global_rank,
+            local_rank=trainer.local_rank,
+            world=trainer.world_size,
+            node=trainer.node_rank,
+            nodes=trainer.num_nodes,
+        )
+        if not writes:
+            return
         # A second fit() on this callback starts afresh (ending is a no-op when the last fit ended).
         self._end(trainer, "a new fit() started before the previous one ended")
         self._unobserve()
@@ -192,13 +209,7 @@ class _KeeperCallbackMixin(CallbackBase):
             run_dir = self.run_dir or dirpath
             key = os.path.realpath(run_dir)
             if key not in self._runs:
-                self._runs[key] = TrackedRun(
-                    run_dir,
-                    name=self.name,
-                    parent=self.parent,
-                    heartbeat_interval=self.heartbeat_interval,
-                    enabled=True,  # rank is decided by the Trainer, not by RANK
-                )
+                self._runs[key] = self._track(run_dir, job_part)
             self._observe(cb, trainer)
 
     def _observe(self, cb: Any, trainer: Any) -> None:
@@ -209,8 +220,8 @@ class _KeeperCallbackMixin(CallbackBase):
 
         def save_and_commit(trainer_: Any, filepath: str, *args: Any, **kwargs: Any) -> Any:
             result = original(trainer_, filepath, *args, **kwargs)
-            if trainer_.is_global_zero:
-                self._guard(self._saved, trainer_, cb, os.fspath(filepath), trainer_.global_step)
+            # Installed only in a writer (global rank zero, or a node's local rank zero).
+            self._guard(self._saved, trainer_, cb, os.fspath(filepath), trainer_.global_step)
             return result
 
         cb._save_checkpoint = save_and_commit
@@ -234,14 +245,22 @@ class _KeeperCallbackMixin(CallbackBase):
         self._pending.append((cb, filepath, step, metrics))
         self._flush()
 
-    def _flush(self, *, final: bool = False) -> None:
+    def _flush(self, *, final: bool = False, elsewhere: bool = False) -> None:
+        """Commit the pending files now on disk. ``final``: give up on the others, with a warning
+        unless ``elsewhere`` (this node is not global rank zero's, and a strategy that saves whole
+        checkpoints writes them there only)."""
         still: list[tuple[Any, str, int, dict[str, float]]] = []
         for cb, filepath, step, metrics in self._pending:
             if filepath in self._committed:
                 continue
             if not os.path.exists(filepath):
                 if final:
-                    log.warning("ckptkeeper: %s was reported saved but never appeared on disk", filepath)
+                    log.log(
+                        logging.INFO if elsewhere else logging.WARNING,
+                        "ckptkeeper: %s was reported saved but never appeared on disk%s",
+                        filepath,
+                        " (written by global rank 0, on another node)" if elsewhere else "",
+                    )
                 else:
                     still.append((cb, filepath, step, metrics))
                 continue
@@ -292,7 +311,7 @@ class _KeeperCallbackMixin(CallbackBase):
         try:
             if self._runs:
                 self._sweep(trainer)
-                self._flush(final=True)
+                self._flush(final=True, elsewhere=not trainer.is_global_zero)
         finally:
             for run in self._runs.values():
                 if failure is None:

@@ -24,8 +24,14 @@ script died of one — the usual script/torchrun/SLURM case. In a long-lived pro
 ``train()`` leaves the run active (heartbeat still beating) until one of: ``with keeper: trainer.train()``,
 ``keeper.fail(reason)``, or the next ``train()`` with this callback, which marks the stale attempt failed.
 
-Writer: the process that saves checkpoints, ``args.should_save`` — world process zero, or each node's local
-process zero with ``save_on_each_node`` (each node's daemon then sees its own copy).
+Writer: on one node, the process that saves checkpoints, ``args.should_save`` (world process zero). In a
+job spanning nodes (``WORLD_SIZE / LOCAL_WORLD_SIZE``, Slurm's node count, or ``KeeperCallback(parts=N)``)
+each node's local process zero (``args.local_process_index``) writes into its node's ``output_dir``, as
+the hook does (README "Checkpoints spanning nodes"), recording the job and the node's part: with
+DeepSpeed or FSDP each node holds only its ranks' files of ``checkpoint-N``, and even plain DDP leaves
+each process's ``rng_state_<rank>.pth`` there; with ``save_on_each_node`` each node holds a whole copy.
+``KeeperCallback(parts=1)`` when the nodes save into one shared ``output_dir``: world process zero writes
+alone again.
 
 Lineage: when ``train()`` resumed (``global_step > 0`` at ``on_train_begin``) the parent is
 ``args.resume_from_checkpoint`` if that is a path, else ``<output_dir>/checkpoint-<global_step>`` if it
@@ -43,6 +49,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from ckptkeeper.hook import TrackedRun, parent_ref
+from ckptkeeper.hook.parts import JobPart
 from ckptkeeper.integrations._common import CallbackBase, build_callback_class, describe_exception
 
 __all__ = ["KeeperCallback"]  # noqa: F822 - built on first access by __getattr__
@@ -119,10 +126,14 @@ class _KeeperCallbackMixin(CallbackBase):
     # -- TrainerCallback events -----------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not getattr(args, "should_save", state.is_world_process_zero):
-            return
         try:
-            self._begin(args, state)
+            writes, job_part = self._node_part(
+                rank=args.process_index, local_rank=args.local_process_index, world=args.world_size
+            )
+            if job_part is None:  # one node: the process that saves, as always
+                writes = getattr(args, "should_save", state.is_world_process_zero)
+            if writes:
+                self._begin(args, state, job_part)
         except Exception as exc:  # bookkeeping must never take training down
             log.warning(
                 "ckptkeeper: could not start tracking: %s: %s", type(exc).__name__, exc, exc_info=True
@@ -148,7 +159,7 @@ class _KeeperCallbackMixin(CallbackBase):
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _begin(self, args: Any, state: Any) -> None:
+    def _begin(self, args: Any, state: Any, job_part: JobPart | None) -> None:
         if self.run is not None and self.run.state == "active":
             # The last train() never reached on_train_end: it raised (notebooks keep the process alive).
             self.run.fail("train() was started again before the previous attempt ended (it probably raised)")
@@ -159,14 +170,7 @@ class _KeeperCallbackMixin(CallbackBase):
                 "behind ckptkeeper's back (its retention policy can no longer keep them); leave it unset "
                 "and let the ckptkeeper policy decide what to keep.",
             )
-        run_dir = self.run_dir or args.output_dir
-        self.run = TrackedRun(
-            run_dir,
-            name=self.name,
-            parent=self.parent,
-            heartbeat_interval=self.heartbeat_interval,
-            enabled=True,  # args.should_save decided already
-        )
+        self.run = self._track(self.run_dir or args.output_dir, job_part)
         if self.parent is None and state.global_step > 0:
             self._record_resume(args, state)
 
@@ -192,8 +196,13 @@ class _KeeperCallbackMixin(CallbackBase):
                 glob.glob(os.path.join(glob.escape(args.output_dir), "*", folder)), key=os.path.getmtime
             )
             if not found:
-                log.warning(
-                    "ckptkeeper: on_save at step %d but no %s under %s", state.global_step, folder, path
+                # A node that does not save (not args.should_save) holds only what its ranks wrote.
+                log.log(
+                    logging.WARNING if getattr(args, "should_save", True) else logging.INFO,
+                    "ckptkeeper: on_save at step %d but no %s under %s",
+                    state.global_step,
+                    folder,
+                    path,
                 )
                 return
             path = found[-1]
