@@ -1,0 +1,155 @@
+"""A checkpoint spanning nodes is one version in a shared slower tier (issue #15, second slice).
+
+The real 2-node torch DCP job of ``test_node_parts`` (4 gloo processes, 2 per simulated node, the
+hook on every rank): each node gets its own config, hot dir, index and ``node``, all sharing one
+moto bucket as a ``shared = true`` cold tier. Real CLI subprocesses run each node's ``prune``:
+
+* a node's hot part stays until the whole version is complete in cold (the other node's part is
+  verified there too), with the reason in ``prune --dry-run``; a node killed (SIGKILL) mid-upload
+  leaves the other node's hot part in place until its next prune completes the version;
+* ``ls`` shows ``parts k/N``; a third node restores the version whole (``dcp.load`` reads it back
+  into a fresh state with identical tensors) or one part (``--part``);
+* expiring a step removes every part and every part record, and keeps the newer version whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from builders import local_tier, run_cli, s3_tier, write_config
+from test_node_parts import JOB, NODES, RANKS_PER_NODE, STEPS, job  # noqa: F401  (job: the fixture)
+
+from ckptkeeper.core.versions import job_token
+
+torch = pytest.importorskip("torch")
+
+RUN = "hooked"
+
+
+def _node(
+    job_dir: Path, base: Path, k: int, bucket: str, endpoint: str, *, cold_keep_last: int = 2
+) -> tuple[Path, Path]:
+    """Node ``k``: its hot dir (the job's ``hooked`` run, back-dated 3 h), config and index; the
+    cold tier is the shared bucket (replicate, ``keep_last=cold_keep_last``); hot keeps 1."""
+    home = base / f"node{k}"
+    hot = home / "hot"
+    if not hot.exists():
+        hot.mkdir(parents=True)
+        shutil.copytree(job_dir / f"node{k}" / "hot" / RUN, hot / RUN)
+        then = time.time() - 3 * 3600
+        for p in sorted(hot.rglob("*"), reverse=True):
+            os.utime(p, (then, then), follow_symlinks=False)
+    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=cold_keep_last)
+    cold["shared"] = True
+    config = write_config(
+        home / "config.toml",
+        index=home / "index.db",
+        node=f"node{k}",
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
+        tiers=[local_tier("hot", hot, keep_last=1), cold],
+        reaper={"partial_after": "10m", "failed_after": "1h", "keep_last_of_failed": 1},
+    )
+    return hot, config
+
+
+def ck(config: Path, *args: str, code: int = 0, env: dict[str, str] | None = None) -> Any:
+    """The real CLI in a subprocess; parsed JSON with ``--json``."""
+    if env:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), *args],
+            capture_output=True,
+            text=True,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}, **env},
+            timeout=180,
+        )
+    else:
+        proc = run_cli(config, *args)
+    assert proc.returncode == code, f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout) if "--json" in args and proc.stdout.strip() else proc.stdout
+
+
+def keys(s3: Any, bucket: str) -> list[str]:
+    out: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        out += [o["Key"] for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+def part_files(s3: Any, bucket: str, step: int) -> list[str]:
+    """Every stored object of ``step``'s parts, both nodes: the shards and their manifests."""
+    return [k for k in keys(s3, bucket) if f"/{RUN}/step-{step}" in k and "/.ckptkeeper/" not in k]
+
+
+def records(s3: Any, bucket: str, step: int) -> list[str]:
+    base = f"ckpt/.ckptkeeper/versions/{job_token(JOB)}/{RUN}/{step}/"
+    return [k[len(base) :] for k in keys(s3, bucket) if k.startswith(base)]
+
+
+def held_reasons(config: Path, step: int) -> list[str]:
+    plan = ck(config, "prune", "--dry-run", "--json")
+    assert not [
+        a for a in plan["actions"] if a["action"] == "delete" and a["step"] == step and a["tier"] == "hot"
+    ]
+    return [r for k in plan["keep"] if k["step"] == step and k["tier"] == "hot" for r in k["reasons"]]
+
+
+def test_a_version_spanning_nodes_goes_to_cold_whole(
+    job: Path,  # noqa: F811
+    tmp_path: Path,
+    s3_reset: str,
+    s3_client: Any,
+    s3_bucket: str,
+) -> None:
+    hot0, n0 = _node(job, tmp_path, 0, s3_bucket, s3_reset)
+    hot1, n1 = _node(job, tmp_path, 1, s3_bucket, s3_reset)
+
+    # Node 0 alone: its parts are copied and recorded; its hot part of step 100 (hot keeps 1) stays,
+    # because node 1's part is not in cold yet.
+    ck(n0, "prune", "--json")
+    assert records(s3_client, s3_bucket, 100) == ["part-0.json"]
+    assert (hot0 / RUN / "step-100" / ".metadata").is_file()
+    assert held_reasons(n0, 100) == ["part 0 of 2: version incomplete in cold (1/2 parts)"]
+    doc = ck(n0, "ls", "--json")
+    (c100,) = [c for c in doc["runs"][0]["checkpoints"] if c["step"] == 100]
+    assert c100["versions"]["cold"]["parts"] == "1/2" and c100["versions"]["cold"]["complete"] is False
+    assert "cold(parts 1/2)" in ck(n0, "ls", RUN)
+
+    # Node 1 is killed (SIGKILL) mid-upload of its first part: nothing of it is recorded, and
+    # node 0's hot part is still held, with the reason.
+    ck(n1, "prune", code=-9, env={"CKPTKEEPER_TEST_CRASH_AFTER": "2"})
+    assert records(s3_client, s3_bucket, 100) == ["part-0.json"]
+    ck(n0, "prune", "--json")
+    assert (hot0 / RUN / "step-100" / ".metadata").is_file()
+    assert held_reasons(n0, 100) == ["part 0 of 2: version incomplete in cold (1/2 parts)"]
+
+    # Node 1's next prune completes both versions; then each node may let its hot part of step 100 go.
+    ck(n1, "prune", "--json")
+    for step in STEPS:
+        assert records(s3_client, s3_bucket, step) == ["part-0.json", "part-1.json"]
+    assert (hot1 / RUN / "step-100").is_dir()  # planned before its own record existed: held this pass
+    ck(n0, "prune", "--json")
+    ck(n1, "prune", "--json")
+    assert not (hot0 / RUN / "step-100").exists() and not (hot1 / RUN / "step-100").exists()
+    assert (hot0 / RUN / "step-200").is_dir() and (hot1 / RUN / "step-200").is_dir()
+    for config in (n0, n1):
+        doc = ck(config, "ls", "--json")
+        assert {c["step"]: c["versions"]["cold"]["parts"] for c in doc["runs"][0]["checkpoints"]} == {
+            100: "2/2",
+            200: "2/2",
+        }
+    assert part_files(s3_client, s3_bucket, 100) == sorted(
+        [
+            *(f"ckpt/node0/{RUN}/step-100/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp")),
+            f"ckpt/node0/{RUN}/step-100.ckptkeeper-manifest.json",
+            *(f"ckpt/node1/{RUN}/step-100/{f}" for f in ("__2_0.distcp", "__3_0.distcp")),
+            f"ckpt/node1/{RUN}/step-100.ckptkeeper-manifest.json",
+        ]
+    )
