@@ -101,6 +101,7 @@ def held_reasons(config: Path, step: int) -> list[str]:
     return [r for k in plan["keep"] if k["step"] == step and k["tier"] == "hot" for r in k["reasons"]]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
 def test_a_version_spanning_nodes_goes_to_cold_whole(
     job: Path,  # noqa: F811
     tmp_path: Path,
@@ -121,6 +122,14 @@ def test_a_version_spanning_nodes_goes_to_cold_whole(
     (c100,) = [c for c in doc["runs"][0]["checkpoints"] if c["step"] == 100]
     assert c100["versions"]["cold"]["parts"] == "1/2" and c100["versions"]["cold"]["complete"] is False
     assert "cold(parts 1/2)" in ck(n0, "ls", RUN)
+
+    # A third node cannot restore the version whole yet, and says why.
+    n2 = _third_node(tmp_path, s3_bucket, s3_reset)
+    proc = run_cli(n2, "restore", RUN, "--step", "100", "--to", str(tmp_path / "early"))
+    assert proc.returncode == 1 and "step 100 in cold: 1/2 parts verified (missing part 1)" in proc.stderr, (
+        proc.stderr
+    )
+    assert not (tmp_path / "early" / "step-100").exists()
 
     # Node 1 is killed (SIGKILL) mid-upload of its first part: nothing of it is recorded, and
     # node 0's hot part is still held, with the reason.
@@ -152,4 +161,78 @@ def test_a_version_spanning_nodes_goes_to_cold_whole(
             *(f"ckpt/node1/{RUN}/step-100/{f}" for f in ("__2_0.distcp", "__3_0.distcp")),
             f"ckpt/node1/{RUN}/step-100.ckptkeeper-manifest.json",
         ]
+    )
+
+    # A third node (not in the job) restores step 200 whole: byte-identical to what each node
+    # saved, and torch's own dcp.load reads it into a fresh state.
+    restored = ck(n2, "restore", RUN, "--step", "200", "--to", str(tmp_path / "third"), "--json")
+    whole = tmp_path / "third" / "step-200"
+    assert restored["path"] == str(whole) and restored["count"] == 2
+    assert [(p["part"], p["node"]) for p in restored["parts"]] == [(0, "node0"), (1, "node1")]
+    expected = {}
+    for k in range(NODES):
+        for f in (job / f"node{k}" / "hot" / RUN / "step-200").iterdir():
+            expected[f.name] = f.read_bytes()
+    assert {f.name: f.read_bytes() for f in whole.iterdir()} == expected
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"r{rank}": torch.zeros(8) for rank in range(NODES * RANKS_PER_NODE)}
+    state["b"] = torch.zeros(4)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(whole)), no_dist=True)
+    assert {k: v.tolist() for k, v in state.items()} == {
+        **{f"r{k}": [float(k)] * 8 for k in range(4)},
+        "b": [0.0, 1.0, 2.0, 3.0],
+    }
+    # --part 1: node 1's shards only (what a replaced node 1 resumes from).
+    one = ck(n2, "restore", RUN, "--step", "200", "--to", str(tmp_path / "p1"), "--part", "1", "--json")
+    assert sorted(p.name for p in (tmp_path / "p1" / "step-200").iterdir()) == [
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
+    assert [p["part"] for p in one["parts"]] == [1]
+    # The Python API takes the same part= (and gathers every part without it).
+    import ckptkeeper
+
+    p0 = ckptkeeper.restore(RUN, 200, to=tmp_path / "api0", config=n2, part=0)
+    assert sorted(p.name for p in p0.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(
+        p.name for p in ckptkeeper.restore(RUN, 200, to=tmp_path / "api", config=n2).iterdir()
+    ) == sorted(expected)
+    # Node 0, whose own hot part of step 100 is gone, gets the whole version back too.
+    ck(n0, "restore", RUN, "--step", "100", "--to", str(tmp_path / "n0"))
+    assert sorted(p.name for p in (tmp_path / "n0" / "step-100").iterdir()) == sorted(expected)
+
+    # Expiry: cold now keeps 1. Each node expires its own part of step 100; every object and every
+    # part record of step 100 is gone from the store, and step 200 stays whole.
+    assert len(part_files(s3_client, s3_bucket, 100)) == 7
+    for k in range(NODES):
+        _node(job, tmp_path, k, s3_bucket, s3_reset, cold_keep_last=1)
+    ck(n0, "prune", "--json")
+    assert [k for k in part_files(s3_client, s3_bucket, 100) if "/node0/" in k] == []
+    assert len(part_files(s3_client, s3_bucket, 100)) == 3 and records(s3_client, s3_bucket, 100) == [
+        "part-1.json"
+    ]
+    ck(n1, "prune", "--json")
+    assert part_files(s3_client, s3_bucket, 100) == [] and records(s3_client, s3_bucket, 100) == []
+    assert records(s3_client, s3_bucket, 200) == ["part-0.json", "part-1.json"]
+    assert len(part_files(s3_client, s3_bucket, 200)) == 7
+    for config in (n0, n1):
+        doc = ck(config, "ls", "--json")
+        assert {c["step"]: c["versions"]["cold"]["parts"] for c in doc["runs"][0]["checkpoints"]} == {
+            200: "2/2"
+        }
+
+
+def _third_node(base: Path, bucket: str, endpoint: str) -> Path:
+    """A node outside the job: its own empty hot dir and index, the same shared cold tier."""
+    home = base / "node2"
+    (home / "hot").mkdir(parents=True)
+    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=2)
+    cold["shared"] = True
+    return write_config(
+        home / "config.toml",
+        index=home / "index.db",
+        node="node2",
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
+        tiers=[local_tier("hot", home / "hot", keep_last=1), cold],
     )
