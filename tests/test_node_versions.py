@@ -236,3 +236,28 @@ def _third_node(base: Path, bucket: str, endpoint: str) -> Path:
         daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
         tiers=[local_tier("hot", home / "hot", keep_last=1), cold],
     )
+
+
+def test_an_expired_step_waits_for_the_newer_version_to_be_complete(
+    job: Path,  # noqa: F811
+    tmp_path: Path,
+    s3_reset: str,
+    s3_client: Any,
+    s3_bucket: str,
+) -> None:
+    """Retention counts complete versions only: with cold keeping 1, step 100 expires, but no node
+    lets its part of step 100 go while step 200 is not complete in cold; then both do."""
+    hot0, n0 = _node(job, tmp_path, 0, s3_bucket, s3_reset, cold_keep_last=1)
+    hot1, n1 = _node(job, tmp_path, 1, s3_bucket, s3_reset, cold_keep_last=1)
+    ck(n0, "prune", "--json")
+    assert (hot0 / RUN / "step-100").is_dir() and part_files(s3_client, s3_bucket, 100) == []
+    assert held_reasons(n0, 100) == [
+        "part 0 of 2: expiry waits: newer version step 200 incomplete in cold (1/2 parts)"
+    ]
+    ck(n1, "prune", "--json")
+    assert (hot1 / RUN / "step-100").is_dir()  # planned while its own part of 200 was not there yet
+    ck(n0, "prune", "--json")
+    ck(n1, "prune", "--json")
+    assert not (hot0 / RUN / "step-100").exists() and not (hot1 / RUN / "step-100").exists()
+    assert records(s3_client, s3_bucket, 200) == ["part-0.json", "part-1.json"]
+    assert part_files(s3_client, s3_bucket, 100) == [] and records(s3_client, s3_bucket, 100) == []
