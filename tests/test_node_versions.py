@@ -261,3 +261,53 @@ def test_an_expired_step_waits_for_the_newer_version_to_be_complete(
     assert not (hot0 / RUN / "step-100").exists() and not (hot1 / RUN / "step-100").exists()
     assert records(s3_client, s3_bucket, 200) == ["part-0.json", "part-1.json"]
     assert part_files(s3_client, s3_bucket, 100) == [] and records(s3_client, s3_bucket, 100) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (
+            lambda rec: {**rec, "node": "node1", "part": 1, "manifest": f"node1/{RUN}/step-100"},
+            f"no readable manifest at node1/{RUN}/step-100",
+        ),
+        (  # node 0 naming a key under node 1's prefix
+            lambda rec: {**rec, "part": 1, "manifest": f"node1/{RUN}/step-100"},
+            f"bad record: manifest: 'node1/{RUN}/step-100' is not under node0/{RUN}/",
+        ),
+        (lambda rec: b"\x00{ not json", "bad record: malformed part record"),
+    ],
+    ids=["missing-manifest", "not-under-its-node", "garbage"],
+)
+def test_a_forged_part_record_never_completes_a_version(
+    job: Path,  # noqa: F811
+    tmp_path: Path,
+    s3_reset: str,
+    s3_client: Any,
+    s3_bucket: str,
+    body: Any,
+    problem: str,
+) -> None:
+    """A record another node (or a bug, or an attacker) put in the bucket is untrusted: one that
+    does not parse, or points at no verified copy, is ignored with its reason; node 0's hot part
+    stays held and nothing crashes."""
+    hot0, n0 = _node(job, tmp_path, 0, s3_bucket, s3_reset)
+    ck(n0, "prune", "--json")
+    base = f"ckpt/.ckptkeeper/versions/{job_token(JOB)}/{RUN}/100/"
+    mine = json.loads(s3_client.get_object(Bucket=s3_bucket, Key=base + "part-0.json")["Body"].read())
+    forged = body(mine)
+    data = forged if isinstance(forged, bytes) else json.dumps(forged).encode()
+    s3_client.put_object(Bucket=s3_bucket, Key=base + "part-1.json", Body=data)
+    plan = ck(n0, "prune", "--dry-run", "--json")
+    assert [r for k in plan["keep"] if k["step"] == 100 and k["tier"] == "hot" for r in k["reasons"]] == [
+        "part 0 of 2: version incomplete in cold (1/2 parts)"
+    ]
+    assert any(
+        n.startswith("cold: hooked@100: part record ignored: ") and problem in n for n in plan["notes"]
+    )
+    doc = ck(n0, "ls", "--json")
+    (c100,) = [c for c in doc["runs"][0]["checkpoints"] if c["step"] == 100]
+    assert c100["versions"]["cold"]["parts"] == "1/2" and problem in c100["versions"]["cold"]["problems"][0]
+    assert "part record ignored" in ck(n0, "ls", RUN)
+    ck(n0, "prune", "--json")
+    assert (hot0 / RUN / "step-100" / ".metadata").is_file()
+    assert records(s3_client, s3_bucket, 100) == ["part-0.json", "part-1.json"]  # not ours: left alone
