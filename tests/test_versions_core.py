@@ -115,6 +115,9 @@ def test_a_hot_part_waits_for_the_whole_version_in_the_shared_tier() -> None:
     assert left == [] and keeps[0].reasons == (
         "part 0 of 2: version incomplete in cold (this part not recorded there yet)",
     )
+    # A shared tier's own copy going (the part resides faster) is not a hot part let go.
+    from_cold = [delete(100, "cold", "redundant")]
+    assert hold_parts(from_cold, [], ckpts, {}, ["cold"], POS)[0] == from_cold
     # No shared tier: nothing changes (a single node's own tiers, as before).
     assert hold_parts(deletes, [], ckpts, {}, [], POS)[0] == deletes
     # A whole checkpoint is never held.

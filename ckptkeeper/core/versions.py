@@ -229,9 +229,10 @@ def hold_parts(
     newer step of their runs (what :mod:`ckptkeeper.fleet.versions` read). Rules, per delete of a
     checkpoint that is part k of N (N > 1):
 
-    * a delete that is not an expiry (the copy in a slower tier is why it may go: ``moved``,
-      ``redundant``, a demotion) is held unless the version is complete in a shared tier where
-      this part is verified: ``part 0 of 2: version incomplete in cold (1/2 parts)``;
+    * a delete from a tier that is not shared (the node's hot part) that is not an expiry (the
+      copy in a slower tier is why it may go: ``moved``, ``redundant``, a demotion) is held unless
+      the version is complete in a shared tier where this part is verified: ``part 0 of 2:
+      version incomplete in cold (1/2 parts)``;
     * an expiry is held while a newer version of the run is incomplete in a shared tier
       (retention counts complete versions only): ``part 0 of 2: expiry waits: newer version
       step 300 incomplete in cold (1/2 parts)``. Every delete of that checkpoint is held then.
@@ -253,7 +254,9 @@ def hold_parts(
             if why is not None:
                 held_expiry[c.key] = f"{_part_label(c)}: expiry waits: {why}"
             continue
-        statuses = [(t, versions.get((c.run, c.step, t))) for t in shared if t in c.tiers and t != a.tier]
+        if a.tier in shared:
+            continue  # a shared tier's own copy going (it resides faster): not a hot part let go
+        statuses = [(t, versions.get((c.run, c.step, t))) for t in shared if t in c.tiers]
         if any(s is not None and s.complete for _, s in statuses):
             continue
         where = next(((t, s) for t, s in statuses if s is not None), None)
