@@ -12,6 +12,7 @@ import socket
 import time
 from typing import Any
 
+from ckptkeeper.actions.versions import sync_records
 from ckptkeeper.config import Settings
 from ckptkeeper.fleet.cleanup import clean_gone_nodes, gone_nodes
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
@@ -63,6 +64,7 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
             write_beat(
                 tier, settings.node, runs_held=runs, checkpoints_held=ckpts, newest_verified=newest, now=t
             )
+            notes += sync_records(settings, index, [tier])  # parts of versions spanning nodes
             if not conditional_writes(tier, settings.node):
                 notes.append(f"{tier.name}: {NO_CONDITIONAL_WRITES}")
                 continue

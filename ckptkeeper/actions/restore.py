@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
@@ -168,6 +168,11 @@ class Restored:
     bytes: int
     skipped: tuple[tuple[int, str], ...] = ()
     """``latest`` only: newer checkpoints passed over, each with why no tier gave a verified copy."""
+    parts: tuple[tuple[int, str, int], ...] | None = None
+    """A checkpoint spanning nodes (issue #15): (part index, node, bytes) of each part fetched;
+    None for an ordinary checkpoint."""
+    count: int | None = None
+    """Its number of parts (all of them are in ``path`` unless ``--part`` chose one)."""
 
 
 def _latest_candidates(index: Index, run: str) -> list[CheckpointRow]:
@@ -191,8 +196,14 @@ def restore_to(
     metric: str | None = None,
     mode: str | None = None,
     node: str | None = None,
+    part: int | None = None,
+    own_part: bool = False,
 ) -> Restored:
     """Materialise a verified copy from the fastest tier that holds it.
+
+    A checkpoint spanning nodes (issue #15) is restored whole from the shared tiers, all its parts
+    gathered into ``to/<name>`` (:mod:`ckptkeeper.actions.restore_parts`); ``part`` fetches only
+    that part; ``own_part`` (the resume helpers, in place) keeps to this node's own part.
 
     ``progress(done, total)`` is called as bytes arrive (restarted from 0 if a tier fails and the
     next one is tried). When ``to`` is the run's own hot directory and the hot copy is intact, the
@@ -206,6 +217,8 @@ def restore_to(
     """
     if step != "best" and (metric is not None or mode is not None):
         raise LookupError("metric and mode only choose among checkpoints for step='best'")
+    if part is not None or (not own_part and step != "best" and _spanning_here(settings, index, run, step)):
+        return _restore_parts(settings, run, step, Path(to), part=part, progress=progress)
     if node is not None and node != settings.node:
         return _restore_from_fleet(
             settings, run, step, Path(to), node=node, progress=progress, metric=metric, mode=mode
@@ -329,6 +342,11 @@ def _restore_from_fleet(
         holders = run_holders(tiers, run)
     except StorageError as exc:
         raise LookupError(f"cannot list the shared tiers: {exc}") from exc
+    if node is None and step != "best":
+        from ckptkeeper.actions.restore_parts import is_spanning
+
+        if is_spanning(holders):
+            return _restore_parts(settings, run, step, to, part=None, progress=progress, holders=holders)
     copies = choose_holder(holders, run, me=settings.node, node=node)
     if step == "latest":
         chosen = max(copies, key=lambda c: (c.manifest.step, c.manifest.name))
@@ -370,6 +388,44 @@ def _restore_from_fleet(
     return Restored(path, run, chosen.manifest.step, chosen.manifest.name, chosen.tier, total)
 
 
+def _spanning_here(settings: Settings, index: Index, run: str, step: str | int) -> bool:
+    """This node's own checkpoint ``run@step`` is a part of a checkpoint spanning nodes, and the
+    shared tiers can give the whole version."""
+    if not any(t.shared for t in settings.tiers):
+        return False
+    try:
+        row = find_checkpoint(index, run, step)
+    except LookupError:
+        return False
+    p = row.part
+    return p is not None and p.count is not None and p.count > 1 and p.index is not None
+
+
+def _restore_parts(
+    settings: Settings,
+    run: str,
+    step: str | int,
+    to: Path,
+    *,
+    part: int | None,
+    progress: Callable[[int, int], None] | None,
+    holders: Mapping[str, Sequence[Any]] | None = None,
+) -> Restored:
+    from ckptkeeper.actions.restore_parts import restore_parts  # only for shared tiers
+
+    got = restore_parts(
+        [TierStorage(t.to_spec()) for t in settings.tiers[1:]],
+        run,
+        step,
+        to,
+        part=part,
+        holders=holders,
+        progress=progress,
+    )
+    _uniform_mtime(got.path, time.time())
+    return Restored(got.path, run, got.step, got.name, got.tier, got.bytes, parts=got.parts, count=got.count)
+
+
 def _uniform_mtime(path: Path, when: float) -> None:
     """Give every restored file one mtime: layouts read "a shard newer than its marker" as a save
     in progress (torch DCP), and the copy order would otherwise decide that."""
@@ -401,8 +457,12 @@ def restore(
     metric: str | None = None,
     mode: str | None = None,
     node: str | None = None,
+    part: int | None = None,
 ) -> Path:
     """Local path of a verified checkpoint of ``run``: ``"latest"``, ``"best"`` or a step number.
+
+    A checkpoint spanning nodes: with ``to`` given, all its parts gathered (from the shared tiers);
+    without ``to`` (resume in place), this node's own part; ``part=K`` fetches only part K.
 
     ``"best"``: by ``metric`` (``mode`` ``"min"``, the default, or ``"max"``) when given; else the
     framework's own record (HF ``best_model_checkpoint``, Lightning ``best_model_path``); else the
@@ -416,7 +476,18 @@ def restore(
     settings, index = _open(config, run)
     try:
         target = Path(to) if to is not None else settings.hot.local_path / run
-        return restore_checkpoint(settings, index, run, step, target, metric=metric, mode=mode, node=node)
+        return restore_to(
+            settings,
+            index,
+            run,
+            step,
+            target,
+            metric=metric,
+            mode=mode,
+            node=node,
+            part=part,
+            own_part=to is None,
+        ).path
     finally:
         index.close()
 

@@ -19,6 +19,8 @@ from ckptkeeper.cli.context import (
 from ckptkeeper.util.fmt import format_metrics, human_age, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ckptkeeper.actions.status import StatusSummary
     from ckptkeeper.config import Settings
     from ckptkeeper.core.model import NodePart
@@ -112,6 +114,28 @@ def _layout_text(layout: str, part: dict[str, Any] | None) -> str:
     return f"{layout} part {part['index']}/{part['count']}" if part["known"] else f"{layout} part?"
 
 
+def _versions(settings: Settings, rows: Sequence[Any]) -> dict[tuple[str, int, str], Any]:
+    """Each of this node's parts' version in the shared tiers it is in (issue #15): one listing
+    of part records per run and tier, plus each record's manifest."""
+    if not any(t.shared for t in settings.tiers):
+        return {}
+    parts = [
+        (c.run, c.step, c.part.job, c.part.count, c.verified_tiers)
+        for c in rows
+        if c.part is not None and c.part.count is not None and c.part.count > 1 and c.part.index is not None
+    ]
+    if not parts:
+        return {}
+    from ckptkeeper.actions.versions import part_versions  # storage, fsspec: only for shared tiers
+
+    return part_versions(settings, parts)
+
+
+def _tier_text(tier: str, version: dict[str, Any] | None) -> str:
+    """``cold`` or, for a part of a version spanning nodes, ``cold(parts 1/2)``."""
+    return tier if version is None else f"{tier}(parts {version['parts']})"
+
+
 @click.command(name="ls")
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -134,6 +158,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
     by_run: dict[str, list[Any]] = {}
     for c in checkpoints:
         by_run.setdefault(c.run, []).append(c)
+    versions = _versions(app.settings, checkpoints)
     doc_runs: list[dict[str, Any]] = []
     for r in runs:
         doc_runs.append(
@@ -158,6 +183,11 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
                         "problem": c.problem,
                         "damaged": c.damaged,
                         "part": _part_doc(c.part),
+                        "versions": {
+                            t: {**v.to_doc(), "parts": v.label}
+                            for (vr, vs, t), v in versions.items()
+                            if (vr, vs) == (c.run, c.step)
+                        },
                     }
                     for c in sorted(by_run.get(r.name, []), key=lambda c: (c.step, c.name))
                 ],
@@ -180,7 +210,13 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
                 c["step"],
                 c["state"],
                 _layout_text(c["layout"], c["part"]),
-                ",".join([*c["tiers"], *(f"{t}:DAMAGED" for t in sorted(c["damaged"]))]) or "-",
+                ",".join(
+                    [
+                        *(_tier_text(t, c["versions"].get(t)) for t in c["tiers"]),
+                        *(f"{t}:DAMAGED" for t in sorted(c["damaged"])),
+                    ]
+                )
+                or "-",
                 human_bytes(c["bytes"]),
                 format_metrics(c["metrics"]),
                 "pinned" if c["pinned"] else "",
@@ -201,6 +237,11 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
         for c in doc["checkpoints"]:
             if c["part"] is not None and not c["part"]["known"]:
                 click.echo(wrap_text(f"step {c['step']}: {c['part']['note']}", out_width()))
+            for tier, v in sorted(c["versions"].items()):
+                for problem in v["problems"]:
+                    click.echo(
+                        wrap_text(f"step {c['step']} in {tier}: part record ignored: {problem}", out_width())
+                    )
             for tier, problem in sorted(c["damaged"].items()):
                 click.echo(
                     f"damaged copy of step {c['step']} in {tier} (the next prune copies it again): {problem}"

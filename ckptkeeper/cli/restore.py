@@ -45,6 +45,12 @@ class _StepType(click.ParamType):
     default=None,
     help="Restore another node's run of this name from the shared tiers (needed when several hold one).",
 )
+@click.option(
+    "--part",
+    type=click.IntRange(min=0),
+    default=None,
+    help="A checkpoint spanning nodes: fetch only part K (from 0) instead of every part.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print where it went as JSON.")
 @pass_ctx
 def restore(
@@ -55,13 +61,15 @@ def restore(
     metric: str | None,
     mode: str | None,
     node: str | None,
+    part: int | None,
     as_json: bool,
 ) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified.
 
     --step best without --metric takes the framework's own record of its best checkpoint (HF
     best_model_checkpoint, Lightning best_model_path), else the first tier's `metric`. On a
-    terminal, stderr shows bytes, rate and ETA while it copies.
+    terminal, stderr shows bytes, rate and ETA while it copies. A checkpoint spanning nodes is
+    gathered whole from the shared tiers (every part), or only --part K.
     """
     from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
     from ckptkeeper.cli.progress import terminal_progress
@@ -78,7 +86,16 @@ def restore(
     with app.index() as ix:
         try:
             restored = restore_to(
-                app.settings, ix, run, step, Path(to), progress=progress, metric=metric, mode=mode, node=node
+                app.settings,
+                ix,
+                run,
+                step,
+                Path(to),
+                progress=progress,
+                metric=metric,
+                mode=mode,
+                node=node,
+                part=part,
             )
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
@@ -89,17 +106,19 @@ def restore(
             err=True,
         )
     if as_json:
-        emit_json(
-            {
-                "run": restored.run,
-                "step": restored.step,
-                "name": restored.name,
-                "path": str(restored.path),
-                "from_tier": restored.tier,
-                "bytes": restored.bytes,
-                "skipped": [{"step": s, "error": why} for s, why in restored.skipped],
-            }
-        )
+        doc: dict[str, Any] = {
+            "run": restored.run,
+            "step": restored.step,
+            "name": restored.name,
+            "path": str(restored.path),
+            "from_tier": restored.tier,
+            "bytes": restored.bytes,
+            "skipped": [{"step": s, "error": why} for s, why in restored.skipped],
+        }
+        if restored.parts is not None:  # a checkpoint spanning nodes: which parts, from which nodes
+            doc["count"] = restored.count
+            doc["parts"] = [{"part": k, "node": n, "bytes": b} for k, n, b in restored.parts]
+        emit_json(doc)
     else:
         click.echo(str(restored.path))
 
