@@ -26,6 +26,9 @@ def test_fleet_stress_small(tmp_path: Path, s3_reset: str) -> None:
     fig = run_stress(tmp_path, s3_reset, "fleet-stress", args)
     assert fig.violations == []
     assert fig.orphans == 1 and fig.orphan_litter >= 1 and fig.cleanup_events >= 1, fig
+    assert fig.adopt_expected >= 1 and fig.adopted_events >= fig.adopt_expected, (
+        fig
+    )  # the orphan's extra steps
     assert fig.killed_crash_point + fig.killed_timed >= 1, fig
     assert fig.kept_checked > 0 and fig.objects_hashed > 0 and fig.keys_diffed > 0, fig
 
@@ -57,3 +60,14 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path: Path, s3_reset: str) 
     assert "t: node-00 exp/checkpoint-100 kept by policy: cold copy no manifest" in got
     assert f"t: {theirs} under node-01's prefix names node 'node-00'" in got
     assert "t: ckpt/exp/checkpoint-100/model.bin written outside any node's prefix" in got
+
+    from stress_fleet_adopt import check_adoption  # an orphan whose expired copies nobody adopted
+
+    gone = fleet.nodes[1]
+    gone.dead = True
+    fleet._committed[gone.name] = {
+        k for k in fleet.store.objects() if k.startswith("ckpt/node-01/") and k.endswith(MANIFEST_SUFFIX)
+    }
+    check_adoption(fleet, 0)  # a policy keeping nothing: every copy of node-01 is expired
+    got = "\n".join(fleet.fig.violations)
+    assert "orphan node-01: ckpt/node-01/exp/checkpoint-100 adopted 0 times (want exactly once)" in got
