@@ -42,9 +42,8 @@ def committed_at_death(fleet: Fleet, node: Node) -> dict[str, list[tuple[int, st
 
 def kept_at_death(fleet: Fleet, node: Node, keep: int) -> list[tuple[str, int]]:
     """(run, step) of the orphan's copies the shared policy keeps: the newest ``keep`` per run."""
-    return [
-        (run, step) for run, steps in committed_at_death(fleet, node).items() for step, _ in steps[-keep:]
-    ]
+    at_death = committed_at_death(fleet, node).items()
+    return [(run, step) for run, steps in at_death for step, _ in steps[max(0, len(steps) - keep) :]]
 
 
 def adoption_split(fleet: Fleet, node: Node, keep: int) -> tuple[set[str], set[str]]:
@@ -52,8 +51,9 @@ def adoption_split(fleet: Fleet, node: Node, keep: int) -> tuple[set[str], set[s
     kept: set[str] = set()
     expired: set[str] = set()
     for steps in committed_at_death(fleet, node).values():
-        kept |= {base for _, base in steps[-keep:]}
-        expired |= {base for _, base in steps[:-keep]}
+        cut = max(0, len(steps) - keep)  # (not steps[-keep:]: keep 0 would keep them all)
+        kept |= {base for _, base in steps[cut:]}
+        expired |= {base for _, base in steps[:cut]}
     return kept, expired
 
 

@@ -305,3 +305,36 @@ def test_adoption_stops_when_the_node_comes_back_mid_way(
         assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [1, 2, 3, 4, 5]
     else:
         assert adoption.deleted == ["exp/checkpoint-1", "exp/checkpoint-3"] and adoption.complete
+
+
+def test_a_copy_claimed_by_another_holder_is_left_to_it(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str, s3_storage_options: dict[str, Any]
+) -> None:
+    """The window the lease cannot close (a holder stalled between its renewal and its delete,
+    the lease taken over meanwhile): the stalled holder had claimed the copy, so the node that
+    took over skips it — one deleter per copy, whoever stalled where. A claim older than
+    ``stale_after`` (a claimant that died before its delete) is taken over."""
+    from ckptkeeper.fleet.claims import claim
+
+    _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
+    later = time.time() + 3600
+    stalled = _shared(s3_bucket, s3_storage_options, "node-x")
+    assert claim(stalled, "node-x", "node-a", "exp/checkpoint-1", later, 3600.0)  # then it stalls
+    assert not claim(stalled, "node-y", "node-a", "exp/checkpoint-1", later, 3600.0)  # one claimant
+
+    tier = _shared(s3_bucket, s3_storage_options, "node-b")
+    lease = Lease(tier, "node-b", 600, clock=lambda: later)
+    assert lease.acquire()
+    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), later, max_delete=100)
+    adopt(tier, lease, adoption, 3600.0, later)
+    assert adoption.deleted == ["exp/checkpoint-3"] and adoption.claimed == ["exp/checkpoint-1"]
+    assert adoption.to_dict()["claimed_by_another_holder"] == ["exp/checkpoint-1"]
+    assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [1, 2, 4, 5]  # node-x's to delete
+
+    # node-x never came back: once its claim is older than stale_after, the next holder takes it over
+    much_later = later + 3601
+    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), much_later, max_delete=100)
+    assert lease.acquire()
+    adopt(tier, lease, adoption, 3600.0, much_later)
+    assert adoption.deleted == ["exp/checkpoint-1"] and adoption.claimed == []
+    assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [2, 4, 5]

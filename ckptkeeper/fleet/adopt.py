@@ -11,6 +11,9 @@ a reason on every action), then the deletes, one by one:
   that lost it stops at once (what it listed is stale);
 * before each one the gone node's heartbeat is read again: a node that came back owns its copies
   again, and adoption of it stops;
+* before each one the copy is claimed (:mod:`ckptkeeper.fleet.claims`: a conditional create of
+  ``<root>/.ckptkeeper/claims/<node>/<path>``): only the claimant deletes it, so a holder stalled
+  past its lease mid-delete and the node that took over never both delete one copy;
 * each delete is logged the moment it is done (``fleet adoption: deleted a gone node's copy``,
   with ``gone``, ``path``, ``late``), so who deleted what survives a kill of this process (the
   fleet stress mode counts these lines: exactly once per copy).
@@ -34,6 +37,7 @@ from typing import Any
 from ckptkeeper.config import Settings
 from ckptkeeper.core.adoption import plan_adoption
 from ckptkeeper.core.model import Plan
+from ckptkeeper.fleet.claims import claim
 from ckptkeeper.fleet.cleanup import clean_gone_nodes
 from ckptkeeper.fleet.lease import Lease, Step, decide, read_lease
 from ckptkeeper.fleet.nodes import NODES_DIR, NodeBeat, read_beat
@@ -98,11 +102,13 @@ class Adoption:
     """Paths (under the node's prefix) deleted, in order."""
     errors: list[str] = field(default_factory=list)
     late: list[str] = field(default_factory=list)
-    """Deletes that finished after our lease had expired (a stall mid-delete): another holder may
-    have deleted the same copy (S3 deletes carry no fencing token)."""
+    """Deletes that finished after our lease had expired (a stall mid-delete). S3 deletes carry no
+    fencing token; the copy's claim is what keeps another holder from deleting it too."""
     stopped: str | None = None
     """Why adoption stopped before the end of the plan (lease lost, the node came back)."""
     lost_lease: bool = False
+    claimed: list[str] = field(default_factory=list)
+    """Copies another holder had claimed (:mod:`ckptkeeper.fleet.claims`): its to delete, skipped."""
 
     @property
     def complete(self) -> bool:
@@ -120,6 +126,7 @@ class Adoption:
             "deleted": list(self.deleted),
             "errors": list(self.errors),
             "late": list(self.late),
+            "claimed_by_another_holder": list(self.claimed),
             "stopped": self.stopped,
         }
 
@@ -157,6 +164,9 @@ def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: f
             adoption.stopped, adoption.lost_lease = "the fleet lease was lost", True
             return
         try:
+            if not claim(tier, lease.node, adoption.node, path, now, orphan_after):
+                adoption.claimed.append(path)  # another holder deletes it (it claimed it first)
+                continue
             freed = view.delete(path, adopt=True)
         except StorageError as exc:
             adoption.errors.append(f"{adoption.node}/{path}: {exc}")
@@ -177,7 +187,7 @@ def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: f
         if late:
             log.warning(
                 "fleet adoption: the lease expired during a delete (this process was stalled); "
-                "another holder may have deleted this copy too; stopping",
+                "the copy was claimed, so no other holder deletes it; stopping (what we listed is stale)",
                 item=f"{adoption.node}/{path}",
             )
             adoption.late.append(path)
@@ -255,7 +265,9 @@ def clean_and_adopt(
     for beat in gone:
         if beat.node not in todo:
             continue
-        report = clean_gone_nodes(tier, lease, [beat.node], t, settings.fleet.heartbeat_ttl)
+        report = clean_gone_nodes(
+            tier, lease, [beat.node], t, settings.fleet.heartbeat_ttl, stale_after=settings.fleet.orphan_after
+        )
         for item in report.discarded:
             notes.append(f"{tier.name}: lease holder discarded {item} (node gone)")
         for item in report.aborted:
@@ -263,7 +275,7 @@ def clean_and_adopt(
         notes += [f"{tier.name}: fleet cleanup: {e}" for e in report.errors]
         notes += [
             f"{tier.name}: fleet cleanup: the lease expired during the delete of {item} "
-            "(this process was stalled); another holder may have cleaned it too"
+            "(this process was stalled); it was claimed: no other holder cleans it"
             for item in report.late
         ]
         if report.lost_lease:
@@ -294,9 +306,10 @@ def adoption_notes(adoption: Adoption) -> list[str]:
     if adoption.stopped:
         notes.append(f"{where} stopped: {adoption.stopped}")
     notes += [f"{where}: {e}" for e in adoption.errors]
+    notes += [f"{where}: {path} claimed by another holder: skipped" for path in adoption.claimed]
     notes += [
         f"{where}: the lease expired during the delete of {path} (this process was stalled); "
-        "another holder may have deleted it too"
+        "it was claimed: no other holder deletes it"
         for path in adoption.late
     ]
     return notes
