@@ -274,6 +274,9 @@ def clean_and_adopt(
             notes.append(f"{tier.name}: lease holder aborted upload {item} (node gone)")
         notes += [f"{tier.name}: fleet cleanup: {e}" for e in report.errors]
         notes += [
+            f"{tier.name}: fleet cleanup: {i} claimed by another holder: skipped" for i in report.claimed
+        ]
+        notes += [
             f"{tier.name}: fleet cleanup: the lease expired during the delete of {item} "
             "(this process was stalled); it was claimed: no other holder cleans it"
             for item in report.late

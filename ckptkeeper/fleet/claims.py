@@ -25,7 +25,7 @@ import os
 
 from ckptkeeper.storage import S3TierStorage
 
-__all__ = ["CLAIMS_DIR", "claim", "upload_item"]
+__all__ = ["CLAIMS_DIR", "claim", "marker_item", "upload_item"]
 
 CLAIMS_DIR = "claims"
 
@@ -33,6 +33,12 @@ CLAIMS_DIR = "claims"
 def upload_item(upload_id: str) -> str:
     """The claim item of a multipart upload (upload ids may hold any character)."""
     return "uploads/" + hashlib.sha256(upload_id.encode()).hexdigest()[:40]
+
+
+def marker_item(path: str) -> str:
+    """The claim item of a staging marker (its name, kept out of the claim's key: nothing that
+    looks for staging markers by name must ever take a claim for one)."""
+    return "markers/" + hashlib.sha256(path.encode()).hexdigest()[:40]
 
 
 def claim(tier: S3TierStorage, me: str, node: str, item: str, now: float, stale_after: float) -> bool:

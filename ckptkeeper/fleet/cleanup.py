@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptkeeper.core.model import Artifact
-from ckptkeeper.fleet.claims import claim, upload_item
+from ckptkeeper.fleet.claims import claim, marker_item, upload_item
 from ckptkeeper.fleet.lease import Lease
 from ckptkeeper.fleet.nodes import NodeBeat
 from ckptkeeper.storage import S3TierStorage, StorageError
@@ -94,7 +94,7 @@ def clean_gone_nodes(
                 if not lease.renew():
                     report.lost_lease = True
                     return report
-                name = upload_item(item.upload_id) if item.upload_id else item.path
+                name = upload_item(item.upload_id) if item.upload_id else marker_item(item.path)
                 try:
                     if not claim(tier, lease.node, node, name, now, stale_after):
                         report.claimed.append(f"{node}/{item.path}")
