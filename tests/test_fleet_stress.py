@@ -4,10 +4,11 @@ its multipart upload in flight, the same run name on every node. The checker rea
 listings; every invariant of #14's Done-when must hold, and the run must actually have done what
 it claims (kills, an orphan with litter, its cleanup, kept checkpoints verified).
 
-Lease holders are not stopped past the TTL here (``--stall-chance 0``): a stop between the
-holder's last renewal and the end of its delete lets the next holder clean the same item too (S3
-deletes carry no fencing token; README "Reliability"), so with stops the count would depend on
-timing. ``test_fleet_lease.py`` covers both lease-loss cases deterministically."""
+Lease holders are not stopped past the TTL here (``--stall-chance 0``: each stop costs
+``lease_ttl`` + 1.5 s); a stop between the holder's last renewal and the end of its delete is
+what per-item claims cover (README "Reliability"). ``test_fleet_lease.py`` and
+``test_fleet_adopt.py`` cover the lease-loss and claim cases deterministically. An orphan dies
+with copies the fleet's rules expire: their adoption is checked exactly once."""
 
 from __future__ import annotations
 
