@@ -165,7 +165,7 @@ def run_prune(
         if hold is not None:
             plan = apply_hold(plan, hold, force)
         adopted: list[Any] = []
-        if run is None and "retention" in kinds and any(t.shared for t in settings.tiers):
+        if any(t.shared for t in settings.tiers):  # as the real pass: after_pass, whatever the run
             from ckptkeeper.actions.fleet import preview_adoption  # only for shared tiers
 
             adopted, said = preview_adoption(settings, now=observed, force=force)
