@@ -284,7 +284,8 @@ class FleetConfig(_Strict):
 
     orphan_after: JobInterval = 7 * 86400.0
     """A node whose heartbeat object is older than this is gone: its litter (staging markers,
-    multipart uploads) is cleaned by the lease holder."""
+    multipart uploads) is cleaned by the lease holder, which also applies the shared tier's rules
+    to its copies (looked at again once per ``orphan_after``)."""
     lease_ttl: Annotated[float, BeforeValidator(parse_duration), Field(ge=5.0, le=86400.0)] = 300.0
     """A lease not renewed for this long may be taken over by another node."""
     heartbeat_ttl: Annotated[float, BeforeValidator(parse_duration), Field(ge=5.0, le=86400.0)] = 600.0

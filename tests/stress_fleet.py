@@ -29,6 +29,8 @@ objects themselves) and what each node wrote, and counts violations of the Done-
    it exactly once (an upload aborted with its marker counts with the marker).
 4. same-name runs: every manifest under node X's prefix names node X and the run and step, and
    its file hashes are the ones X wrote; no data key is written outside ``<prefix>/<node>/``.
+5. adoption: what the policy expires among an orphan's copies is deleted exactly once, what it
+   keeps stays whole (``stress_fleet_adopt.py``); a key deleted so is no violation of 2.
 
 Exit 0 when there is no violation; 1 with the violations listed. ``--json`` prints the figures.
 ``tests/test_fleet_stress.py`` runs a small version in the suite.
@@ -57,6 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builders import config_text, local_tier, s3_tier, write_text_config
+from stress_fleet_adopt import adoption_split, check_adoption, kept_at_death
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK
@@ -69,6 +72,9 @@ MiB = 2**20
 BIG = 40 * MiB
 """Above the S3 tier's 16 MiB part size: an orphan's last checkpoint goes up as a multipart upload
 (three parts: a wide window for the driver to see it in flight and kill the node)."""
+EXTRA = 4
+"""Steps of ``exp`` an orphan writes below the big one in the round it dies; its own cold policy
+keeps KEEP_COLD + EXTRA, so it copies them all: the fleet's rules expire some (stress_fleet_adopt)."""
 HASH_BELOW = MiB
 """Objects below this are downloaded and hashed by the checker; bigger ones are checked by size."""
 CLEANUP_EVENTS = (
@@ -114,6 +120,8 @@ class Figures:
     keys_diffed: int = 0
     orphan_litter: int = 0
     cleanup_events: int = 0
+    adopt_expected: int = 0
+    adopted_events: int = 0
     exit_codes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
@@ -170,11 +178,13 @@ def _digest(data: bytes) -> str:
     return h.hexdigest()
 
 
-def make_node(base: Path, name: str, endpoint: str, bucket: str, fleet: dict[str, str]) -> Node:
+def make_node(
+    base: Path, name: str, endpoint: str, bucket: str, fleet: dict[str, str], keep: int = KEEP_COLD
+) -> Node:
     home = base / name
-    (home / "hot").mkdir(parents=True)
-    (home / "logs").mkdir()
-    cold = s3_tier("cold", bucket, endpoint, prefix=PREFIX, replicate=True, keep_last=KEEP_COLD, shared=True)
+    (home / "hot").mkdir(parents=True, exist_ok=True)
+    (home / "logs").mkdir(exist_ok=True)
+    cold = s3_tier("cold", bucket, endpoint, prefix=PREFIX, replicate=True, keep_last=keep, shared=True)
     text = config_text(
         index=home / "index.db",
         node=name,
@@ -222,6 +232,8 @@ class Pass:
 
 
 class Fleet:
+    prefix = PREFIX
+
     def __init__(self, base: Path, endpoint: str, bucket: str, args: argparse.Namespace) -> None:
         self.base, self.endpoint, self.bucket = base, endpoint, bucket
         self.args = args
@@ -237,6 +249,8 @@ class Fleet:
         n_orphans = max(1, args.nodes // 10) if args.rounds >= 2 else 0
         for i, node in enumerate(self.rng.sample(self.nodes, n_orphans)):
             node.orphan_round = 1 + i % (args.rounds - 1)
+            # its own cold policy keeps more than the fleet's: once gone, the holder's rules apply
+            node.config = make_node(base, node.name, endpoint, bucket, fleet, KEEP_COLD + EXTRA).config
         self.fig.orphans = n_orphans
         self.running: dict[int, Node] = {}
         self.lock = threading.Lock()
@@ -359,6 +373,9 @@ class Fleet:
         for node in live:
             step = (rnd + 1) * 100
             size = BIG if node.orphan_round == rnd else self.rng.randint(20_000, 200_000)
+            for k in range(EXTRA, 0, -1) if node.orphan_round == rnd else ():
+                write_checkpoint(node, "exp", step - 10 * k, self.rng.randint(20_000, 80_000), self.rng)
+                self.fig.checkpoints_written += 1
             write_checkpoint(node, "exp", step, size, self.rng)
             self.fig.checkpoints_written += 1
             if self.rng.random() < 0.7:
@@ -391,6 +408,7 @@ class Fleet:
             )
         self.check_cold("end")
         self.check_orphans()
+        check_adoption(self, KEEP_COLD)
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -402,7 +420,9 @@ class Fleet:
         prefix = f"{PREFIX}/{node.name}/"
         items = {k for k in objects if k.startswith(prefix) and STAGING_MARK in k}
         items |= {f"upload:{k}" for k in uploads.values() if k.startswith(prefix)}
+        committed = {k for k in objects if k.startswith(prefix) and k.endswith(MANIFEST_SUFFIX)}
         with self.lock:
+            self._committed[node.name] = committed
             self.orphan_litter[node.name] = items
             self.fig.orphan_litter += len(items)
 
@@ -454,17 +474,13 @@ class Fleet:
                     )
 
     def check_cold(self, where: str) -> None:
-        """After a clean pass: each kept checkpoint of every node (orphans: what they had when they
-        died, minus nothing) has a complete cold copy under its own prefix; invariant 4 throughout."""
+        """After a clean pass: each kept checkpoint of every node has a complete cold copy under its
+        own prefix; invariant 4 throughout."""
         objects = self.store.objects()
         for node in self.nodes:
-            for run, step in node.kept():
-                if (
-                    node.dead
-                    and f"{PREFIX}/{node.name}/{run}/checkpoint-{step}{MANIFEST_SUFFIX}"
-                    not in self.orphan_committed(node)
-                ):
-                    continue  # died before copying it: still in its hot dir, which no one else prunes
+            # an orphan: the newest KEEP_COLD of what it had committed when it died (the fleet's
+            # adoption keeps those); what it never copied stays in its hot dir, which no one prunes
+            for run, step in kept_at_death(self, node, KEEP_COLD) if node.dead else node.kept():
                 self.fig.kept_checked += 1
                 problem = self._cold_copy_problem(node, run, step, objects)
                 if problem:
@@ -496,12 +512,14 @@ class Fleet:
                     k for k in after if k.startswith(f"{PREFIX}/{node.name}/") and k.endswith(MANIFEST_SUFFIX)
                 }
         committed_before = {k[: -len(MANIFEST_SUFFIX)] for k in before if k.endswith(MANIFEST_SUFFIX)}
+        expired = set().union(*(adoption_split(self, n, KEEP_COLD)[1] for n in self.nodes if n.dead))
         for key, (etag, _size) in before.items():
             if key.startswith(FLEET):
                 continue
             owner = key[len(PREFIX) + 1 :].split("/", 1)[0]
-            if owner in ran:
-                continue
+            head = key.split(".ckptkeeper")[0]  # a copy's base (manifest, pin) or one of its files
+            if owner in ran or head in expired or head.rsplit("/", 1)[0] in expired:
+                continue  # its own pass; or a dead node's copy the policy expires (check_adoption)
             gone = key not in after
             changed = not gone and after[key][0] != etag
             if not gone and not changed:

@@ -4,10 +4,11 @@ its multipart upload in flight, the same run name on every node. The checker rea
 listings; every invariant of #14's Done-when must hold, and the run must actually have done what
 it claims (kills, an orphan with litter, its cleanup, kept checkpoints verified).
 
-Lease holders are not stopped past the TTL here (``--stall-chance 0``): a stop between the
-holder's last renewal and the end of its delete lets the next holder clean the same item too (S3
-deletes carry no fencing token; README "Reliability"), so with stops the count would depend on
-timing. ``test_fleet_lease.py`` covers both lease-loss cases deterministically."""
+Lease holders are not stopped past the TTL here (``--stall-chance 0``: each stop costs
+``lease_ttl`` + 1.5 s); a stop between the holder's last renewal and the end of its delete is
+what per-item claims cover (README "Reliability"). ``test_fleet_lease.py`` and
+``test_fleet_adopt.py`` cover the lease-loss and claim cases deterministically. An orphan dies
+with copies the fleet's rules expire: their adoption is checked exactly once."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def test_fleet_stress_small(tmp_path: Path, s3_reset: str) -> None:
     fig = run_stress(tmp_path, s3_reset, "fleet-stress", args)
     assert fig.violations == []
     assert fig.orphans == 1 and fig.orphan_litter >= 1 and fig.cleanup_events >= 1, fig
+    assert fig.adopt_expected >= 1 and fig.adopted_events >= fig.adopt_expected, (
+        fig
+    )  # the orphan's extra steps
     assert fig.killed_crash_point + fig.killed_timed >= 1, fig
     assert fig.kept_checked > 0 and fig.objects_hashed > 0 and fig.keys_diffed > 0, fig
 
@@ -57,3 +61,14 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path: Path, s3_reset: str) 
     assert "t: node-00 exp/checkpoint-100 kept by policy: cold copy no manifest" in got
     assert f"t: {theirs} under node-01's prefix names node 'node-00'" in got
     assert "t: ckpt/exp/checkpoint-100/model.bin written outside any node's prefix" in got
+
+    from stress_fleet_adopt import check_adoption  # an orphan whose expired copies nobody adopted
+
+    gone = fleet.nodes[1]
+    gone.dead = True
+    fleet._committed[gone.name] = {
+        k for k in fleet.store.objects() if k.startswith("ckpt/node-01/") and k.endswith(MANIFEST_SUFFIX)
+    }
+    check_adoption(fleet, 0)  # a policy keeping nothing: every copy of node-01 is expired
+    got = "\n".join(fleet.fig.violations)
+    assert "orphan node-01: ckpt/node-01/exp/checkpoint-100 adopted 0 times (want exactly once)" in got

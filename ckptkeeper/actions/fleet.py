@@ -14,9 +14,9 @@ from typing import Any
 
 from ckptkeeper.actions.versions import sync_records
 from ckptkeeper.config import Settings
-from ckptkeeper.fleet.cleanup import clean_gone_nodes, gone_nodes
+from ckptkeeper.fleet.adopt import Adoption, clean_and_adopt, due, gone_beats, preview
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
-from ckptkeeper.fleet.nodes import NODES_DIR, fleet_view, name_clash, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.nodes import fleet_view, name_clash, read_beat, read_beats, write_beat
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
@@ -47,9 +47,18 @@ def conditional_writes(tier: S3TierStorage, node: str) -> bool:
     return _CONDITIONAL[key]
 
 
-def after_pass(settings: Settings, index: Index, *, now: float | None = None) -> list[str]:
-    """Heartbeat, lease and fleet cleanup for every shared tier; returns notes (never raises for a
-    store problem: the node's own pass is done and stays done)."""
+def after_pass(
+    settings: Settings,
+    index: Index,
+    *,
+    now: float | None = None,
+    adopted: list[Adoption] | None = None,
+    force: bool = False,
+) -> list[str]:
+    """Heartbeat, lease, fleet cleanup and adoption for every shared tier; returns notes (never
+    raises for a store problem: the node's own pass is done and stays done). What the lease holder
+    adopted is appended to ``adopted``, when given; ``force`` lifts ``max_delete`` for it too."""
+    adopted = [] if adopted is None else adopted
     notes: list[str] = []
     for tier in _tiers(settings):
         t = time.time() if now is None else now
@@ -68,40 +77,50 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
             if not conditional_writes(tier, settings.node):
                 notes.append(f"{tier.name}: {NO_CONDITIONAL_WRITES}")
                 continue
-            # One listing; only heartbeats the store itself dates older than orphan_after are read
-            # (a pass costs what this node owns, not one GET per node of the fleet).
-            stale = [
-                name
-                for name, mtime in tier.list_fleet_objects(NODES_DIR)
-                if t - mtime > settings.fleet.orphan_after and name.endswith(".json") and "/" not in name
-            ]
-            beats = [b for b in (read_beat(tier, name) for name in stale) if b is not None]
-            gone = gone_nodes(beats, settings.node, t, settings.fleet.orphan_after)
-            if not gone:
-                continue
+            gone = gone_beats(tier, settings.node, t, settings.fleet.orphan_after)
+            if not due(tier, [b.node for b in gone], t, settings.fleet.orphan_after):
+                continue  # nobody gone, or every gone node was looked at less than orphan_after ago
             lease = Lease(tier, settings.node, settings.fleet.lease_ttl)
             if not lease.acquire():
-                continue  # another node holds it: cleaning is its job
+                continue  # another node holds it: cleaning and adoption are its job
             try:
-                report = clean_gone_nodes(tier, lease, gone, t, settings.fleet.heartbeat_ttl)
+                notes += clean_and_adopt(
+                    settings, tier, lease, gone, t, adopted, force=force
+                )  # due checked again
             finally:
                 lease.release()
-            for item in report.discarded:
-                notes.append(f"{tier.name}: lease holder discarded {item} (node gone)")
-            for item in report.aborted:
-                notes.append(f"{tier.name}: lease holder aborted upload {item} (node gone)")
-            notes += [f"{tier.name}: fleet cleanup: {e}" for e in report.errors]
-            notes += [
-                f"{tier.name}: fleet cleanup: the lease expired during the delete of {item} "
-                "(this process was stalled); another holder may have cleaned it too"
-                for item in report.late
-            ]
         except StorageError as exc:
             log.warning(
                 "fleet step failed; the node's own pass is unaffected", tier=tier.name, error=str(exc)
             )
             notes.append(f"{tier.name}: fleet step failed: {exc}")
     return notes
+
+
+def preview_adoption(
+    settings: Settings, *, now: float | None = None, force: bool = False
+) -> tuple[list[Adoption], list[str]]:
+    """``prune --dry-run``: what this node, as lease holder, would adopt now (reads only)."""
+    t = time.time() if now is None else now
+    out: list[Adoption] = []
+    notes: list[str] = []
+    for tier in _tiers(settings):
+        try:
+            got, said = preview(
+                tier,
+                settings.node,
+                t,
+                settings.fleet.orphan_after,
+                settings.fleet.heartbeat_ttl,
+                max_delete=settings.max_delete,
+                force=force,
+            )
+        except StorageError as exc:
+            notes.append(f"{tier.name}: fleet adoption not planned: {exc}")
+            continue
+        out += got
+        notes += said
+    return out, notes
 
 
 def fleet_status(settings: Settings, *, now: float | None = None) -> dict[str, Any]:

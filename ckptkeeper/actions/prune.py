@@ -85,6 +85,9 @@ class PruneOutcome:
     """Unavailable tiers that held back part of the policy (exit :data:`EXIT_POLICY_HELD`)."""
     damaged: dict[str, str] = field(default_factory=dict)
     """``tier:path`` -> problem, for each copy the reconcile found damaged (copied again)."""
+    adopted: list[Any] = field(default_factory=list)
+    """:class:`ckptkeeper.fleet.adopt.Adoption` per gone node whose copies this node, as the fleet
+    lease holder, adopted (or, in a dry run, would adopt) in a shared tier."""
 
 
 def make_plan(
@@ -166,9 +169,18 @@ def run_prune(
         hold = read_hold(settings) or lost
         if hold is not None:
             plan = apply_hold(plan, hold, force)
-        code = _exit_code([], held, plan)
-        return PruneOutcome(plan=plan, result=None, exit_code=code, dry_run=True, held=held, damaged=damaged)
+        adopted: list[Any] = []
+        if any(t.shared for t in settings.tiers):  # as the real pass: after_pass, whatever the run
+            from ckptkeeper.actions.fleet import preview_adoption  # only for shared tiers
 
+            adopted, said = preview_adoption(settings, now=observed, force=force)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *said))
+        code = _exit_code([], held, plan)
+        return PruneOutcome(
+            plan=plan, result=None, exit_code=code, dry_run=True, held=held, damaged=damaged, adopted=adopted
+        )
+
+    adopted = []
     with executor_lock(settings, lock_timeout):
         executor = Executor(
             index,
@@ -220,7 +232,8 @@ def run_prune(
         if not result.stopped and any(t.shared for t in settings.tiers):
             from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
 
-            plan = dataclasses.replace(plan, notes=(*plan.notes, *after_pass(settings, index)))
+            fleet_notes = after_pass(settings, index, adopted=adopted, force=force)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *fleet_notes))
         if "retention" in kinds and run is None and not result.stopped:
             try:
                 record_policy_held(settings, held)
@@ -242,6 +255,7 @@ def run_prune(
         reclaimed_bytes=sum(result.reclaimed_bytes.values()),
         held=held,
         damaged=damaged,
+        adopted=adopted,
     )
 
 

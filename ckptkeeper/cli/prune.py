@@ -201,6 +201,7 @@ def prune(
             t.tier: {"error": t.error, "checkpoints": t.checkpoints} for t in outcome.held.values()
         }
         doc["damaged"] = outcome.damaged
+        doc["adopted"] = [a.to_dict() for a in outcome.adopted]
         change = _cost_change(plan, settings)
         doc["cost_saving_per_month"] = (
             {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}
@@ -233,11 +234,36 @@ def prune(
                 click.echo(f"failed: {line}", err=True)
             for a, why in r.skipped:
                 click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
+        _render_adopted(outcome, dry_run=dry_run)
         for where, problem in sorted(outcome.damaged.items()):
             click.echo(f"damaged copy {where} not counted, copied again: {problem}", err=True)
         for t in outcome.held.values():
             click.echo(f"policy held: {t.describe()}", err=True)
     sys.exit(outcome.exit_code)
+
+
+def _render_adopted(outcome: PruneOutcome, *, dry_run: bool) -> None:
+    """The fleet lease holder's adoption of gone nodes' copies (README "Many nodes, one bucket")."""
+    width = out_width()
+    for a in outcome.adopted:
+        verb = "would delete" if dry_run else "deleted"
+        done = len(a.plan.actions) if dry_run else len(a.deleted)
+        click.echo(
+            f"\nadopted from {a.node} (tier {a.tier}, silent {format_duration(round(a.silent_for))}): "
+            f"{verb} {done} copies, keep {len(a.plan.keep)}"
+        )
+        rows = [
+            ("delete", x.run or "", x.step if x.step is not None else "-", human_bytes(x.bytes), x.reason)
+            for x in a.plan.actions
+            if dry_run or (x.path or "") in a.deleted
+        ]
+        rows += [("keep", k.run, k.step, "", "; ".join(k.reasons)) for k in a.plan.keep]
+        if rows:
+            click.echo(table(["ACTION", "RUN", "STEP", "SIZE", "REASON"], rows, right=(2, 3), width=width))
+        for line in ([f"refused: {a.plan.refused}"] if a.plan.refused else []) + a.errors:
+            click.echo(f"adoption of {a.node}: {line}", err=True)
+        if a.stopped:
+            click.echo(f"adoption of {a.node} stopped: {a.stopped}")
 
 
 def _write_textfile(settings: Settings, index: Index, outcome: PruneOutcome) -> None:

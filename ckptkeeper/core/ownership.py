@@ -8,7 +8,7 @@ The planner is given the facts (:attr:`Snapshot.foreign`: which copies another n
 turns each delete or reap of such a copy into a keep that says whose it is.
 
 Pure: no I/O. Adopting an orphan (its owner silent for ``fleet.orphan_after``) is the lease
-holder's business, not a node's own plan.
+holder's business, not a node's own plan (:mod:`ckptkeeper.core.adoption`).
 """
 
 from __future__ import annotations

@@ -5,5 +5,7 @@ object store only through :class:`~ckptkeeper.storage.S3TierStorage` and decides
 functions where it can. The object store is the only coordinator: no server, database or consensus
 service of ours.
 
-Modules: ``view`` (whose copies of a run are where, for ``restore`` from any node).
+Modules: ``view`` (whose copies of a run are where, for ``restore`` from any node), ``lease``,
+``nodes`` (heartbeats), ``cleanup`` (a gone node's litter), ``adopt`` (a gone node's copies under
+the shared tier's rules), ``claims`` (one deleter per item, whoever stalls).
 """
