@@ -17,8 +17,8 @@ nothing, and the parent reads its whole life from ``os.wait4``: wall (spawn to e
 * **restore from cold**: ``ckptkeeper restore RUN --step N --to DIR`` of the newest checkpoint
   against boto3 ``download_file`` of the same objects (ckptkeeper's manifest left out).
 
-Two data shapes, since real checkpoints mix both: few large files (4 checkpoints × 2 files) and
-many small ones (4 checkpoints × many files of 64 KiB–4 MiB, log-uniform). Hot data lives on
+Two data shapes, since real checkpoints mix both: few large files (4 checkpoints x 2 files) and
+many small ones (4 checkpoints x many files of 64 KiB-4 MiB, log-uniform). Hot data lives on
 ``cfg.fast_dir`` (tmpfs), the warm tier and moto's spill files on ``cfg.disk_dir``.
 """
 
@@ -73,7 +73,9 @@ def _safetensors(path: Path, size: int, rng: random.Random) -> None:
     header = b""
     for _ in range(2):  # the header's length depends on the payload's, which depends on it
         payload = max(4, (size - 8 - len(header)) // 4 * 4)
-        header = json.dumps({"w": {"dtype": "F32", "shape": [payload // 4], "data_offsets": [0, payload]}}).encode()
+        header = json.dumps(
+            {"w": {"dtype": "F32", "shape": [payload // 4], "data_offsets": [0, payload]}}
+        ).encode()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         _random_bytes(f, payload, rng)
@@ -93,7 +95,7 @@ def make_hot(root: Path, shape: str, sizes: dict[str, int]) -> int:
     """``root/run-a/checkpoint-{100..400}``, settled an hour ago; returns the total bytes.
 
     ``large``: ``model.safetensors`` + ``optimizer.pt`` of ``sizes['large']`` bytes each;
-    ``small``: ``sizes['files']`` files of 64 KiB–4 MiB (log-uniform) in nested dirs, one of them
+    ``small``: ``sizes['files']`` files of 64 KiB-4 MiB (log-uniform) in nested dirs, one of them
     the safetensors the layout recognises."""
     rng = random.Random(17)
     when = time.time() - 3600
@@ -123,6 +125,7 @@ def make_hot(root: Path, shape: str, sizes: dict[str, int]) -> int:
 
 def write_config(home: Path, hot: Path, lower: dict[str, object]) -> Path:
     """A config moving every checkpoint out of hot into ``lower`` (a tier table)."""
+
     def value(v: object) -> str:
         if isinstance(v, dict):
             return "{ " + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + " }"
@@ -153,7 +156,9 @@ def write_config(home: Path, hot: Path, lower: dict[str, object]) -> Path:
 class Bench:
     """One data shape: a pristine hot tree, and fresh per-run homes on the fast and disk dirs."""
 
-    def __init__(self, cfg: Config, fast: Path, disk: Path, url: str, shape: str, sizes: dict[str, int]) -> None:
+    def __init__(
+        self, cfg: Config, fast: Path, disk: Path, url: str, shape: str, sizes: dict[str, int]
+    ) -> None:
         self.cfg = cfg
         self.fast = fast
         self.disk = disk
@@ -161,6 +166,9 @@ class Bench:
         self.pristine = fast / "pristine"
         self.total = make_hot(self.pristine, shape, sizes)
         self.env = {**python_env(), **_AWS_ENV}
+        # Both sides run from cached bytecode, as an installed package and boto3 in site-packages
+        # do: without it every ckptkeeper run compiled its ~100 modules again (0.1 CPU-s).
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)
         self.runs = 0
         self.results: dict[str, list[Usage]] = {}
         self.last_home: Path | None = None
@@ -211,7 +219,16 @@ class Bench:
         self._cleanup()
         _reset(self.url)
         usage = measure(
-            [sys.executable, "-m", "bench._boto3_job", "upload", self.url, BUCKET, "boto3", str(self.pristine)],
+            [
+                sys.executable,
+                "-m",
+                "bench._boto3_job",
+                "upload",
+                self.url,
+                BUCKET,
+                "boto3",
+                str(self.pristine),
+            ],
             self.env,
         )
         return self._record("boto3 upload", usage)
@@ -250,8 +267,19 @@ class Bench:
         dest = self.fast / "restore"
         shutil.rmtree(dest, ignore_errors=True)
         config = self.last_home / "config.toml"
-        argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "restore", RUN,
-                "--step", str(STEPS[-1]), "--to", str(dest)]
+        argv = [
+            sys.executable,
+            "-m",
+            "ckptkeeper.cli",
+            "--config",
+            str(config),
+            "restore",
+            RUN,
+            "--step",
+            str(STEPS[-1]),
+            "--to",
+            str(dest),
+        ]
         usage = measure(argv, self.env)
         return self._record("ckptkeeper restore", usage)
 
@@ -260,7 +288,17 @@ class Bench:
         shutil.rmtree(dest, ignore_errors=True)
         prefix = f"ckpt/{RUN}/checkpoint-{STEPS[-1]}"
         usage = measure(
-            [sys.executable, "-m", "bench._boto3_job", "download", self.url, BUCKET, prefix, str(dest), MANIFEST],
+            [
+                sys.executable,
+                "-m",
+                "bench._boto3_job",
+                "download",
+                self.url,
+                BUCKET,
+                prefix,
+                str(dest),
+                MANIFEST,
+            ],
             self.env,
         )
         return self._record("boto3 download", usage)
@@ -271,8 +309,15 @@ class Bench:
 
 
 def _rows(
-    what: str, base: list[Usage], ours: list[Usage], baseline_label: str, *, wall_target: float | None,
-    cpu_target: float | None, rss_target: bool, note: str = "",
+    what: str,
+    base: list[Usage],
+    ours: list[Usage],
+    baseline_label: str,
+    *,
+    wall_target: float | None,
+    cpu_target: float | None,
+    rss_target: bool,
+    note: str = "",
 ) -> list[Row]:
     """Three rows (wall, CPU, peak RSS) for one comparison."""
     bw, ow = median([u.wall for u in base]), median([u.wall for u in ours])
@@ -282,15 +327,22 @@ def _rows(
     return [
         Row(
             metric=f"{what} (wall, whole process)",
-            baseline=bw, ours=ow, unit="s", ratio=wall_ratio,
+            baseline=bw,
+            ours=ow,
+            unit="s",
+            ratio=wall_ratio,
             target=f">= {wall_target}x" if wall_target is not None else "info",
             ok=None if wall_target is None else wall_ratio >= wall_target,
-            baseline_label=baseline_label, note=note,
+            baseline_label=baseline_label,
+            note=note,
             samples={"baseline": [u.wall for u in base], "ckptkeeper": [u.wall for u in ours]},
         ),
         Row(
             metric="  same, CPU (user + sys, whole process)",
-            baseline=bc, ours=oc, unit="CPU-s", ratio=cpu_ratio,
+            baseline=bc,
+            ours=oc,
+            unit="CPU-s",
+            ratio=cpu_ratio,
             target=f"<= {cpu_target}x" if cpu_target is not None else "info",
             ok=None if cpu_target is None else cpu_ratio <= cpu_target,
             baseline_label=baseline_label.split(" ")[0],
@@ -298,7 +350,10 @@ def _rows(
         ),
         Row(
             metric="  same, peak RSS",
-            baseline=br, ours=orss, unit="MiB", ratio=orss / br,
+            baseline=br,
+            ours=orss,
+            unit="MiB",
+            ratio=orss / br,
             target="<= baseline" if rss_target else "info",
             ok=(orss <= br) if rss_target else None,
             baseline_label=baseline_label.split(" ")[0],
@@ -324,31 +379,47 @@ def run(cfg: Config, *, only: tuple[str, ...] = ("cold", "warm", "restore")) -> 
         moto_server(server_tmp) as url,
     ):
         for shape, label, sizes in shapes(cfg):
-            with cfg.tempdir(cfg.fast_dir, f"prune-{shape}") as fast, cfg.tempdir(cfg.disk_dir, f"prune-{shape}") as disk:
+            with (
+                cfg.tempdir(cfg.fast_dir, f"prune-{shape}") as fast,
+                cfg.tempdir(cfg.disk_dir, f"prune-{shape}") as disk,
+            ):
                 b = Bench(cfg, fast, disk, url, shape, sizes)
                 size = f"{label}, {b.total / MiB:.0f} MiB"
                 cfg.log(f"prune_e2e {size}")
                 if "cold" in only or "restore" in only:
-                    base, ours = alternate(b.upload_boto3, b.prune_cold, reps, log=cfg.log)
+                    alternate(b.upload_boto3, b.prune_cold, reps, log=cfg.log)
                     rows += _rows(
-                        f"prune hot→cold, {size}", b.results["boto3 upload"], b.results["ckptkeeper prune cold"],
-                        "boto3 upload_file", wall_target=1.0, cpu_target=0.8, rss_target=True,
+                        f"prune hot→cold, {size}",
+                        b.results["boto3 upload"],
+                        b.results["ckptkeeper prune cold"],
+                        "boto3 upload_file",
+                        wall_target=1.0,
+                        cpu_target=0.8,
+                        rss_target=True,
                         note="`ckptkeeper prune` (copy, verify, commit, survivor re-check, delete) vs a "
                         "python process uploading the same files; one local moto server",
                     )
                 if "restore" in only:
                     alternate(b.download_boto3, b.restore, reps, log=cfg.log)
                     rows += _rows(
-                        f"restore from cold, 1 ckpt of the above", b.results["boto3 download"],
-                        b.results["ckptkeeper restore"], "boto3 download_file", wall_target=1.0,
-                        cpu_target=None, rss_target=False,
+                        "restore from cold, 1 ckpt of the above",
+                        b.results["boto3 download"],
+                        b.results["ckptkeeper restore"],
+                        "boto3 download_file",
+                        wall_target=1.0,
+                        cpu_target=None,
+                        rss_target=False,
                         note=f"{b.restored_bytes() / MiB:.0f} MiB; boto3's ranged GETs are slow on moto",
                     )
                 if "warm" in only:
                     alternate(b.cp_warm, b.prune_warm, reps, log=cfg.log)
                     rows += _rows(
-                        f"prune hot→warm (tmpfs→disk), {size}", b.results["cp -r + sync + rm"],
-                        b.results["ckptkeeper prune warm"], "cp -r + sync + rm", wall_target=0.95,
-                        cpu_target=None, rss_target=False,
+                        f"prune hot→warm (tmpfs→disk), {size}",
+                        b.results["cp -r + sync + rm"],
+                        b.results["ckptkeeper prune warm"],
+                        "cp -r + sync + rm",
+                        wall_target=0.95,
+                        cpu_target=None,
+                        rss_target=False,
                     )
     return rows
