@@ -14,7 +14,7 @@ from builders import manifest_of
 from builders import tier as spec
 
 from ckptkeeper import storage
-from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
+from ckptkeeper.core.model import Manifest
 from ckptkeeper.storage import TierStorage, VerificationError, s3_transfer
 
 
@@ -86,9 +86,8 @@ def test_s3_object_lost_before_the_commit_fails_the_copy(
     _lose_before_commit(monkeypatch, lambda: cold_raw.raw.remove("run1/checkpoint-100/sub/optim/shard-0.pt"))
     with pytest.raises(VerificationError, match=r"shard-0\.pt: object missing right after upload"):
         cold_raw.tier.copy_from(hot.tier, hot.ckpt_dir)
-    assert cold_raw.tier.list_manifests() == []  # never committed
-    stored = cold_raw.raw.keys()
-    assert stored and not any(k.endswith(MANIFEST_SUFFIX) for k in stored)
+    assert cold_raw.tier.list_manifests() == []  # never committed ...
+    assert cold_raw.raw.keys() == []  # ... and the copy's own objects and marker cleaned up
 
 
 def test_s3_object_of_another_size_before_the_commit_fails_the_copy(
@@ -132,3 +131,32 @@ def test_s3_copy_checks_its_objects_with_one_listing_and_trusts_no_lagging_listi
     assert sorted(c[1] for c in calls if c[0] == "head_object" and c[1] in data) == sorted(data)
     monkeypatch.setattr(cold, "_list_objects", real_list)
     assert cold.recheck(hot.ckpt_dir) == [] and cold.verify(hot.ckpt_dir) == []
+
+
+# --------------------------------------------------------------------------------------------
+# one S3 client per tier in a process (a prune opened four before): never a stale view
+
+
+def test_storages_of_one_tier_share_a_client_and_never_see_a_stale_listing(
+    cold_raw: Cold,
+    hot: Hot,
+    s3_bucket: str,
+    s3_storage_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    other = TierStorage(spec("cold", f"s3://{s3_bucket}/cold/ckpt", storage_options=s3_storage_options))
+    assert isinstance(other, storage.S3TierStorage)
+    assert other.fs is cold_raw.tier.fs
+    assert other.list_manifests() == []
+    cold_raw.tier.copy_from(hot.tier, hot.ckpt_dir)
+    assert [rel for rel, _, _ in other.list_manifests()] == ["run1/checkpoint-100"]
+    cold_raw.raw.remove("run1/checkpoint-100.ckptkeeper-manifest.json")  # behind both tiers' back
+    assert other.list_manifests() == []
+
+    # another tier name, other options or another AWS environment: a client of its own
+    renamed = TierStorage(spec("cold2", f"s3://{s3_bucket}/cold/ckpt", storage_options=s3_storage_options))
+    assert isinstance(renamed, storage.S3TierStorage) and renamed.fs is not cold_raw.tier.fs
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    fresh = TierStorage(spec("cold", f"s3://{s3_bucket}/cold/ckpt", storage_options=s3_storage_options))
+    assert isinstance(fresh, storage.S3TierStorage) and fresh.fs is not cold_raw.tier.fs
+    assert fresh.list_manifests() == []

@@ -275,8 +275,8 @@ class S3Objects:
             )
 
 
-_FS_CACHE: dict[tuple[str, str, str], S3FileSystem] = {}
-"""(tier name, storage options, AWS_* environment) -> its client; bounded by :data:`_FS_CACHE_MAX`."""
+_FS_CACHE: dict[tuple[int, str, str, str], S3FileSystem] = {}
+"""(pid, tier name, storage options, AWS_* environment) -> its client; at most :data:`_FS_CACHE_MAX`."""
 _FS_CACHE_MAX = 16
 _FS_LOCK = threading.Lock()
 
@@ -293,7 +293,10 @@ def _shared_fs(spec: TierSpec, default_config: Mapping[str, Any], on_retry: Any)
 
     options = json.dumps(spec.storage_options, sort_keys=True, default=repr)
     environment = json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-    key = (spec.name, options, environment)
+    # A forked child (a DataLoader worker of a script that restored) must not reuse the parent's
+    # client: its aiohttp session belongs to the parent's event loop (fsspec's own instance cache
+    # is per-process for the same reason).
+    key = (os.getpid(), spec.name, options, environment)
     with _FS_LOCK:
         fs = _FS_CACHE.get(key)
         if fs is not None:
