@@ -7,6 +7,7 @@ them in order and prints one table (metric, baseline, ckptkeeper, ratio, target,
 BENCHMARKS = (
     "tier_move",
     "s3_transfer",
+    "prune_e2e",
     "hook_latency",
     "planning",
     "daemon_idle",

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import re
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -97,23 +98,14 @@ class S3Objects:
 
     @property
     def fs(self) -> S3FileSystem:
-        """The s3fs filesystem, created on first use (importing s3fs costs ~0.5 s)."""
-        if self._fs is None:
-            import s3fs
+        """The s3fs filesystem, created on first use (importing s3fs costs ~0.5 s).
 
-            opts = dict(self.spec.storage_options)
-            config = {
-                **self.default_config,
-                "http_session_cls": _http_session_without_silent_resend(),
-                **dict(opts.pop("config_kwargs", None) or {}),
-            }
-            # private instance, no listing cache: a catalog listing must never be stale
-            self._fs = s3fs.S3FileSystem(
-                **opts, config_kwargs=config, skip_instance_cache=True, use_listings_cache=False
-            )
-            # Every failed attempt that botocore or s3fs may retry is logged with its cause: a
-            # flaky store should be visible before it becomes a failed move.
-            self._fs.s3.meta.events.register("needs-retry.s3", self._log_retryable_failure)
+        One per tier and credentials in a process (:func:`_shared_fs`): a prune opens the same
+        tier for the index rebuild, the reconcile before the plan, the executor and the reconcile
+        after it, and each new client cost ~0.1 CPU-s and ~13 MiB (botocore's models, an aiohttp
+        session) — bench/prune_e2e.py."""
+        if self._fs is None:
+            self._fs = _shared_fs(self.spec, self.default_config, self._log_retryable_failure)
             self._register_resolved_credentials()
         return self._fs
 
@@ -281,6 +273,53 @@ class S3Objects:
             raise StorageError(
                 f"tier {self.name!r}: {what} refused: a view of another node's copies is read-only"
             )
+
+
+_FS_CACHE: dict[tuple[int, str, str, str], S3FileSystem] = {}
+"""(pid, tier name, storage options, AWS_* environment) -> its client; at most :data:`_FS_CACHE_MAX`."""
+_FS_CACHE_MAX = 16
+_FS_LOCK = threading.Lock()
+
+
+def _shared_fs(spec: TierSpec, default_config: Mapping[str, Any], on_retry: Any) -> S3FileSystem:
+    """The process's s3fs client for ``spec``'s tier, created on first use.
+
+    Sharing is safe because nothing in a client is a view of the bucket: the listing cache is off
+    (a catalog listing must never be stale) and every request goes to the store. The key holds
+    everything the client was built from — the tier's name (its retry warnings name it), its
+    storage options and the ``AWS_*`` environment botocore reads credentials and endpoints from —
+    so a changed config or credential gets a new client, never a stale one."""
+    import os
+
+    options = json.dumps(spec.storage_options, sort_keys=True, default=repr)
+    environment = json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    # A forked child (a DataLoader worker of a script that restored) must not reuse the parent's
+    # client: its aiohttp session belongs to the parent's event loop (fsspec's own instance cache
+    # is per-process for the same reason).
+    key = (os.getpid(), spec.name, options, environment)
+    with _FS_LOCK:
+        fs = _FS_CACHE.get(key)
+        if fs is not None:
+            return fs
+        import s3fs
+
+        opts = dict(spec.storage_options)
+        config = {
+            **default_config,
+            "http_session_cls": _http_session_without_silent_resend(),
+            **dict(opts.pop("config_kwargs", None) or {}),
+        }
+        # no instance cache of s3fs's own (it keys on fewer things), no listing cache
+        fs = s3fs.S3FileSystem(
+            **opts, config_kwargs=config, skip_instance_cache=True, use_listings_cache=False
+        )
+        # Every failed attempt that botocore or s3fs may retry is logged with its cause: a
+        # flaky store should be visible before it becomes a failed move.
+        fs.s3.meta.events.register("needs-retry.s3", on_retry)
+        if len(_FS_CACHE) >= _FS_CACHE_MAX:
+            _FS_CACHE.pop(next(iter(_FS_CACHE)))
+        _FS_CACHE[key] = fs
+        return fs
 
 
 def _http_session_without_silent_resend() -> type:

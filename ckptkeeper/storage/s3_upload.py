@@ -57,6 +57,7 @@ class _S3Tier(Protocol):
     def _head(self, key: str, *, checksum: bool = False) -> dict[str, Any] | None: ...
     def _put_json(self, key: str, doc: Mapping[str, Any]) -> None: ...
     def _target_objects(self, key: str) -> list[tuple[str, int, float]]: ...
+    def _list_objects(self, prefix: str) -> list[dict[str, Any]]: ...
     def _delete_keys(self, keys: list[str]) -> None: ...
     def _abort_uploads_under(self, key: str) -> None: ...
     def _commit_manifest(self, key: str, body: bytes) -> None: ...
@@ -266,6 +267,12 @@ class _S3FileWriter:
         self.etag: str | None = None
         """ETag of the object this writer stored (HEAD right after the upload): what an abort may
         delete — never an object someone else wrote at the same key since."""
+        self.defer_check = False
+        """Set by a sink that checks its one-PUT objects' presence and size itself, all at once
+        before its commit (:meth:`_S3Sink.commit`): then a one-PUT object's ETag is the PUT's
+        answer and its HEAD is left to that check."""
+        self.unchecked = False
+        """The object was stored with its presence and size not checked yet (``defer_check``)."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
@@ -403,6 +410,13 @@ class _S3FileWriter:
             if buf is not None:
                 self.pool.put(buf)
             self._check_echo(resp, expected, "put")
+            if self.defer_check and resp.get("ETag"):
+                # The store checked the body against its CRC32 (and echoed it: _check_echo); that
+                # it holds the object, at this size, is checked with its siblings' before commit.
+                self.etag = str(resp["ETag"])
+                self.unchecked = True
+                self._close_source()
+                return
         else:
             if self.filled:
                 self._send_part()
