@@ -24,7 +24,6 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -177,8 +176,13 @@ class TierConfig(_Strict):
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
-    """Several nodes write this tier (one bucket for a cluster): copies go under ``<prefix>/<node>/``
-    (DESIGN §10); only an ``s3://`` tier can be shared."""
+    """Several nodes use this tier (DESIGN §10). An ``s3://`` tier (one bucket for a cluster):
+    copies go under ``<prefix>/<node>/``. A local tier (a Lustre/NFS/Weka mount seen by several
+    nodes, hot or warm): exactly one keeper acts on it at a time, the holder of its lease; the
+    others only catalog it (:mod:`ckptkeeper.fleet.sharedfs`)."""
+    shared_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+    """A shared local tier's name across nodes, naming its lease (default: the tier's name and a hash
+    of its path, so every node must mount it at the same path)."""
 
     _node: str = PrivateAttr(default="")
     _marker_beat: float = PrivateAttr(default=60.0)
@@ -188,16 +192,12 @@ class TierConfig(_Strict):
     def _no_nul(cls, value: str) -> str:
         return _no_nul_byte(value)
 
-    @field_validator("shared")
-    @classmethod
-    def _shared_is_s3(cls, value: bool, info: ValidationInfo) -> bool:
-        url = str(info.data.get("url") or "")
-        if value and not url.lower().startswith(("s3://", "s3a://")):
-            raise ValueError("only an s3:// tier can be shared by several nodes")
-        return value
-
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
+        if self.shared_id is not None and not self.shared:
+            raise ValueError("shared_id names a shared tier's lease: it needs shared = true")
+        if self.shared and not self.is_local and not self.url.lower().startswith(("s3://", "s3a://")):
+            raise ValueError("only an s3:// or a local tier can be shared by several nodes")
         if self.keep_best is not None and not self.metric:
             raise ValueError("keep_best needs metric (the name of the metric to rank by)")
         if self.low_watermark is not None and self.high_watermark is None:
@@ -347,8 +347,6 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
-        if self.tiers[0].shared:
-            raise ValueError("the hot tier cannot be shared (set shared on a slower s3:// tier)")
         for i, t in enumerate(self.tiers[1:], start=1):
             if t.headroom is not None:
                 raise ValueError(
