@@ -88,7 +88,10 @@ def test_three_nodes_one_hot_dir_exactly_one_acts(
 ) -> None:
     hot = tmp_path / "shared-hot"
     payloads = _payloads(hot)
-    configs = {n: _node(tmp_path, n, hot, bucket=s3_bucket, endpoint=s3_reset) for n in ("node-a", "node-b", "node-c")}
+    configs = {
+        n: _node(tmp_path, n, hot, bucket=s3_bucket, endpoint=s3_reset)
+        for n in ("node-a", "node-b", "node-c")
+    }
 
     procs = {n: start_cli(c, "prune", "--json") for n, c in configs.items()}  # all at once
     docs = {}
@@ -168,9 +171,7 @@ def test_holder_killed_mid_pass_another_takes_over_after_expiry(
     )
     assert killed.returncode == -9, killed.stderr
 
-    lease_key = next(
-        k for k in _keys(s3_client, s3_bucket) if "/.ckptkeeper/leases/hot-" in k
-    )
+    lease_key = next(k for k in _keys(s3_client, s3_bucket) if "/.ckptkeeper/leases/hot-" in k)
     info = LeaseInfo.parse(s3_client.get_object(Bucket=s3_bucket, Key=lease_key)["Body"].read())
     assert info is not None and info.node == "node-a"
 
@@ -226,6 +227,16 @@ def test_file_lease_without_a_bucket_one_acts(tmp_path: Path) -> None:
     assert warm_a == [f"checkpoint-{s}" for s in STEPS]
     assert not (tmp_path / other / "warm" / "exp").exists()
     assert _hot_steps(hot) == ["checkpoint-400"]
+
+    # status shows the shared tier's keepers (their heartbeats in the shared dir) and the lease
+    st = run_cli(configs[other], "status", "--json")
+    assert st.returncode == 0, st.stderr
+    (view,) = json.loads(st.stdout)["shared_fs"]
+    assert view["tier"] == "hot" and view["lease"]["node"] == actors[0] and view["lease"]["live"]
+    assert {n["node"] for n in view["nodes"]} == set(configs)
+    assert view["lease_at"].startswith(f"file {hot / '.ckptkeeper' / 'leases' / 'hot-'}")
+    text = run_cli(configs[other], "status")
+    assert f"shared tier hot: {actors[0]} holds the lease (expires in " in text.stdout
 
 
 def test_same_node_name_on_one_shared_tier_exits_2(tmp_path: Path) -> None:

@@ -116,14 +116,18 @@ class SharedFs:
                     info, _etag = read_lease(t.store, t.lease_name)
                     mine = info is None or info.node == self.settings.node or info.expires <= now
                 else:
-                    t.lease = Lease(t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name)
+                    t.lease = Lease(
+                        t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name
+                    )
                     mine = t.lease.acquire()
                     info = None if mine else read_lease(t.store, t.lease_name)[0]
             except StorageError as exc:
                 # No lease, no proof nobody else acts: this node only catalogs this pass.
                 log.warning("shared tier lease unavailable: not acting on it", tier=t.name, error=str(exc))
                 elsewhere.append(t.name)
-                notes.append(f"{t.name} is shared: its lease ({t.where}) is unavailable: {exc}; this node only catalogs")
+                notes.append(
+                    f"{t.name} is shared: its lease ({t.where}) is unavailable: {exc}; this node only catalogs"
+                )
                 continue
             t.acting = mine
             if not mine:
@@ -131,11 +135,15 @@ class SharedFs:
                 if info is not None:
                     notes.append(catalog_only_note(t.name, info, now))
                 else:  # lost a race for it just now
-                    notes.append(f"{t.name} is shared: another node took its lease just now; this node only catalogs")
+                    notes.append(
+                        f"{t.name} is shared: another node took its lease just now; this node only catalogs"
+                    )
         if not elsewhere:
             return plan
         out, dropped = without_tiers(plan, elsewhere, notes)
-        log.info("shared tier held by another node: only cataloging", tiers=elsewhere, actions_dropped=dropped)
+        log.info(
+            "shared tier held by another node: only cataloging", tiers=elsewhere, actions_dropped=dropped
+        )
         return out
 
     def guard(self, action: Action) -> str | None:
@@ -200,5 +208,3 @@ def shared_fs_status(settings: Settings, *, now: float | None = None) -> list[di
         view["lease_at"] = t.where
         out.append(view)
     return out
-
-

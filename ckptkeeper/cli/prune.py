@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, EXIT_USAGE, Context, fail, out_width, pass_ctx
+from ckptkeeper.cli.context import (
+    EXIT_ACTION_FAILED,
+    EXIT_LOCKED,
+    EXIT_USAGE,
+    Context,
+    fail,
+    out_width,
+    pass_ctx,
+)
 from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:

@@ -55,6 +55,8 @@ class FleetStore(Protocol):
     ) -> str | None: ...
 
     def list_fleet_objects(self, sub: str) -> list[tuple[str, float]]: ...
+
+
 _PROBE_DIR = "probe"
 
 

@@ -47,7 +47,9 @@ def without_tiers(plan: Plan, tiers: Collection[str], notes: list[str]) -> tuple
     kept = tuple(a for a in plan.actions if not touches(a, tiers))
     dropped = len(plan.actions) - len(kept)
     reclaim = {t: b for t, b in plan.reclaim_bytes.items() if t not in tiers}
-    return dataclasses.replace(plan, actions=kept, reclaim_bytes=reclaim, notes=(*plan.notes, *notes)), dropped
+    return dataclasses.replace(
+        plan, actions=kept, reclaim_bytes=reclaim, notes=(*plan.notes, *notes)
+    ), dropped
 
 
 def catalog_only_note(tier: str, lease: LeaseInfo, now: float) -> str:
