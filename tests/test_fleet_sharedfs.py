@@ -317,3 +317,36 @@ def test_copies_on_a_shared_fs_belong_to_the_tier(tier: str) -> None:
     snap = dataclasses.replace(snap, foreign={("exp", 1, "warm"): "node-a", ("exp", 1, "cold"): "node-a"})
     out = owned_by_the_tier(snap, {"warm"})
     assert (("exp", 1, tier) in out.foreign) is (tier == "cold")
+
+
+def test_holder_that_lost_the_lease_stops_before_its_next_action(tmp_path: Path) -> None:
+    """A holder stalled past the TTL whose lease another node took over: the executor asks the
+    lease before each action on the shared tier, and the pass stops there — nothing moved."""
+    from ckptkeeper.actions.prune import make_plan
+    from ckptkeeper.actions.sharedfs import open_shared
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.executor import Executor
+    from ckptkeeper.index import Index
+    from ckptkeeper.ingest.catalog import Catalog
+
+    hot = tmp_path / "shared-hot"
+    _payloads(hot)
+    settings = load_settings(_node(tmp_path, "node-a", hot, lease_ttl="5s"))
+    shared = open_shared(settings)
+    assert shared is not None
+    with Index(Path(settings.index)) as index:
+        shared.acquire(dry_run=False, now=time.time())
+        Catalog(settings, index).reconcile()
+        plan = shared.restrict(make_plan(settings, index))
+        assert plan.actions  # node-a holds the lease: it would act
+        (tier,) = shared.tiers
+        thief = Lease(tier.store, "node-b", 5.0, clock=lambda: time.time() + 60, name=tier.lease_name)
+        assert thief.acquire()  # node-a's lease expired (as node-b's clock sees it): taken over
+        before = sorted(p.relative_to(hot).as_posix() for p in hot.rglob("*") if ".ckptkeeper" not in p.parts)
+        result = Executor(index, settings.tier_specs(), guard=shared.guard).apply(plan)
+    assert result.stopped and not result.done and not result.failed
+    after = sorted(p.relative_to(hot).as_posix() for p in hot.rglob("*") if ".ckptkeeper" not in p.parts)
+    assert after == before
+    assert not (tmp_path / "node-a" / "warm" / "exp").exists()
+    (note,) = shared.notes
+    assert note.startswith("hot is shared: this node lost its lease") and "stopped before copy" in note

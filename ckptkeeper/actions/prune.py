@@ -163,7 +163,8 @@ def run_prune(
                 lost = hold_after_loss(settings, catalog, report)
             plan = make_plan(settings, scratch, now=observed, force=force, run=run, kinds=kinds)
             if shared is not None:
-                plan = shared.restrict(plan, dry_run=True, now=observed)
+                shared.acquire(dry_run=True, now=observed)
+                plan = shared.restrict(plan)
             held = _held(plan, scratch, names, run)
         # A missing index is rebuilt by the real run with deletes held: the dry run shows that hold.
         hold = read_hold(settings) or lost
@@ -186,6 +187,8 @@ def run_prune(
         recovered = executor.recover()
         # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
         sweep_scratch(settings)
+        if shared is not None:
+            shared.acquire(dry_run=False, now=now())
         # The plan judges ages (quiet for partial_after, failed_after, keep_within) at the moment the
         # scan began, not when it ended: a write seen during a long scan is at most that old, so a
         # save still being appended to never looks quiet because the scan itself took a while (it
@@ -197,7 +200,7 @@ def run_prune(
             store_missing_pins(settings, index, catalog.tier_pins)
         plan = make_plan(settings, index, now=observed, force=force, run=run, kinds=kinds)
         if shared is not None:
-            plan = shared.restrict(plan, dry_run=False, now=now())
+            plan = shared.restrict(plan)
         held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:

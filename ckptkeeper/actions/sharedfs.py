@@ -56,6 +56,8 @@ class _Tier:
     """Where the lease lives, for messages: ``bucket <tier>`` or ``file <path>``."""
     lease: Lease | None = None
     acting: bool = False
+    note: str | None = None
+    """Why this node does not act on the tier this pass."""
 
 
 def _keeper(settings: Settings) -> str:
@@ -106,11 +108,11 @@ class SharedFs:
             if clash is not None:
                 raise NodeClash(clash)
 
-    def restrict(self, plan: Plan, *, dry_run: bool, now: float) -> Plan:
-        """Take (or, dry, read) each tier's lease; drop the actions on tiers another node holds."""
-        elsewhere: list[str] = []
-        notes: list[str] = []
+    def acquire(self, *, dry_run: bool, now: float) -> None:
+        """Take or renew each tier's lease (a dry run only reads it). A real pass calls this before
+        it catalogs: a new holder's plan then sees what the previous holder did up to its end."""
         for t in self.tiers:
+            t.acting, t.note = False, None
             try:
                 if dry_run:
                     info, _etag = read_lease(t.store, t.lease_name)
@@ -124,23 +126,24 @@ class SharedFs:
             except StorageError as exc:
                 # No lease, no proof nobody else acts: this node only catalogs this pass.
                 log.warning("shared tier lease unavailable: not acting on it", tier=t.name, error=str(exc))
-                elsewhere.append(t.name)
-                notes.append(
-                    f"{t.name} is shared: its lease ({t.where}) is unavailable: {exc}; this node only catalogs"
-                )
+                t.lease = None
+                t.note = f"{t.name} is shared: its lease ({t.where}) is unavailable: {exc}; this node only catalogs"
                 continue
             t.acting = mine
-            if not mine:
-                elsewhere.append(t.name)
-                if info is not None:
-                    notes.append(catalog_only_note(t.name, info, now))
-                else:  # lost a race for it just now
-                    notes.append(
-                        f"{t.name} is shared: another node took its lease just now; this node only catalogs"
-                    )
+            if mine:
+                continue
+            t.lease = None
+            if info is not None and info.expires > now:
+                t.note = catalog_only_note(t.name, info, now)
+            else:  # lost a race for it just now
+                t.note = f"{t.name} is shared: another node took its lease just now; this node only catalogs"
+
+    def restrict(self, plan: Plan) -> Plan:
+        """Drop the actions on tiers this node does not hold the lease of, with the note why."""
+        elsewhere = [t.name for t in self.tiers if not t.acting]
         if not elsewhere:
             return plan
-        out, dropped = without_tiers(plan, elsewhere, notes)
+        out, dropped = without_tiers(plan, elsewhere, [t.note for t in self.tiers if t.note])
         log.info(
             "shared tier held by another node: only cataloging", tiers=elsewhere, actions_dropped=dropped
         )
