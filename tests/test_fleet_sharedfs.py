@@ -252,6 +252,9 @@ def test_same_node_name_on_one_shared_tier_exits_2(tmp_path: Path) -> None:
         clash = run_cli(second, *args)
         assert clash.returncode == 2, clash.stdout + clash.stderr
         assert "node: node name 'n1' is also used by another keeper on shared tier 'hot'" in clash.stderr
+    daemon = run_cli(second, "daemon", timeout=120)  # the daemon refuses to start too
+    assert daemon.returncode == 2, daemon.stdout + daemon.stderr
+    assert "node: node name 'n1' is also used by another keeper" in daemon.stderr
     again = run_cli(first, "prune")  # the first keeper is itself, not a clash
     assert again.returncode == 0, again.stderr
 
