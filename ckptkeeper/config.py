@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckptkeeper.core.model import ReaperPolicy, TierPolicy, TierSpec
+from ckptkeeper.util.fmt import format_duration
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
 CONFIG_ENV = "CKPTKEEPER_CONFIG"
@@ -352,6 +353,17 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"
                 )
+        if (
+            any(t.shared and t.is_local for t in self.tiers)
+            and self.fleet.lease_ttl <= self.daemon.retention_interval
+        ):
+            # The holder of a shared filesystem tier's lease renews it once per pass: a lease that
+            # expires between two passes would pass from node to node at every pass.
+            raise ValueError(
+                f"fleet.lease_ttl ({format_duration(self.fleet.lease_ttl)}) must be longer than "
+                f"daemon.retention_interval ({format_duration(self.daemon.retention_interval)}) when a local "
+                "tier is shared: its lease holder renews it once per pass (set lease_ttl to at least twice it)"
+            )
         for t in self.tiers:
             t._node = self.node
             # a copy's marker must beat several times within the TTL other nodes judge it by

@@ -52,7 +52,7 @@ def _node(
         index=own / "index.db",
         node=name,
         fleet={"lease_ttl": lease_ttl},
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": "", "retention_interval": "2s"},
         tiers=[local_tier("hot", hot, keep_last=1, shared=True), slower],
     )
 
@@ -237,6 +237,19 @@ def test_file_lease_without_a_bucket_one_acts(tmp_path: Path) -> None:
     assert view["lease_at"].startswith(f"file {hot / '.ckptkeeper' / 'leases' / 'hot-'}")
     text = run_cli(configs[other], "status")
     assert f"shared tier hot: {actors[0]} holds the lease (expires in " in text.stdout
+
+
+def test_lease_must_outlive_the_pass_interval(tmp_path: Path) -> None:
+    """The holder renews its lease once per pass: a TTL the pass interval outlasts is a config error."""
+    cfg = write_config(
+        tmp_path / "c.toml",
+        index=tmp_path / "i.db",
+        fleet={"lease_ttl": "5m"},
+        tiers=[local_tier("hot", tmp_path, shared=True)],
+    )
+    result = run_cli(cfg, "ls")
+    assert result.returncode == 2, result.stderr
+    assert "fleet.lease_ttl (5m) must be longer than daemon.retention_interval (5m)" in result.stderr
 
 
 def test_same_node_name_on_one_shared_tier_exits_2(tmp_path: Path) -> None:

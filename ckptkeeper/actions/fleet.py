@@ -116,7 +116,4 @@ def fleet_status(settings: Settings, *, now: float | None = None) -> dict[str, A
         view["unreadable_heartbeats"] = bad
         view["prefixes_without_heartbeat"] = [d for d in dirs if d not in known]
         out["tiers"].append(view)
-    from ckptkeeper.actions.sharedfs import shared_fs_status  # shared filesystem tiers (hot or warm)
-
-    out["tiers"] += shared_fs_status(settings, now=t)
     return out

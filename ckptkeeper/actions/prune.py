@@ -149,7 +149,8 @@ def run_prune(
     long copy is never a silent wait)."""
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
-    shared = open_shared(settings)  # a shared filesystem tier: only its lease holder acts on it
+    # A shared filesystem tier: only its lease holder acts on it.
+    shared = open_shared(settings, probe=not dry_run)
     if shared is not None:
         shared.check_identity(now())  # NodeClash: a config error, before anything is done
     if dry_run:

@@ -32,7 +32,7 @@ from ckptkeeper.fleet.nodes import fleet_view, read_beat, read_beats, write_beat
 from ckptkeeper.fleet.sharedfs import catalog_only_note, keeper_clash, lease_name, touches, without_tiers
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
-from ckptkeeper.storage import StorageError, TierStorage
+from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
 from ckptkeeper.util.logs import get_logger
 
@@ -65,11 +65,16 @@ def _keeper(settings: Settings) -> str:
     return f"{socket.gethostname()}:{Path(settings.index).expanduser().absolute()}"
 
 
-def _tiers(settings: Settings) -> list[_Tier]:
+def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:
+    """The shared local tiers and where their leases live. With ``probe`` (a real pass), a bucket
+    that does not enforce conditional writes (probed once per process, with one warning) cannot
+    hold a lease: the filesystem holds it instead — every node of that bucket finds the same."""
     local = [t for t in settings.tiers if t.shared and t.is_local]
     if not local:
         return []
     buckets = shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers if t.shared and not t.is_local])
+    if buckets and not _conditional(buckets[0], settings.node, probe):
+        buckets = []
     out = []
     for t in local:
         fs = LocalFleetObjects(t.local_path, t.name)
@@ -81,6 +86,17 @@ def _tiers(settings: Settings) -> list[_Tier]:
             store, where = fs, f"file {fs.base / name}"
         out.append(_Tier(t.name, fs, store, name, where))
     return out
+
+
+def _conditional(bucket: S3TierStorage, node: str, probe: bool) -> bool:
+    from ckptkeeper.actions.fleet import _CONDITIONAL, conditional_writes
+
+    if probe:
+        try:
+            return conditional_writes(bucket, node)
+        except StorageError:
+            return True  # unreachable now: taking the lease there fails too, and this node only catalogs
+    return _CONDITIONAL.get(f"{bucket.bucket}/{bucket.root_prefix}", True)  # a dry run writes nothing
 
 
 @dataclass
@@ -191,9 +207,10 @@ class SharedFs:
         return notes
 
 
-def open_shared(settings: Settings) -> SharedFs | None:
-    """The shared local tiers of this config, or None (the usual single-node setup: no I/O)."""
-    tiers = _tiers(settings)
+def open_shared(settings: Settings, *, probe: bool = False) -> SharedFs | None:
+    """The shared local tiers of this config, or None (the usual single-node setup: no I/O).
+    ``probe``: a real pass, which may probe the bucket's conditional writes."""
+    tiers = _tiers(settings, probe=probe)
     return SharedFs(settings, tiers) if tiers else None
 
 
