@@ -366,3 +366,53 @@ def test_holder_that_lost_the_lease_stops_before_its_next_action(tmp_path: Path)
     assert not (tmp_path / "node-a" / "warm" / "exp").exists()
     (note,) = shared.notes
     assert note.startswith("hot is shared: this node lost its lease") and "stopped before copy" in note
+
+
+def test_new_holder_applies_the_rules_to_copies_the_old_one_wrote(tmp_path: Path) -> None:
+    """Hot and warm both on the shared filesystem: node-a demotes into warm (its manifests name
+    node-a); once its lease expired node-b holds it, and warm's keep_last=2 applies to node-a's copy
+    too — on a shared filesystem a copy is the tier's, not its writer's."""
+    shared = tmp_path / "lustre"
+    (shared / "warm").mkdir(parents=True)
+    configs = {}
+    for n in ("node-a", "node-b"):
+        (tmp_path / n).mkdir()
+        configs[n] = write_config(
+            tmp_path / n / "config.toml",
+            index=tmp_path / n / "index.db",
+            node=n,
+            fleet={"lease_ttl": "5s"},
+            daemon={
+                "settle_seconds": "1s",
+                "trust_mtimes": True,
+                "metrics_addr": "",
+                "retention_interval": "2s",
+            },
+            tiers=[
+                local_tier("hot", shared / "hot", keep_last=1, shared=True),
+                local_tier("warm", shared / "warm", keep_last=2, shared=True),
+            ],
+        )
+    for step in (100, 200):
+        hf_checkpoint(shared / "hot" / "exp", step, os.urandom(5000 + step))
+    first = run_cli(configs["node-a"], "prune", "--json")
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (shared / "warm" / "exp").iterdir() if p.is_dir()) == ["checkpoint-100"]
+    manifest = next((shared / "warm" / "exp").glob(f"checkpoint-100{MANIFEST_SUFFIX}"))
+    assert json.loads(manifest.read_text())["node"] == "node-a"
+
+    hf_checkpoint(shared / "hot" / "exp", 300, os.urandom(5300), age=1800.0)
+    store = LocalFleetObjects(shared / "hot", "hot")
+    ((lease_file, _),) = store.list_fleet_objects("leases")
+    info, _ = read_lease(store, f"leases/{lease_file}")
+    assert info is not None and info.node == "node-a"
+    while time.time() <= info.expires:  # the lease's own expiry
+        time.sleep(0.2)
+    second = run_cli(configs["node-b"], "prune", "--json")
+    assert second.returncode == 0, second.stderr
+    doc = json.loads(second.stdout)
+    assert not [k for k in doc["keep"] if any("not ours" in r for r in k["reasons"])]
+    assert sorted(p.name for p in (shared / "warm" / "exp").iterdir() if p.is_dir()) == ["checkpoint-200"]
+    assert sorted(p.name for p in (shared / "hot" / "exp").iterdir() if not p.name.startswith(".")) == [
+        "checkpoint-300"
+    ]
