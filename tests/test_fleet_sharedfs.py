@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ def _node(
     endpoint: str | None = None,
     lease_ttl: str = "10m",
     home: str | None = None,
+    daemon: dict[str, Any] | None = None,
 ) -> Path:
     """Node ``name``'s config: the shared hot dir ``hot`` (keep_last=1), and a slower tier: a
     replicate cold tier in the shared bucket, or (no bucket) a warm directory of its own."""
@@ -52,7 +54,8 @@ def _node(
         index=own / "index.db",
         node=name,
         fleet={"lease_ttl": lease_ttl},
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": "", "retention_interval": "2s"},
+        daemon=daemon
+        or {"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": "", "retention_interval": "2s"},
         tiers=[local_tier("hot", hot, keep_last=1, shared=True), slower],
     )
 
@@ -419,3 +422,54 @@ def test_new_holder_applies_the_rules_to_copies_the_old_one_wrote(tmp_path: Path
     assert sorted(p.name for p in (shared / "hot" / "exp").iterdir() if not p.name.startswith(".")) == [
         "checkpoint-300"
     ]
+
+
+def test_two_daemons_on_one_shared_hot_dir_one_acts(tmp_path: Path) -> None:
+    """The daemon's passes go through the same lease: two daemons on one shared hot directory
+    (polling, as on NFS), each checkpoint demoted once, by one of them, into its warm tier."""
+    from builders import FAST_DAEMON
+
+    hot = tmp_path / "shared-hot"
+    payloads = _payloads(hot)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_", "CKPTKEEPER_"))
+    }
+    procs = {}
+    for n in ("node-a", "node-b"):
+        cfg = _node(tmp_path, n, hot, lease_ttl="30s", daemon={**FAST_DAEMON, "polling": True})
+        log = (tmp_path / f"{n}.log").open("wb")
+        procs[n] = subprocess.Popen(
+            [sys.executable, "-m", "ckptkeeper.cli", "--config", str(cfg), "daemon"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        log.close()
+
+    def warm(n: str) -> list[str]:
+        d = tmp_path / n / "warm" / "exp"
+        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+    def done() -> bool:
+        return _hot_steps(hot) == ["checkpoint-400"] and sorted(warm("node-a") + warm("node-b")) == [
+            f"checkpoint-{s}" for s in STEPS
+        ]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not done() and time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        logs = {n: (tmp_path / f"{n}.log").read_text(errors="replace")[-3000:] for n in procs}
+        assert done(), (_hot_steps(hot), warm("node-a"), warm("node-b"), logs)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = {n: p.wait(timeout=60) for n, p in procs.items()}
+    assert codes == {"node-a": 0, "node-b": 0}
+    # one acted: every checkpoint was copied into exactly one node's warm tier, that node's
+    actors = [n for n in procs if warm(n)]
+    assert len(actors) == 1, (warm("node-a"), warm("node-b"))
+    for step in STEPS:
+        got = tmp_path / actors[0] / "warm" / "exp" / f"checkpoint-{step}" / "model.bin"
+        assert got.read_bytes() == payloads[step]
