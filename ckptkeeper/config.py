@@ -24,13 +24,13 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckptkeeper.core.model import ReaperPolicy, TierPolicy, TierSpec
+from ckptkeeper.util.fmt import format_duration
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
 CONFIG_ENV = "CKPTKEEPER_CONFIG"
@@ -177,8 +177,13 @@ class TierConfig(_Strict):
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
-    """Several nodes write this tier (one bucket for a cluster): copies go under ``<prefix>/<node>/``
-    (DESIGN §10); only an ``s3://`` tier can be shared."""
+    """Several nodes use this tier (DESIGN §10). An ``s3://`` tier (one bucket for a cluster):
+    copies go under ``<prefix>/<node>/``. A local tier (a Lustre/NFS/Weka mount seen by several
+    nodes, hot or warm): exactly one keeper acts on it at a time, the holder of its lease; the
+    others only catalog it (:mod:`ckptkeeper.fleet.sharedfs`)."""
+    shared_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+    """A shared local tier's name across nodes, naming its lease (default: the tier's name and a hash
+    of its path, so every node must mount it at the same path)."""
 
     _node: str = PrivateAttr(default="")
     _marker_beat: float = PrivateAttr(default=60.0)
@@ -188,16 +193,12 @@ class TierConfig(_Strict):
     def _no_nul(cls, value: str) -> str:
         return _no_nul_byte(value)
 
-    @field_validator("shared")
-    @classmethod
-    def _shared_is_s3(cls, value: bool, info: ValidationInfo) -> bool:
-        url = str(info.data.get("url") or "")
-        if value and not url.lower().startswith(("s3://", "s3a://")):
-            raise ValueError("only an s3:// tier can be shared by several nodes")
-        return value
-
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
+        if self.shared_id is not None and not self.shared:
+            raise ValueError("shared_id names a shared tier's lease: it needs shared = true")
+        if self.shared and not self.is_local and not self.url.lower().startswith(("s3://", "s3a://")):
+            raise ValueError("only an s3:// or a local tier can be shared by several nodes")
         if self.keep_best is not None and not self.metric:
             raise ValueError("keep_best needs metric (the name of the metric to rank by)")
         if self.low_watermark is not None and self.high_watermark is None:
@@ -348,13 +349,23 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
-        if self.tiers[0].shared:
-            raise ValueError("the hot tier cannot be shared (set shared on a slower s3:// tier)")
         for i, t in enumerate(self.tiers[1:], start=1):
             if t.headroom is not None:
                 raise ValueError(
                     f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"
                 )
+        shared_local = any(t.shared and t.is_local for t in self.tiers)
+        if shared_local and "lease_ttl" not in self.fleet.model_fields_set:
+            # Unset: outlive three passes, so a holder that misses one pass keeps the tier.
+            self.fleet.lease_ttl = min(max(self.fleet.lease_ttl, 3 * self.daemon.retention_interval), 86400.0)
+        if shared_local and self.fleet.lease_ttl <= self.daemon.retention_interval:
+            # The holder of a shared filesystem tier's lease renews it once per pass: a lease that
+            # expires between two passes would pass from node to node at every pass.
+            raise ValueError(
+                f"fleet.lease_ttl ({format_duration(self.fleet.lease_ttl)}) must be longer than "
+                f"daemon.retention_interval ({format_duration(self.daemon.retention_interval)}) when a local "
+                "tier is shared: its lease holder renews it once per pass (set lease_ttl to at least twice it)"
+            )
         for t in self.tiers:
             t._node = self.node
             # a copy's marker must beat several times within the TTL other nodes judge it by

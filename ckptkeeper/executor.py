@@ -90,8 +90,11 @@ class Executor(TrashSteps):
         partial_after: float = 3600.0,
         clock: Callable[[], float] = time.time,
         trust_mtimes: bool = False,
+        guard: Callable[[Action], str | None] | None = None,
     ) -> None:
         self.index = index
+        self.guard = guard
+        """Asked before each action: a reason to stop the pass there (a shared tier's lease lost)."""
         self.tiers = list(tiers)
         self.hot = self.tiers[0].name
         self._storages: dict[str, TierStorage] = dict(storages or {})
@@ -198,7 +201,7 @@ class Executor(TrashSteps):
         copied_ok: set[tuple[str, str]] = set()
         failed_keys: set[str] = set()
         for action in plan.actions:
-            if self.stop.is_set():
+            if self.stop.is_set() or (self.guard is not None and self.guard(action) is not None):
                 result.stopped = True
                 break
             path = action.path or ""

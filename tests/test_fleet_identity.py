@@ -41,7 +41,8 @@ def test_node_defaults_to_the_hostname(tmp_path: Path) -> None:
         (".hidden", {}, "node: Value error, invalid node name '.hidden'"),
         ("..", {}, "node: Value error, invalid node name '..'"),
         ("n" * 254, {}, "node: Value error, invalid node name"),
-        ("ok", {"shared": True}, "tiers[1].shared: only an s3:// tier can be shared"),
+        ("ok", {"shared_id": "x"}, "shared_id names a shared tier's lease: it needs shared = true"),
+        ("ok", {"shared": True, "url": "memory://w"}, "only an s3:// or a local tier can be shared"),
     ],
 )
 def test_bad_node_or_shared_exits_2_naming_the_key(

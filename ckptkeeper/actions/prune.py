@@ -31,11 +31,13 @@ from ckptkeeper.actions.index import (
 )
 from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.preflight import sweep_scratch
+from ckptkeeper.actions.sharedfs import open_shared
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot
 from ckptkeeper.executor import ExecResult, Executor, Progress
+from ckptkeeper.fleet.sharedfs import owned_by_the_tier
 from ckptkeeper.index import Index, IndexReplaced
 from ckptkeeper.ingest.catalog import Catalog
 from ckptkeeper.util.gc import gc_paused
@@ -104,6 +106,7 @@ def make_plan(
     # none in cycles: one pause over both (100k hookless checkpoints: make_plan 1.17 -> 0.88 CPU-s).
     with gc_paused():
         snapshot, shared_steps = one_per_step(index.snapshot([t.name for t in specs], node=settings.node))
+        snapshot = owned_by_the_tier(snapshot, {t.name for t in settings.tiers if t.shared and t.is_local})
         result = planner.plan(
             snapshot,
             specs,
@@ -154,6 +157,10 @@ def run_prune(
     long copy is never a silent wait)."""
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
+    # A shared filesystem tier: only its lease holder acts on it.
+    shared = open_shared(settings, probe=not dry_run)
+    if shared is not None:
+        shared.check_identity(now())  # NodeClash: a config error, before anything is done
     if dry_run:
         lost: dict[str, Any] | None = None
         with index.in_memory_copy() as scratch:
@@ -164,6 +171,9 @@ def run_prune(
                 damaged = report.damaged
                 lost = hold_after_loss(settings, catalog, report)
             plan = make_plan(settings, scratch, now=observed, force=force, run=run, kinds=kinds)
+            if shared is not None:
+                shared.acquire(dry_run=True, now=observed)
+                plan = shared.restrict(plan)
             held = _held(plan, scratch, names, run)
         # A missing index is rebuilt by the real run with deletes held: the dry run shows that hold.
         hold = read_hold(settings) or lost
@@ -190,10 +200,13 @@ def run_prune(
             partial_after=settings.reaper.partial_after,
             clock=now,
             trust_mtimes=settings.daemon.trust_mtimes,
+            guard=None if shared is None else shared.guard,
         )
         recovered = executor.recover()
         # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
         sweep_scratch(settings)
+        if shared is not None:
+            shared.acquire(dry_run=False, now=now())
         # The plan judges ages (quiet for partial_after, failed_after, keep_within) at the moment the
         # scan began, not when it ended: a write seen during a long scan is at most that old, so a
         # save still being appended to never looks quiet because the scan itself took a while (it
@@ -204,6 +217,8 @@ def run_prune(
             damaged = catalog.reconcile().damaged
             store_missing_pins(settings, index, catalog.tier_pins)
         plan = make_plan(settings, index, now=observed, force=force, run=run, kinds=kinds)
+        if shared is not None:
+            plan = shared.restrict(plan)
         held = _held(plan, index, names, run)
         hold = read_hold(settings)
         if hold is not None:
@@ -229,7 +244,9 @@ def run_prune(
         if hold is not None and not result.stopped:
             after_held_pass(settings, index, hold, kinds, force)
         write_index_record(settings, index)
-        if not result.stopped and any(t.shared for t in settings.tiers):
+        if shared is not None:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *shared.after_pass(index, now())))
+        if not result.stopped and any(t.shared and not t.is_local for t in settings.tiers):
             from ckptkeeper.actions.fleet import after_pass  # only for shared tiers
 
             fleet_notes = after_pass(settings, index, adopted=adopted, force=force)

@@ -231,8 +231,12 @@ def restore_to(
         else:
             candidates = [find_checkpoint(index, run, step)]
     except LookupError:
-        # A run this node's index does not hold may be another node's, in the shared tiers.
-        if not any(t.shared for t in settings.tiers) or index.checkpoints(run):
+        # A run this node's index does not hold may be another node's, in the shared tiers; on a
+        # shared hot filesystem a run it holds may have been demoted by the lease holder.
+        shared_fs = any(t.shared and t.is_local for t in settings.tiers)
+        if not any(t.shared and not t.is_local for t in settings.tiers) or (
+            index.checkpoints(run) and not shared_fs
+        ):
             raise
         return _restore_from_fleet(
             settings, run, step, Path(to), node=node, progress=progress, metric=metric, mode=mode

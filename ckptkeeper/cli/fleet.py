@@ -14,6 +14,7 @@ from ckptkeeper.util.fmt import human_age, table
 def fleet(app: Context, as_json: bool) -> None:
     """Nodes sharing this node's shared tiers: last pass, RPO, runs held, the lease holder."""
     from ckptkeeper.actions.fleet import fleet_status  # storage, fsspec: not for --help
+    from ckptkeeper.actions.sharedfs import shared_fs_status
     from ckptkeeper.storage import StorageError
 
     settings = app.settings
@@ -21,6 +22,7 @@ def fleet(app: Context, as_json: bool) -> None:
         fail("no tier has shared = true: there is no fleet to show", EXIT_USAGE)
     try:
         doc = fleet_status(settings)
+        doc["tiers"] += shared_fs_status(settings)  # shared filesystem tiers (hot or warm)
     except StorageError as exc:
         fail(str(exc), EXIT_ACTION_FAILED)
     if as_json:

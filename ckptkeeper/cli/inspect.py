@@ -469,10 +469,40 @@ def status(app: Context, as_json: bool) -> None:
 
     with app.index() as ix:
         summary = summarize(app.settings, ix)
+    shared = _shared_fs(app)
     if as_json:
-        emit_json(_status_doc(summary))
+        doc = _status_doc(summary)
+        if shared is not None:
+            doc["shared_fs"] = shared
+        emit_json(doc)
     else:
         _render_status(summary)
+        for t in shared or []:
+            lease = t.get("lease")
+            held = (
+                f"{lease['node']} holds the lease (expires in {human_age(lease['expires_in'])})"
+                if lease and lease["live"]
+                else "nobody holds the lease"
+            )
+            nodes = ", ".join(f"{n['node']} ({human_age(n['last_pass_age'])} ago)" for n in t["nodes"])
+            click.echo(f"shared tier {t['tier']}: {held}; keepers: {nodes or 'none yet'}")
+
+
+def _shared_fs(app: Context) -> list[dict[str, Any]] | None:
+    """Shared filesystem tiers: heartbeats and lease (None when there is none; a read error is a row)."""
+    if not any(t.shared and t.is_local for t in app.settings.tiers):
+        return None
+    from ckptkeeper.actions.sharedfs import shared_fs_status
+    from ckptkeeper.storage import StorageError
+
+    try:
+        return shared_fs_status(app.settings)
+    except StorageError as exc:
+        return [
+            {"tier": t.name, "error": str(exc), "nodes": [], "lease": None}
+            for t in app.settings.tiers
+            if t.shared and t.is_local
+        ]
 
 
 # -- pin / unpin --------------------------------------------------------------------------

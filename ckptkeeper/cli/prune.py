@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_LOCKED, Context, fail, out_width, pass_ctx
+from ckptkeeper.cli.context import (
+    EXIT_ACTION_FAILED,
+    EXIT_LOCKED,
+    EXIT_USAGE,
+    Context,
+    fail,
+    out_width,
+    pass_ctx,
+)
 from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 
 if TYPE_CHECKING:
@@ -158,6 +166,7 @@ def prune(
     """Plan retention and reaping; without --dry-run, carry the plan out."""
     # The planner, executor and storage: imported here, not for --help.
     from ckptkeeper.actions.prune import run_prune
+    from ckptkeeper.actions.sharedfs import NodeClash
     from ckptkeeper.core.reaper import summarize_reclaim
 
     settings = app.settings
@@ -183,6 +192,8 @@ def prune(
             )
         except Locked as exc:
             fail(f"{exc}; try again later", EXIT_LOCKED)
+        except NodeClash as exc:
+            fail(str(exc), EXIT_USAGE)
         except IndexUnusable as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
         if settings.daemon.textfile and not dry_run:

@@ -128,9 +128,17 @@ class Daemon:
         except OSError as exc:
             print(f"ckptkeeper: cannot take {lock.path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_ACTION_FAILED
+        from ckptkeeper.actions.sharedfs import NodeClash, open_shared
+
         previous = self._install_signal_handlers()
         try:
+            shared = open_shared(self.settings)
+            if shared is not None:  # two keepers with one node name on a shared tier: refuse to start
+                shared.check_identity(time.time())
             return self._run_locked()
+        except NodeClash as exc:
+            print(f"ckptkeeper: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

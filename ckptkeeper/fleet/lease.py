@@ -23,13 +23,40 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from ckptkeeper.storage import S3TierStorage, StorageError
 
-__all__ = ["LEASE", "Lease", "LeaseInfo", "Step", "decide", "probe_conditional_writes", "read_lease"]
+__all__ = [
+    "LEASE",
+    "FleetStore",
+    "Lease",
+    "LeaseInfo",
+    "Step",
+    "decide",
+    "probe_conditional_writes",
+    "read_lease",
+]
 
 LEASE = "lease"
+
+
+class FleetStore(Protocol):
+    """Where fleet objects live, with conditional writes: a shared bucket
+    (:class:`~ckptkeeper.storage.s3_fleet.FleetObjects`) or a shared filesystem
+    (:class:`~ckptkeeper.storage.local_fleet.LocalFleetObjects`)."""
+
+    name: str
+
+    def get_fleet_object(self, name: str) -> tuple[bytes, str] | None: ...
+
+    def put_fleet_object(
+        self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
+    ) -> str | None: ...
+
+    def list_fleet_objects(self, sub: str) -> list[tuple[str, float]]: ...
+
+
 _PROBE_DIR = "probe"
 
 
@@ -80,9 +107,9 @@ def decide(current: LeaseInfo | None, exists: bool, me: str, now: float) -> Step
     return Step.WAIT
 
 
-def read_lease(tier: S3TierStorage) -> tuple[LeaseInfo | None, str | None]:
+def read_lease(tier: FleetStore, name: str = LEASE) -> tuple[LeaseInfo | None, str | None]:
     """(what the lease says, its etag); (None, None) when there is none."""
-    got = tier.get_fleet_object(LEASE)
+    got = tier.get_fleet_object(name)
     if got is None:
         return None, None
     body, etag = got
@@ -90,12 +117,20 @@ def read_lease(tier: S3TierStorage) -> tuple[LeaseInfo | None, str | None]:
 
 
 class Lease:
-    """This node's handle on the fleet lease of one shared tier."""
+    """This node's handle on the fleet lease of one shared tier (``name``: the fleet lease, or the
+    lease electing the acting keeper of a shared filesystem tier, ``leases/<tier>-<id>``)."""
 
     def __init__(
-        self, tier: S3TierStorage, node: str, ttl: float, *, clock: Callable[[], float] = time.time
+        self,
+        tier: FleetStore,
+        node: str,
+        ttl: float,
+        *,
+        clock: Callable[[], float] = time.time,
+        name: str = LEASE,
     ) -> None:
         self.tier = tier
+        self.name = name
         self.node = node
         self.ttl = ttl
         self.clock = clock
@@ -110,7 +145,7 @@ class Lease:
     def acquire(self) -> bool:
         """Take or renew the lease; False when another node holds a live one or won a race."""
         now = self.clock()
-        current, etag = read_lease(self.tier)
+        current, etag = read_lease(self.tier, self.name)
         step = decide(current, etag is not None, self.node, now)
         if step is Step.WAIT:
             self.etag, self.info = None, None
@@ -118,9 +153,9 @@ class Lease:
         acquired = current.acquired if step is Step.RENEW and current is not None else now
         info = LeaseInfo(self.node, os.getpid(), acquired, now + self.ttl)
         if step is Step.CREATE:
-            new = self.tier.put_fleet_object(LEASE, info.to_json(), if_none_match=True)
+            new = self.tier.put_fleet_object(self.name, info.to_json(), if_none_match=True)
         else:
-            new = self.tier.put_fleet_object(LEASE, info.to_json(), if_match=etag)
+            new = self.tier.put_fleet_object(self.name, info.to_json(), if_match=etag)
         if new is None:  # another node got there first
             self.etag, self.info = None, None
             return False
@@ -135,7 +170,7 @@ class Lease:
         if self.etag is None or self.info is None:
             return False
         info = LeaseInfo(self.node, os.getpid(), self.info.acquired, self.clock() + self.ttl)
-        new = self.tier.put_fleet_object(LEASE, info.to_json(), if_match=self.etag)
+        new = self.tier.put_fleet_object(self.name, info.to_json(), if_match=self.etag)
         if new is None:
             self.etag, self.info = None, None
             return False
@@ -149,7 +184,7 @@ class Lease:
             return
         gone = LeaseInfo(self.node, os.getpid(), self.info.acquired, 0.0)
         with contextlib.suppress(StorageError):
-            self.tier.put_fleet_object(LEASE, gone.to_json(), if_match=self.etag)
+            self.tier.put_fleet_object(self.name, gone.to_json(), if_match=self.etag)
         self.etag, self.info = None, None
 
 

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptkeeper import __version__
-from ckptkeeper.fleet.lease import LeaseInfo
-from ckptkeeper.storage import S3TierStorage
+from ckptkeeper.fleet.lease import FleetStore, LeaseInfo
 
 __all__ = ["NODES_DIR", "NodeBeat", "fleet_view", "read_beat", "read_beats", "write_beat"]
 
@@ -39,6 +38,9 @@ class NodeBeat:
     """``created_at`` of the newest checkpoint this node holds a verified copy of in the tier."""
     host: str = ""
     """The machine that wrote it: two machines writing one node's heartbeat share a ``node`` name."""
+    keeper: str = ""
+    """``host:index`` of the keeper that wrote it (shared filesystem tiers): two keepers with one
+    ``node`` name on one shared tier, even on one machine, is a config error (DESIGN §10)."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,19 +61,21 @@ class NodeBeat:
                 checkpoints_held=int(doc.get("checkpoints_held") or 0),
                 newest_verified=None if newest is None else float(newest),
                 host=str(doc.get("host") or ""),
+                keeper=str(doc.get("keeper") or ""),
             )
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
 
 
 def write_beat(
-    tier: S3TierStorage,
+    tier: FleetStore,
     node: str,
     *,
     runs_held: int,
     checkpoints_held: int,
     newest_verified: float | None,
     now: float | None = None,
+    keeper: str = "",
 ) -> NodeBeat:
     beat = NodeBeat(
         node=node,
@@ -82,6 +86,7 @@ def write_beat(
         checkpoints_held=checkpoints_held,
         newest_verified=newest_verified,
         host=socket.gethostname(),
+        keeper=keeper,
     )
     tier.put_fleet_object(f"{NODES_DIR}/{node}.json", beat.to_json())
     return beat
@@ -100,14 +105,14 @@ def name_clash(previous: NodeBeat | None, host: str, now: float, orphan_after: f
     )
 
 
-def read_beat(tier: S3TierStorage, name: str) -> NodeBeat | None:
+def read_beat(tier: FleetStore, name: str) -> NodeBeat | None:
     """The heartbeat object ``nodes/<name>`` (None: gone, unreadable, or naming another node)."""
     got = tier.get_fleet_object(f"{NODES_DIR}/{name}")
     beat = NodeBeat.parse(got[0]) if got is not None else None
     return beat if beat is not None and f"{beat.node}.json" == name else None
 
 
-def read_beats(tier: S3TierStorage) -> tuple[list[NodeBeat], list[str]]:
+def read_beats(tier: FleetStore) -> tuple[list[NodeBeat], list[str]]:
     """Every node's heartbeat (one listing + one small GET each) and the names of unreadable ones."""
     beats: list[NodeBeat] = []
     bad: list[str] = []

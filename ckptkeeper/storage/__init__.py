@@ -60,6 +60,8 @@ Modules, each importing only those listed before it:
 * ``trash``: the trash of a tier (``undo_window``): entry names, and the local backend's move
   aside, purge and undelete;
 * ``local``: :class:`LocalTierStorage`;
+* ``local_fleet``: fleet objects (heartbeats, a lease) in a filesystem several nodes mount, with
+  conditional writes built from ``link(2)`` and ``rename(2)`` (a shared hot tier);
 * ``s3_client``: the S3 requests every S3 module builds on (client, errors, secret redaction);
 * ``s3_upload``: single-PUT and multipart uploads (and the ``_S3Tier`` surface they drive);
 * ``s3_transfer``: the S3 reader and the S3 sink (marker, files, manifest commit);
