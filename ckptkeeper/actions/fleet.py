@@ -37,6 +37,20 @@ def _tiers(settings: Settings) -> list[S3TierStorage]:
     return shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers[1:]])
 
 
+_LEASES: dict[tuple[str, str], Lease] = {}
+"""(store, node) -> this process's lease handle, kept across passes: after its own release the
+next acquire is one conditional PUT instead of a read and a PUT (:meth:`Lease.acquire`)."""
+
+
+def _lease(tier: S3TierStorage, settings: Settings) -> Lease:
+    key = (f"{tier.bucket}/{tier.root_prefix}", settings.node)
+    lease = _LEASES.get(key)
+    if lease is None:
+        lease = _LEASES[key] = Lease(tier, settings.node, settings.fleet.lease_ttl)
+    lease.tier, lease.ttl = tier, settings.fleet.lease_ttl  # a reload may change the TTL or the client
+    return lease
+
+
 def conditional_writes(tier: S3TierStorage, node: str) -> bool:
     key = f"{tier.bucket}/{tier.root_prefix}"
     if key not in _CONDITIONAL:
@@ -77,7 +91,7 @@ def after_pass(settings: Settings, index: Index, *, now: float | None = None) ->
             gone = gone_nodes(beats, settings.node, t, settings.fleet.orphan_after)
             if not gone:
                 continue
-            lease = Lease(tier, settings.node, settings.fleet.lease_ttl)
+            lease = _lease(tier, settings)
             if not lease.acquire():
                 continue  # another node holds it: cleaning is its job
             try:
