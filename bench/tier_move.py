@@ -6,14 +6,18 @@ shell commands a cron job would use.
   the source) + ``rm -rf`` of the source. ckptkeeper: ``Executor.apply`` of a copy + delete plan,
   i.e. ``LocalTierStorage.copy_from`` (one read → hash → write pass, source checked against its
   manifest, files and directories fsync-ed, manifest, atomic rename) and ``delete``.
-* same filesystem: hot and warm on disk. Baseline: ``mv`` (and, for reference, ``mv`` + ``sync``
-  of both parent directories, the durable equivalent). ckptkeeper: the executor's rename path.
+* same filesystem: hot and warm on disk. Baseline: ``mv`` + ``sync`` of both parent directories,
+  the durable equivalent of what the executor does (issue 17: a bare ``mv`` flushes nothing and
+  is shown for information only). ckptkeeper: the executor's rename path. The three sides rotate
+  order every round (median of 15 in a full run).
 * the re-check of the survivor (issue #13): before the delete of a move, every other copy is
   checked in storage against the manifest (a GET of the manifest and a HEAD per object for S3).
   Measured against what it guards, a hot → cold move through the executor (upload, verify,
-  commit, re-check, delete) on a moto server in its own process; and, for a checkpoint of many
+  commit, re-check, delete) on a moto server in its own process: the executor has no switch to
+  turn the re-check off, so its call is timed inside that very move and the requests it sends
+  counted on the cold client (botocore's ``before-send`` event). And, for a checkpoint of many
   small objects, the concurrent re-check (16 requests in flight) against the same one request at
-  a time. Requests are counted on the client (botocore's ``before-call`` event).
+  a time (``before-call``).
 
 The checkpoint is a Hugging Face Trainer directory: two large tensors files and the usual small
 files. Before each measurement the source is recreated from a template (untimed, mtimes kept so
@@ -279,7 +283,7 @@ def _cold_settings(hot: Path, url: str, index: Path) -> object:
                 {"name": "hot", "url": str(hot), "keep_last": 1},
                 {"name": "cold", "url": f"s3://{BUCKET}/ckpt", "storage_options": options},
             ],
-            "daemon": {"metrics_addr": ""},
+            "daemon": {"metrics_addr": "", "trust_mtimes": True},  # cp -a: ctime is now, mtimes settled
         }
     )
 

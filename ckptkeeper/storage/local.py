@@ -385,8 +385,9 @@ class LocalTierStorage(TierStorage):
                     if _exists_at(d_dir, name) and self._drop_damaged(manifest, replace_damaged):
                         raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
                     staged = None
-                    if self.hot:
-                        _alongside(before_rename, lambda: None)
+                    if self.hot:  # no manifest in hot: nothing to overlap the caller's flush with
+                        if before_rename is not None:
+                            before_rename()
                     else:
                         body = manifest.to_json().encode()
                         staged = _alongside(
