@@ -446,7 +446,7 @@ def cold_rows(cfg: Config) -> list[Row]:
                 target="<= 0.05x",
                 ok=ratio <= 0.05,
                 baseline_label="the whole move (executor)",
-                note=f"{mover.requests} extra requests per move (HEADs of the cold objects) of "
+                note=f"{mover.requests} extra requests per move (a GET of the manifest + a HEAD per object) of "
                 f"{mover.total_requests} in all; {median(checks) / median(moves) * 100:.2f} % of the move's time, "
                 "timed inside the executor's move",
                 samples={"baseline": moves, "ckptkeeper": checks},
