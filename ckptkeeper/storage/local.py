@@ -390,9 +390,18 @@ class LocalTierStorage(TierStorage):
                             before_rename()
                     else:
                         body = manifest.to_json().encode()
-                        staged = _alongside(
-                            before_rename, lambda: _stage_file(d_dir, name + MANIFEST_SUFFIX, body)
-                        )
+                        made: list[str] = []
+                        try:
+                            _alongside(
+                                before_rename,
+                                lambda: made.append(_stage_file(d_dir, name + MANIFEST_SUFFIX, body)),
+                            )
+                        except BaseException:  # the caller's flush failed: nothing renamed, no litter
+                            for tmp in made:
+                                with contextlib.suppress(OSError):
+                                    os.unlink(tmp, dir_fd=d_dir)
+                            raise
+                        staged = made[0]
                     mark("rename-staged")
                     try:
                         if staged is not None:
