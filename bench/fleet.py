@@ -5,7 +5,8 @@ A moto S3 server on 127.0.0.1 holds ``nodes`` x ``per_node`` checkpoints in a ``
 heartbeat). One node's pass over the tier — what the catalog reads of it (manifests, staging,
 uploads) and the fleet step (heartbeat, probe, lease) — is measured in S3 requests and wall time,
 against the same pass with the node alone in another bucket (same run, alternating A/B).
-Target: within 1.2x. Also the lease's own requests (acquire + release).
+Target: within 1.2x. Also the lease's own requests (acquire + release) per pass, with one lease
+handle kept across passes as the daemon keeps it: target <= 2 (the first pass of a process: 3).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def _counted(tier: Any) -> Callable[[], int]:
     return lambda: count[0]
 
 
+_LEASES: dict[str, Any] = {}
+"""bucket -> node-0's lease handle, kept across passes like the daemon's."""
+
+
 def _pass(endpoint: str, bucket: str) -> tuple[float, int, int]:
     """(seconds, requests, lease requests) of node-0's pass over the tier in ``bucket``."""
     from ckptkeeper.actions.fleet import conditional_writes
@@ -72,8 +77,11 @@ def _pass(endpoint: str, bucket: str) -> tuple[float, int, int]:
     conditional_writes(tier, "node-0")
     tier.list_fleet_objects(NODES_DIR)  # as after_pass: one listing, GETs only of stale heartbeats
     before_lease = requests()
-    lease = Lease(tier, "node-0", 60)
-    lease.acquire()
+    # one handle per store across passes, as the daemon keeps it (actions.fleet._lease)
+    lease = _LEASES.setdefault(bucket, Lease(tier, "node-0", 60))
+    lease.tier = tier
+    if not lease.acquire():
+        raise RuntimeError("node-0 could not take the lease of a bucket nobody else uses")
     lease.release()
     lease_requests = requests() - before_lease
     return time.perf_counter() - t0, requests(), lease_requests
@@ -109,12 +117,13 @@ def run(cfg: Config) -> list[Row]:
 
             return go
 
-        alone_t, crowded_t = alternate(measure("alone"), measure("crowded"), cfg.pick(5, 3, 1), log=cfg.log)
+        alone_t, crowded_t = alternate(measure("alone"), measure("crowded"), cfg.pick(5, 3, 2), log=cfg.log)
     finally:
         server.stop()
     req_alone = median([r for _, r, _ in stats["alone"]])
     req_crowded = median([r for _, r, _ in stats["crowded"]])
-    lease = median([x for _, _, x in stats["crowded"]])
+    lease_all = [x for _, _, x in stats["crowded"]]
+    lease = median(lease_all[1:] or lease_all)  # the first pass of a process reads the lease first
     t_ratio = median(crowded_t) / median(alone_t)
     r_ratio = req_crowded / req_alone
     label = f"node alone, {per_node} checkpoints"
@@ -129,5 +138,8 @@ def run(cfg: Config) -> list[Row]:
             req_alone, req_crowded, "requests", "<= 1.2x", r_ratio <= 1.2, ratio=r_ratio,
             baseline_label=label, note="the crowded side lists the other nodes' heartbeats (one page)",
         ),
-        Row("fleet: lease acquire + release per pass", None, lease, "requests", "-", None),
+        Row(
+            "fleet: lease acquire + release per pass (after the first)", None, lease, "requests", "<= 2",
+            lease <= 2, note=f"first pass of a process: {lease_all[0]} (the lease is read once)",
+        ),
     ]  # fmt: skip

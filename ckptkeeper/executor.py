@@ -149,9 +149,13 @@ class Executor(TrashSteps):
         if manifest is not None and version and manifest.digest == version:
             # Committed before the crash: record it. A rename-move also lost its source location.
             if row is not None:
-                self.index.set_location(row.id, to_tier, version)
-                if detail.get("rename") and action.get("tier"):
-                    self.index.remove_location(row.id, action["tier"])
+                with self.index.transaction():
+                    self.index.set_location(row.id, to_tier, version)
+                    if detail.get("rename") and action.get("tier") and action["tier"] in row.locations:
+                        # what the lost result of the rename recorded, the freed bytes included
+                        # (in the index's total, not in this pass's result: an earlier pass freed them)
+                        self.index.remove_location(row.id, action["tier"])
+                        self.index.add_reclaimed("moved", row.bytes)
             # Killed between the commit and the cleanup: the S3 staging marker (and any upload a
             # lost reply left behind) would otherwise wait an hour for the reaper.
             self._discard_staging(dest, rel)
@@ -301,8 +305,10 @@ class Executor(TrashSteps):
             if owner and owner != self.tiers[0].node:
                 return f"the damaged copy in {action.to_tier} is owned by node {owner}: not ours to replace"
         src, dst = self.storage(action.tier), self.storage(action.to_tier)
+        # A rename's intent is committed without its flush; the flush runs beside the manifest's
+        # and both finish before anything is renamed (LocalTierStorage.rename_from).
         entry = self.index.journal_begin(
-            action.to_dict(), "copying", {"version": row.version, "rename": rename}
+            action.to_dict(), "copying", {"version": row.version, "rename": rename}, durable=not rename
         )
         self._crash.hit("copy-journaled")
         if rename:
@@ -310,7 +316,14 @@ class Executor(TrashSteps):
             # A rename moves the very inodes the catalog hashed; sizes are still checked, and a hot
             # source was just re-checked for writes (_changed_since_cataloged). Re-hashing would
             # read the whole checkpoint to move a directory entry (1 GiB: 5 ms -> 140 ms, bench/).
-            dst.rename_from(src, manifest, rehash=False, replace_damaged=replace)
+            dst.rename_from(
+                src,
+                manifest,
+                rehash=False,
+                replace_damaged=replace,
+                before_rename=self.index.sync_wal,
+                step=self._crash.hit,
+            )
         else:
             total = manifest.total_bytes
             done = 0
@@ -324,7 +337,11 @@ class Executor(TrashSteps):
 
             dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace)
         self._crash.hit("copy-committed")
-        with self.index.transaction():
+        # A rename's result is not flushed: after a power cut that loses it, recovery finds the
+        # committed manifest at the destination and records the same (_recover_copy). Its flush
+        # comes with the next durable commit. A copy's result is flushed: its source stays, and the
+        # staging-free destination is only trusted once the index says so.
+        with self.index.transaction(durable=not rename):
             # the bytes were hashed against the manifest as they were written: scrubbed now
             self.index.set_location(row.id, action.to_tier, row.version, scrubbed_at=time.time())
             if rename:

@@ -663,6 +663,35 @@ def test_same_filesystem_rename(warm: LocalTierStorage, hot: Hot) -> None:
     assert warm.list_staging() == []
 
 
+def test_rename_waits_for_the_callers_flush_and_leaves_nothing_when_it_fails(
+    warm: LocalTierStorage, hot: Hot
+) -> None:
+    """The journal's flush runs beside the manifest's (issue 17): nothing is renamed before it has
+    finished, and when it fails the move fails with the checkpoint where it was and no litter."""
+    before = tree_bytes(hot.path(hot.ckpt_dir))
+    seen: list[bool] = []
+
+    def failing_flush() -> None:
+        seen.append(hot.path(hot.ckpt_dir).is_dir())
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(StorageError, match="Input/output error"):
+        warm.rename_from(hot.tier, hot.ckpt_dir, before_rename=failing_flush)  # type: ignore[arg-type]
+    assert seen == [True]
+    assert tree_bytes(hot.path(hot.ckpt_dir)) == before
+    assert warm.list_staging() == [] and warm.list_manifests() == []
+
+    steps: list[str] = []
+
+    def flush() -> None:
+        steps.append("flushed" if hot.path(hot.ckpt_dir).is_dir() else "renamed before the flush")
+
+    warm.rename_from(hot.tier, hot.ckpt_dir, before_rename=flush, step=steps.append)  # type: ignore[arg-type]
+    assert steps == ["flushed", "rename-staged", "rename-manifest", "rename-done"]
+    assert tree_bytes(warm.root / "run1" / "checkpoint-100") == before
+    assert warm.verify(hot.ckpt_dir) == []
+
+
 def test_orphan_manifest_is_staging_not_a_copy(warm: LocalTierStorage, hot: Hot) -> None:
     # crash between writing the manifest and the commit rename
     (warm.root / "run1").mkdir()

@@ -38,6 +38,20 @@ def _tiers(settings: Settings) -> list[S3TierStorage]:
     return shared_tiers([TierStorage(t.to_spec()) for t in settings.tiers[1:]])
 
 
+_LEASES: dict[tuple[str, str], Lease] = {}
+"""(store, node) -> this process's lease handle, kept across passes: after its own release the
+next acquire is one conditional PUT instead of a read and a PUT (:meth:`Lease.acquire`)."""
+
+
+def _lease(tier: S3TierStorage, settings: Settings) -> Lease:
+    key = (f"{tier.bucket}/{tier.root_prefix}", settings.node)
+    lease = _LEASES.get(key)
+    if lease is None:
+        lease = _LEASES[key] = Lease(tier, settings.node, settings.fleet.lease_ttl)
+    lease.tier, lease.ttl = tier, settings.fleet.lease_ttl  # a reload may change the TTL or the client
+    return lease
+
+
 def conditional_writes(tier: S3TierStorage, node: str) -> bool:
     key = f"{tier.bucket}/{tier.root_prefix}"
     if key not in _CONDITIONAL:
@@ -80,7 +94,7 @@ def after_pass(
             gone = gone_beats(tier, settings.node, t, settings.fleet.orphan_after)
             if not due(tier, [b.node for b in gone], t, settings.fleet.orphan_after):
                 continue  # nobody gone, or every gone node was looked at less than orphan_after ago
-            lease = Lease(tier, settings.node, settings.fleet.lease_ttl)
+            lease = _lease(tier, settings)
             if not lease.acquire():
                 continue  # another node holds it: cleaning and adoption are its job
             try:

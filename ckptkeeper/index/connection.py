@@ -65,6 +65,9 @@ class Connection:
         self.reconcile_lock = threading.RLock()
         """Serialises catalog reconciles that share this connection (watcher vs scheduled jobs)."""
         self._identity: tuple[int, int] | None = None
+        self._wal = False
+        """In WAL mode: a commit may skip its flush (``transaction(durable=False)``) and
+        :meth:`sync_wal` flush it later, exactly what ``synchronous = FULL`` does at the commit."""
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
@@ -76,7 +79,8 @@ class Connection:
             self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             self._db.execute("PRAGMA foreign_keys = ON")
             if not readonly:
-                self._db.execute("PRAGMA journal_mode = WAL")
+                mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()
+                self._wal = bool(mode) and str(mode[0]).lower() == "wal"
                 self._db.execute("PRAGMA synchronous = FULL")
                 self._migrate()
         except UnicodeDecodeError as exc:
@@ -193,27 +197,58 @@ class Connection:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """One atomic unit; nested use joins the outer transaction."""
+    def transaction(self, *, durable: bool = True) -> Iterator[None]:
+        """One atomic unit; nested use joins the outer transaction.
+
+        ``durable=False`` (WAL mode only; otherwise ignored): the COMMIT skips its flush. The
+        transaction is committed at once for every reader and survives ``kill -9`` of this process
+        (the WAL is in the OS's page cache); a power cut may lose it until the next durable commit
+        or :meth:`sync_wal` — both flush every earlier commit too (the WAL is sequential), so later
+        writes never survive without it. For steps whose flush can run beside another (the journal
+        intent of a rename, overlapped with the manifest's) or that recovery re-derives from the
+        tiers (the result of a rename)."""
         with self._lock:
             if self._db.in_transaction:
                 yield
                 return
             self.check_identity()
-            self._db.execute("BEGIN IMMEDIATE")
+            lazy = not durable and self._wal
+            if lazy:
+                self._db.execute("PRAGMA synchronous = NORMAL")
             try:
-                yield
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            try:
-                self._db.execute("COMMIT")
-            except BaseException:
-                # A COMMIT that failed leaves the transaction open on this shared connection: every
-                # later write of every thread would silently join it and never be committed.
-                if self._db.in_transaction:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield
+                except BaseException:
                     self._db.execute("ROLLBACK")
-                raise
+                    raise
+                try:
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    # A COMMIT that failed leaves the transaction open on this shared connection: every
+                    # later write of every thread would silently join it and never be committed.
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                if lazy:
+                    self._db.execute("PRAGMA synchronous = FULL")
+
+    def sync_wal(self) -> None:
+        """Make every commit so far durable: fsync the write-ahead log, the very flush
+        ``synchronous = FULL`` does after each commit (the WAL header and checkpoints are synced by
+        SQLite itself in both modes). Safe from another thread than the one committing: it only
+        flushes a file. Without WAL mode every commit was already durable."""
+        if not self._wal:
+            return
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return  # checkpointed and removed: the database file itself was synced by SQLite
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     @contextmanager
     def savepoint(self) -> Iterator[None]:

@@ -19,13 +19,23 @@ class JournalMixin(Connection):
     """Journal, reclaimed counters and job runs of :class:`Index`."""
 
     def journal_begin(
-        self, action: Mapping[str, Any], phase: str = "start", detail: Mapping[str, Any] | None = None
+        self,
+        action: Mapping[str, Any],
+        phase: str = "start",
+        detail: Mapping[str, Any] | None = None,
+        *,
+        durable: bool = True,
     ) -> int:
+        """Record the intent of a step before it touches anything. ``durable=False``: committed
+        (visible, survives ``kill -9``) but not yet flushed; the caller must :meth:`sync_wal`
+        before the step's first irreversible change (the rename overlaps that flush with the
+        manifest's)."""
         now = time.time()
-        row = self._exec(
-            "INSERT INTO journal (action, phase, detail, started_at, updated_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
-            (json.dumps(dict(action), sort_keys=True), phase, json.dumps(dict(detail or {})), now, now),
-        ).fetchone()
+        with self.transaction(durable=durable):
+            row = self._exec(
+                "INSERT INTO journal (action, phase, detail, started_at, updated_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
+                (json.dumps(dict(action), sort_keys=True), phase, json.dumps(dict(detail or {})), now, now),
+            ).fetchone()
         return int(row[0])
 
     def journal_phase(self, entry_id: int, phase: str, detail: Mapping[str, Any] | None = None) -> None:

@@ -6,7 +6,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptkeeper.core.model import (
@@ -41,11 +41,13 @@ from ckptkeeper.storage.base import (
     log,
 )
 from ckptkeeper.storage.localfs import (
+    _alongside,
     _exists_at,
     _LocalSink,
     _open_dirs,
     _remove_tree,
     _scan_tree,
+    _stage_file,
     _write_file_atomic,
 )
 from ckptkeeper.storage.tier import TierStorage, _compare_sizes
@@ -346,13 +348,20 @@ class LocalTierStorage(TierStorage):
         *,
         rehash: bool = True,
         replace_damaged: bool = False,
+        before_rename: Callable[[], object] | None = None,
+        step: Callable[[str], None] | None = None,
     ) -> None:
         """Move a checkpoint from ``src`` on the same filesystem with one ``rename``.
 
         Order: verify the source against the manifest in place (sizes always, hashes unless
-        ``rehash=False``), write the manifest beside the destination (an orphan until…), then the
-        atomic rename that is the commit point. There is never a moment where the only copy sits
-        under a staging name the reaper could remove. ``replace_damaged``: as for :meth:`copy_from`.
+        ``rehash=False``); write the manifest beside the destination under a staging name and
+        flush it, while ``before_rename`` runs in the flush thread (the caller's journal flush: it
+        must be durable before anything is renamed, and the two flushes share one wait); rename the
+        manifest into place (an orphan until…); the atomic rename that is the commit point; flush
+        both directories, together. There is never a moment where the only copy sits under a
+        staging name the reaper could remove. ``replace_damaged``: as for :meth:`copy_from`.
+        ``step`` is called at each point a crash leaves a distinct state (``rename-staged``,
+        ``rename-manifest``, ``rename-done``; the executor's crash-point tests).
         """
         if not self.same_filesystem(src):
             raise StorageError(f"tiers {src.name!r} and {self.name!r} are not on one filesystem")
@@ -364,6 +373,7 @@ class LocalTierStorage(TierStorage):
         problems = src.verify(manifest, deep=rehash)
         if problems:
             raise VerificationError(f"{src.name}:{rel} does not match its manifest: " + "; ".join(problems))
+        mark = step or (lambda _where: None)
         try:
             with src._root_fd() as s_root, self._root_fd() as d_root:
                 dev = os.fstat(d_root).st_dev
@@ -374,17 +384,38 @@ class LocalTierStorage(TierStorage):
                     name = parts[-1]
                     if _exists_at(d_dir, name) and self._drop_damaged(manifest, replace_damaged):
                         raise StorageError(f"{self.root}/{rel} already exists; refusing to overwrite")
-                    if not self.hot:
-                        _write_file_atomic(d_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
+                    staged = None
+                    if self.hot:  # no manifest in hot: nothing to overlap the caller's flush with
+                        if before_rename is not None:
+                            before_rename()
+                    else:
+                        body = manifest.to_json().encode()
+                        made: list[str] = []
+                        try:
+                            _alongside(
+                                before_rename,
+                                lambda: made.append(_stage_file(d_dir, name + MANIFEST_SUFFIX, body)),
+                            )
+                        except BaseException:  # the caller's flush failed: nothing renamed, no litter
+                            for tmp in made:
+                                with contextlib.suppress(OSError):
+                                    os.unlink(tmp, dir_fd=d_dir)
+                            raise
+                        staged = made[0]
+                    mark("rename-staged")
                     try:
+                        if staged is not None:
+                            os.rename(staged, name + MANIFEST_SUFFIX, src_dir_fd=d_dir, dst_dir_fd=d_dir)
+                            staged = None
+                            mark("rename-manifest")
                         os.rename(name, name, src_dir_fd=s_dir, dst_dir_fd=d_dir)
                     except BaseException:
                         if not self.hot:
                             with contextlib.suppress(OSError):
-                                os.unlink(name + MANIFEST_SUFFIX, dir_fd=d_dir)
+                                os.unlink(staged or name + MANIFEST_SUFFIX, dir_fd=d_dir)
                         raise
-                    os.fsync(d_dir)
-                    os.fsync(s_dir)
+                    mark("rename-done")
+                    _alongside(lambda: os.fsync(s_dir), lambda: os.fsync(d_dir))
         except OSError as exc:
             raise StorageError(
                 f"rename of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
