@@ -36,16 +36,18 @@ NODE_FILES = {
 }
 
 
-def _node(base: Path, k: int, bucket: str, endpoint: str) -> tuple[Path, Path]:
+def _node(base: Path, k: int, bucket: str, endpoint: str, *, cold_keep_last: int = 2) -> tuple[Path, Path]:
     """Node ``k``: the fixture's node dir as its hot dir (back-dated 3 h), its own config, index and
-    ``node``; hot keeps 1, the shared bucket (replicate) keeps 2."""
+    ``node``; hot keeps 1, the shared bucket (replicate) keeps ``cold_keep_last``. Called again, it
+    only rewrites the config."""
     home = base / f"node{k}"
     hot = home / "hot"
-    shutil.copytree(FIXTURE / f"node{k}", hot)
-    then = time.time() - 3 * 3600
-    for p in sorted(hot.rglob("*"), reverse=True):
-        os.utime(p, (then, then), follow_symlinks=False)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=2)
+    if not hot.exists():
+        shutil.copytree(FIXTURE / f"node{k}", hot)
+        then = time.time() - 3 * 3600
+        for p in sorted(hot.rglob("*"), reverse=True):
+            os.utime(p, (then, then), follow_symlinks=False)
+    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=cold_keep_last)
     cold["shared"] = True
     config = write_config(
         home / "config.toml",
@@ -198,3 +200,70 @@ def test_a_deepspeed_zero_version_spanning_two_nodes(
     proc = run_cli(n2, "restore", RUN, "--step", "2", "--to", str(tmp_path / "p1"), "--part", "1")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "p1" / "global_step2").iterdir()) == NODE_FILES[1]
+
+
+def _both_versions_in_cold(base: Path, bucket: str, endpoint: str, s3: Any) -> tuple[Path, Path]:
+    n0, n1 = _node(base, 0, bucket, endpoint)[1], _node(base, 1, bucket, endpoint)[1]
+    for config in (n0, n1, n0, n1):
+        ck(config, "prune", "--json")
+    for step in META["steps"]:
+        assert _records(s3, bucket, step) == ["part-0.json", "part-1.json"]
+    return n0, n1
+
+
+def _deletes(plan: Any, step: int) -> list[tuple[str, str]]:
+    return [
+        (a["action"], a["tier"]) for a in plan["actions"] if a["step"] == step and a["action"] == "delete"
+    ]
+
+
+def test_a_pin_on_one_node_holds_every_part_of_the_version(
+    tmp_path: Path, s3_reset: str, s3_client: Any, s3_bucket: str
+) -> None:
+    """``pin`` on node 0 writes a version pin beside the part records; node 1 keeps its part of
+    that step through an expiry that would otherwise remove it, saying who pinned it. After
+    ``unpin`` on node 0, each node expires its own part, each exactly once."""
+    n0, n1 = _both_versions_in_cold(tmp_path, s3_bucket, s3_reset, s3_client)
+    before = _stored(s3_client, s3_bucket, 1)
+    assert len(before) == 5
+    out = ck(n0, "pin", RUN, "1", "--json")
+    assert out["pinned"] is True and out["failed"] == {}
+    base = f"ckpt/.ckptkeeper/versions/{job_token(JOB)}/{RUN}/1/"
+    assert [k for k in keys(s3_client, s3_bucket) if k.startswith(base)] == [
+        base + "part-0.json",
+        base + "part-1.json",
+        base + "pin-node0.json",
+    ]
+    # Cold now keeps 1: step 1 would expire from cold on both nodes.
+    for k in (0, 1):
+        _node(tmp_path, k, s3_bucket, s3_reset, cold_keep_last=1)
+    plan = ck(n1, "prune", "--dry-run", "--json")
+    assert _deletes(plan, 1) == []
+    assert [k["reasons"] for k in plan["keep"] if k["step"] == 1 and k["tier"] == "cold"] == [
+        ["pinned on node0 (version pin)"]
+    ]
+    ck(n1, "prune", "--json")
+    ck(n0, "prune", "--json")
+    # Both parts and manifests still there (and node 0's own pin object beside its manifest).
+    assert [k for k in _stored(s3_client, s3_bucket, 1) if not k.endswith(".ckptkeeper-pin.json")] == before
+    assert _records(s3_client, s3_bucket, 1) == ["part-0.json", "part-1.json", "pin-node0.json"]
+    # Without the version pin (the same pass, node 1 and a fresh config) it would have gone:
+    s3_client.delete_object(Bucket=s3_bucket, Key=base + "pin-node0.json")
+    assert _deletes(ck(n1, "prune", "--dry-run", "--json"), 1) == [("delete", "cold")]
+    s3_client.put_object(Bucket=s3_bucket, Key=base + "pin-node0.json", Body=b"\x00 garbage")
+    assert _deletes(ck(n1, "prune", "--dry-run", "--json"), 1) == []  # the key is the pin
+
+    # unpin on node 0: the version pin is gone, and each node expires its own part exactly once.
+    out = ck(n0, "unpin", RUN, "1", "--json")
+    assert out["pinned"] is False and out["failed"] == {}
+    assert [k for k in keys(s3_client, s3_bucket) if k.startswith(base)] == [
+        base + "part-0.json",
+        base + "part-1.json",
+    ]
+    done = []
+    for config in (n0, n1, n0, n1):
+        plan = ck(config, "prune", "--json")
+        done += [(config.parent.name, *d) for d in _deletes(plan, 1)]
+    assert sorted(done) == [("node0", "delete", "cold"), ("node1", "delete", "cold")]
+    assert _stored(s3_client, s3_bucket, 1) == [] and _records(s3_client, s3_bucket, 1) == []
+    assert len(_stored(s3_client, s3_bucket, 2)) == 5

@@ -66,6 +66,12 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
                 step=step,
                 error=str(exc),
             )
+    if any(t.shared for t in settings.tiers[1:]):
+        from ckptkeeper.actions.versions import pin_version  # only for shared tiers
+
+        # A part's pin holds every node's part of the version (README "Checkpoints spanning nodes").
+        for tier_name, error in pin_version(settings, index.checkpoints_at_step(run, step), pinned).items():
+            outcome.failed.setdefault(tier_name, error)
     if not pinned and not outcome.failed:
         outcome.changed = index.set_pinned(run, step, False)
     write_index_record(settings, index)

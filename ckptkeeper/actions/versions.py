@@ -7,6 +7,9 @@
 * :func:`hold_parts_in_plan` (every plan, dry run included): reads the versions the plan's deletes
   of parts depend on and lets :func:`ckptkeeper.core.versions.hold_parts` decide.
 * :func:`part_versions` (``ls``): the status of each of this node's parts in each shared tier.
+* :func:`version_pins` (every plan that deletes or reaps a part): which of those versions a node
+  pinned (``pin`` of a part writes a version pin, :func:`pin_version`), so every node keeps its
+  part of a pinned version.
 
 Store failures never fail a pass: a plan whose versions cannot be read holds every delete of a
 part they would have allowed (the safe side), with a note.
@@ -20,7 +23,16 @@ from collections.abc import Iterable, Sequence
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import ActionKind, Checkpoint, Plan, Snapshot
 from ckptkeeper.core.versions import PartRecord, VersionStatus, hold_parts, record_name
-from ckptkeeper.fleet.versions import delete_record, list_run_records, read_versions, record_for, write_record
+from ckptkeeper.fleet.versions import (
+    delete_record,
+    list_run_pins,
+    list_run_records,
+    read_versions,
+    record_for,
+    remove_version_pin,
+    write_record,
+    write_version_pin,
+)
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
@@ -28,7 +40,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.versions")
 
-__all__ = ["hold_parts_in_plan", "part_versions", "sync_records"]
+__all__ = ["hold_parts_in_plan", "part_versions", "pin_version", "sync_records", "version_pins"]
 
 
 def _shared(settings: Settings) -> list[S3TierStorage]:
@@ -192,3 +204,55 @@ def part_versions(
             for step, status in statuses.items():
                 out[(run, step, tier.name)] = status
     return out
+
+
+def version_pins(
+    settings: Settings, plan: Plan, snapshot: Snapshot
+) -> tuple[dict[tuple[str, int], list[str]], list[str]]:
+    """(run, step) -> nodes that pinned the version, for each part ``plan`` deletes or reaps (one
+    listing per (job, run) and shared tier; nothing read when the plan touches no part). A
+    listing that fails pins those parts (the safe side), with a note."""
+    tiers = _shared(settings)
+    by_key = {c.key: c for c in snapshot.checkpoints if _is_part(c.part)}
+    touched = {
+        (a.run, a.step)
+        for a in plan.actions
+        if a.action in (ActionKind.DELETE, ActionKind.REAP) and a.run is not None and a.step is not None
+    }
+    groups: dict[tuple[str | None, str], set[int]] = {}
+    for key in touched:
+        c = by_key.get(key)
+        if c is not None and c.part is not None:
+            groups.setdefault((c.part.job, c.run), set()).add(c.step)
+    pins: dict[tuple[str, int], list[str]] = {}
+    notes: list[str] = []
+    for tier in tiers:
+        for (job, run), steps in sorted(groups.items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
+            try:
+                listed = list_run_pins(tier, job, run)
+            except StorageError as exc:
+                notes.append(f"{tier.name}: version pins of {run} unreadable, its parts are kept: {exc}")
+                listed = {step: [f"? (pins unreadable in {tier.name})"] for step in steps}
+            for step in sorted(steps & set(listed)):
+                pins.setdefault((run, step), []).extend(listed[step])
+    return pins, notes
+
+
+def pin_version(settings: Settings, rows: Sequence[CheckpointRow], pinned: bool) -> dict[str, str]:
+    """Write (or remove) this node's version pin of each part among ``rows`` in every shared tier;
+    tier -> error for the tiers that failed."""
+    failed: dict[str, str] = {}
+    parts = [r for r in rows if _is_part(r.part)]
+    if not parts:
+        return failed
+    for tier in _shared(settings):
+        try:
+            for r in parts:
+                assert r.part is not None
+                if pinned:
+                    write_version_pin(tier, r.part.job, r.run, r.step, settings.node)
+                else:
+                    remove_version_pin(tier, r.part.job, r.run, r.step, settings.node)
+        except StorageError as exc:
+            failed[tier.name] = f"version pin not {'written' if pinned else 'removed'}: {exc}"
+    return failed

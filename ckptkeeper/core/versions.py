@@ -16,11 +16,15 @@ mean, and what a plan may do with a part given that meaning:
   "moved", a "redundant" delete) before the whole version is complete there;
 * the same pass holds a count-based expiry of a part while a newer version of its run is
   incomplete in that tier, so retention counts complete versions only: every node, reading the
-  same records, takes the same decision for its own part.
+  same records, takes the same decision for its own part;
+* **version pins** — ``pin`` of a part also writes ``<step dir>/pin-<node>.json``; every node
+  treats its own part of a version pinned there as pinned (:func:`pin_parts`,
+  :func:`version_pin_reasons`): the key alone says it, so a pin object is never misread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,8 +41,13 @@ __all__ = [
     "VersionStatus",
     "hold_parts",
     "job_token",
+    "pin_name",
+    "pin_parts",
+    "pinned_by",
     "record_name",
     "step_dir",
+    "version_pin_body",
+    "version_pin_reasons",
     "version_status",
 ]
 
@@ -62,6 +71,62 @@ def step_dir(job: str | None, run: str, step: int) -> str:
 
 def record_name(job: str | None, run: str, step: int, index: int) -> str:
     return f"{step_dir(job, run, step)}/part-{index}.json"
+
+
+def pin_name(job: str | None, run: str, step: int, node: str) -> str:
+    """A version pin: node ``node`` pinned this version (``pin RUN STEP`` of a part)."""
+    return f"{step_dir(job, run, step)}/pin-{node}.json"
+
+
+def pinned_by(leaf: str) -> str | None:
+    """The node a version pin object's leaf name (``pin-<node>.json``) names; None if it is not one.
+    The key is the pin: what the object holds is only informative (and untrusted)."""
+    if not leaf.startswith("pin-") or not leaf.endswith(".json") or "/" in leaf:
+        return None
+    node = leaf[len("pin-") : -len(".json")]
+    return node if node and not node.startswith(".") else None
+
+
+def version_pin_body(job: str | None, run: str, step: int, node: str, now: float) -> bytes:
+    return json.dumps(
+        {
+            "kind": "ckptkeeper-version-pin",
+            "job": job,
+            "run": run,
+            "step": step,
+            "node": node,
+            "pinned_at": now,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def pin_parts(
+    checkpoints: Sequence[Checkpoint], pins: Mapping[tuple[str, int], Sequence[str]]
+) -> tuple[tuple[Checkpoint, ...], dict[tuple[str, int], str]]:
+    """The checkpoints with every part of a version pinned on some node marked pinned (a part
+    pinned here already stays as it is), and the keep reason of each one newly pinned:
+    ``pinned on node-a (version pin)``."""
+    out: list[Checkpoint] = []
+    reasons: dict[tuple[str, int], str] = {}
+    for c in checkpoints:
+        nodes = pins.get(c.key)
+        if nodes and not c.pinned and c.part is not None and (c.part.count or 0) >= 2:
+            reasons[c.key] = f"pinned on {', '.join(sorted(set(nodes)))} (version pin)"
+            c = dataclasses.replace(c, pinned=True)
+        out.append(c)
+    return tuple(out), reasons
+
+
+def version_pin_reasons(keeps: Sequence[Keep], reasons: Mapping[tuple[str, int], str]) -> tuple[Keep, ...]:
+    """``keeps`` with the planner's plain ``pinned`` replaced by who pinned the version."""
+    out: list[Keep] = []
+    for k in keeps:
+        why = reasons.get((k.run, k.step))
+        if why is not None:
+            k = k._replace(reasons=tuple(why if r == "pinned" else r for r in k.reasons))
+        out.append(k)
+    return tuple(out)
 
 
 VersionKey = tuple[str | None, str, int]

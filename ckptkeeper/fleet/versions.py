@@ -19,18 +19,24 @@ from ckptkeeper.core.versions import (
     VersionKey,
     VersionStatus,
     job_token,
+    pin_name,
+    pinned_by,
     step_dir,
+    version_pin_body,
     version_status,
 )
 from ckptkeeper.storage import S3TierStorage, StorageError
 
 __all__ = [
     "delete_record",
+    "list_run_pins",
     "list_run_records",
     "read_version",
     "read_versions",
     "record_for",
+    "remove_version_pin",
     "write_record",
+    "write_version_pin",
 ]
 
 
@@ -59,6 +65,29 @@ def write_record(tier: S3TierStorage, record: PartRecord) -> None:
 
 def delete_record(tier: S3TierStorage, name: str) -> None:
     tier.delete_fleet_object(name)
+
+
+def write_version_pin(tier: S3TierStorage, job: str | None, run: str, step: int, node: str) -> None:
+    """``pin`` of a part: every node's part of this version is pinned while the object exists."""
+    tier.put_fleet_object(pin_name(job, run, step, node), version_pin_body(job, run, step, node, time.time()))
+
+
+def remove_version_pin(tier: S3TierStorage, job: str | None, run: str, step: int, node: str) -> None:
+    """``unpin`` of a part: only this node's pin of the version (another node's pin stays)."""
+    tier.delete_fleet_object(pin_name(job, run, step, node))
+
+
+def list_run_pins(tier: S3TierStorage, job: str | None, run: str) -> dict[int, list[str]]:
+    """step -> nodes that pinned that version of ``run`` of ``job``: one listing. The key is the
+    pin (no GET): an object there whose body is garbage still pins, the safe side."""
+    base = f"{VERSIONS_DIR}/{job_token(job)}/{run}"
+    out: dict[int, list[str]] = {}
+    for name, _mtime in tier.list_fleet_objects(base):
+        head, _, leaf = name.partition("/")
+        node = pinned_by(leaf)
+        if head.isdigit() and node is not None:
+            out.setdefault(int(head), []).append(node)
+    return out
 
 
 def list_run_records(tier: S3TierStorage, job: str | None, run: str) -> dict[int, list[str]]:
