@@ -10,7 +10,17 @@ import pytest
 from builders import checkpoint
 
 from ckptkeeper.core.model import Action, ActionKind, Keep, NodePart
-from ckptkeeper.core.versions import PartRecord, VersionStatus, hold_parts, record_name, version_status
+from ckptkeeper.core.versions import (
+    PartRecord,
+    VersionStatus,
+    hold_parts,
+    pin_name,
+    pin_parts,
+    pinned_by,
+    record_name,
+    version_pin_reasons,
+    version_status,
+)
 
 KEY = ("job-7", "run", 100)
 
@@ -137,3 +147,24 @@ def test_an_expiry_waits_while_a_newer_version_is_incomplete() -> None:
     )
     versions[("run", 300, "cold")] = status(300, (0, 1))
     assert hold_parts(deletes, [], ckpts, versions, ["cold"], POS)[0] == deletes
+
+
+def test_a_version_pin_is_its_key_and_pins_only_parts_not_pinned_here() -> None:
+    name = pin_name("job-7", "run", 100, "node0")
+    assert name == "versions/j-job-7/run/100/pin-node0.json"
+    assert pinned_by(name.rsplit("/", 1)[-1]) == "node0"
+    for leaf in ("part-0.json", "pin-.json", "pin-.hidden.json", "pin-node0.txt", "x/pin-a.json"):
+        assert pinned_by(leaf) is None, leaf
+    mine = replace(checkpoint("run", 100, tiers=("cold",)), part=part(1))
+    here = replace(checkpoint("run", 200, tiers=("cold",), pinned=True), part=part(1))
+    whole = checkpoint("run", 300, tiers=("cold",))
+    other = replace(checkpoint("run", 400, tiers=("cold",)), part=part(1))
+    pins = {("run", 100): ["node0", "node2", "node0"], ("run", 200): ["node0"], ("run", 300): ["node0"]}
+    out, why = pin_parts([mine, here, whole, other], pins)
+    assert [c.pinned for c in out] == [True, True, False, False]
+    assert why == {("run", 100): "pinned on node0, node2 (version pin)"}
+    keeps = [Keep("run", 100, "cold", ("pinned", "x")), Keep("run", 200, "cold", ("pinned",))]
+    assert version_pin_reasons(keeps, why) == (
+        Keep("run", 100, "cold", ("pinned on node0, node2 (version pin)", "x")),
+        Keep("run", 200, "cold", ("pinned",)),
+    )
