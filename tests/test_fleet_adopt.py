@@ -9,6 +9,10 @@ copies from the bucket's own listing and deletes from the nodes' log lines.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -338,3 +342,42 @@ def test_a_copy_claimed_by_another_holder_is_left_to_it(
     adopt(tier, lease, adoption, 3600.0, much_later)
     assert adoption.deleted == ["exp/checkpoint-1"] and adoption.claimed == []
     assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [2, 4, 5]
+
+
+def test_a_node_back_mid_pass_is_not_adopted(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """Node A, silent past orphan_after, starts a pass (killed in its first action, so that pass
+    never reaches its end). It wrote its heartbeat before acting: the lease holder B sees A back
+    and adopts nothing. (Heartbeats written only at the end of a pass left A looking gone for
+    its whole first pass back, and B deleted copies 1 and 3 under it.)"""
+    a = _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
+    b = _node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep=2)
+    silence = 8.0  # A's pass start and B's pass must fall within it on a loaded box
+    for cfg in (a, b):
+        cfg.write_text(
+            cfg.read_text().replace(
+                f'orphan_after = "{ORPHAN_AFTER:.0f}s"', f'orphan_after = "{silence:.0f}s"'
+            )
+        )
+    before = _objects(s3_client, s3_bucket)
+    _wait_until_gone(silence)
+    hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", 6, b"a-6" * 1000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
+    env["CKPTKEEPER_TEST_CRASH_AFTER"] = "1"  # SIGKILL at the pass's first crash point
+    back = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(a), "prune"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert back.returncode == -signal.SIGKILL, back.stderr
+    done = run_cli(b, "prune", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["adopted"] == [] and _adopted_events(done.stderr) == []
+    after = _objects(s3_client, s3_bucket)
+    assert _copies_of(after, "node-a") == [1, 2, 3, 4, 5]
+    assert {k: after[k] for k in before if k.startswith("ckpt/node-a/exp/")} == {
+        k: v for k, v in before.items() if k.startswith("ckpt/node-a/exp/")
+    }

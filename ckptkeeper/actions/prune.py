@@ -192,6 +192,13 @@ def run_prune(
 
     adopted = []
     with executor_lock(settings, lock_timeout):
+        beat_notes: list[str] = []
+        if any(t.shared and not t.is_local for t in settings.tiers):
+            from ckptkeeper.actions.fleet import before_pass  # only for shared tiers
+
+            # Before anything acts (recovery included): a node back from a long silence is not
+            # gone while this pass runs, so no lease holder adopts its copies under it.
+            beat_notes = before_pass(settings, index)
         executor = Executor(
             index,
             settings.tier_specs(),
@@ -251,6 +258,8 @@ def run_prune(
 
             fleet_notes = after_pass(settings, index, adopted=adopted, force=force)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *fleet_notes))
+        if beat_notes:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *beat_notes))
         if "retention" in kinds and run is None and not result.stopped:
             try:
                 record_policy_held(settings, held)
