@@ -381,3 +381,47 @@ def test_a_node_back_mid_pass_is_not_adopted(
     assert {k: after[k] for k in before if k.startswith("ckpt/node-a/exp/")} == {
         k: v for k, v in before.items() if k.startswith("ckpt/node-a/exp/")
     }
+
+
+def test_the_holder_removes_stale_claims_of_gone_items_only(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str, s3_storage_options: dict[str, Any]
+) -> None:
+    """Claims are not kept forever: at its next look at a gone node, once they are older than
+    orphan_after, the lease holder removes the claims of items that are gone (the copies it
+    adopted, markers and uploads cleaned); a stale claim whose copy still exists stays (that copy
+    can still be deleted: the claim is what makes it deleted once)."""
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.fleet.adopt import clean_and_adopt, gone_beats
+    from ckptkeeper.fleet.claims import marker_item
+
+    _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
+    b = _node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep=2)
+    _wait_until_gone()
+    done = run_cli(b, "prune", "--json")  # B adopts 1 and 3, claiming each first
+    assert done.returncode == 0, done.stderr
+    assert sorted(e["path"] for e in _adopted_events(done.stderr)) == ["exp/checkpoint-1", "exp/checkpoint-3"]
+    claims = "ckpt/.ckptkeeper/claims/node-a/"
+
+    def claimed() -> list[str]:
+        return sorted(k[len(claims) :] for k in _objects(s3_client, s3_bucket) if k.startswith(claims))
+
+    # (that pass's own sweep kept them while younger than orphan_after: the holder swept them later)
+    tier = _shared(s3_bucket, s3_storage_options, "node-b")
+    # a claimant that died before its delete (copy 4 is still there) and a cleaned marker's claim
+    for item in ("exp/checkpoint-4", marker_item("exp/checkpoint-9")):
+        tier.put_fleet_object(f"claims/node-a/{item}", b'{"holder": "node-x", "at": 0}')
+
+    settings = load_settings(str(b))
+    later = time.time() + 3600  # past orphan_after, and the node is due a look again
+    lease = Lease(tier, "node-b", 600, clock=lambda: later)
+    assert lease.acquire()
+    adopted: list[Any] = []
+    clean_and_adopt(settings, tier, lease, gone_beats(tier, "node-b", later, ORPHAN_AFTER), later, adopted)
+    assert claimed() == ["exp/checkpoint-4"]  # copy 4 is still there: its claim stays
+    (adoption,) = adopted
+    assert adoption.complete and adoption.deleted == []
+    assert sorted(adoption.claims_removed) == sorted(
+        ["exp/checkpoint-1", "exp/checkpoint-3", marker_item("exp/checkpoint-9")]
+    )
+    assert adoption.to_dict()["claims_removed"] == 3
+    assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [2, 4, 5]
