@@ -9,6 +9,10 @@ copies from the bucket's own listing and deletes from the nodes' log lines.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -337,4 +341,87 @@ def test_a_copy_claimed_by_another_holder_is_left_to_it(
     assert lease.acquire()
     adopt(tier, lease, adoption, 3600.0, much_later)
     assert adoption.deleted == ["exp/checkpoint-1"] and adoption.claimed == []
+    assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [2, 4, 5]
+
+
+def test_a_node_back_mid_pass_is_not_adopted(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """Node A, silent past orphan_after, starts a pass (killed in its first action, so that pass
+    never reaches its end). It wrote its heartbeat before acting: the lease holder B sees A back
+    and adopts nothing. (Heartbeats written only at the end of a pass left A looking gone for
+    its whole first pass back, and B deleted copies 1 and 3 under it.)"""
+    a = _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
+    b = _node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep=2)
+    silence = 8.0  # A's pass start and B's pass must fall within it on a loaded box
+    for cfg in (a, b):
+        cfg.write_text(
+            cfg.read_text().replace(
+                f'orphan_after = "{ORPHAN_AFTER:.0f}s"', f'orphan_after = "{silence:.0f}s"'
+            )
+        )
+    before = _objects(s3_client, s3_bucket)
+    _wait_until_gone(silence)
+    hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", 6, b"a-6" * 1000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
+    env["CKPTKEEPER_TEST_CRASH_AFTER"] = "1"  # SIGKILL at the pass's first crash point
+    back = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(a), "prune"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert back.returncode == -signal.SIGKILL, back.stderr
+    done = run_cli(b, "prune", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["adopted"] == [] and _adopted_events(done.stderr) == []
+    after = _objects(s3_client, s3_bucket)
+    assert _copies_of(after, "node-a") == [1, 2, 3, 4, 5]
+    assert {k: after[k] for k in before if k.startswith("ckpt/node-a/exp/")} == {
+        k: v for k, v in before.items() if k.startswith("ckpt/node-a/exp/")
+    }
+
+
+def test_the_holder_removes_stale_claims_of_gone_items_only(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str, s3_storage_options: dict[str, Any]
+) -> None:
+    """Claims are not kept forever: at its next look at a gone node, once they are older than
+    orphan_after, the lease holder removes the claims of items that are gone (the copies it
+    adopted, markers and uploads cleaned); a stale claim whose copy still exists stays (that copy
+    can still be deleted: the claim is what makes it deleted once)."""
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.fleet.adopt import clean_and_adopt, gone_beats
+    from ckptkeeper.fleet.claims import marker_item
+
+    _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
+    b = _node(tmp_path, "node-b", s3_bucket, s3_reset, cold_keep=2)
+    _wait_until_gone()
+    done = run_cli(b, "prune", "--json")  # B adopts 1 and 3, claiming each first
+    assert done.returncode == 0, done.stderr
+    assert sorted(e["path"] for e in _adopted_events(done.stderr)) == ["exp/checkpoint-1", "exp/checkpoint-3"]
+    claims = "ckpt/.ckptkeeper/claims/node-a/"
+
+    def claimed() -> list[str]:
+        return sorted(k[len(claims) :] for k in _objects(s3_client, s3_bucket) if k.startswith(claims))
+
+    # (that pass's own sweep kept them while younger than orphan_after: the holder swept them later)
+    tier = _shared(s3_bucket, s3_storage_options, "node-b")
+    # a claimant that died before its delete (copy 4 is still there) and a cleaned marker's claim
+    for item in ("exp/checkpoint-4", marker_item("exp/checkpoint-9")):
+        tier.put_fleet_object(f"claims/node-a/{item}", b'{"holder": "node-x", "at": 0}')
+
+    settings = load_settings(str(b))
+    later = time.time() + 3600  # past orphan_after, and the node is due a look again
+    lease = Lease(tier, "node-b", 600, clock=lambda: later)
+    assert lease.acquire()
+    adopted: list[Any] = []
+    clean_and_adopt(settings, tier, lease, gone_beats(tier, "node-b", later, ORPHAN_AFTER), later, adopted)
+    assert claimed() == ["exp/checkpoint-4"]  # copy 4 is still there: its claim stays
+    (adoption,) = adopted
+    assert adoption.complete and adoption.deleted == []
+    assert sorted(adoption.claims_removed) == sorted(
+        ["exp/checkpoint-1", "exp/checkpoint-3", marker_item("exp/checkpoint-9")]
+    )
+    assert adoption.to_dict()["claims_removed"] == 3
     assert _copies_of(_objects(s3_client, s3_bucket), "node-a") == [2, 4, 5]

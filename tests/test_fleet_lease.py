@@ -252,7 +252,7 @@ def test_two_machines_with_one_node_name_are_reported(
     tier.put_fleet_object("nodes/node-a.json", other.to_json())
     settings = load_settings(_node_config(tmp_path, "node-a", s3_bucket, s3_reset))
     with Index(settings.index) as ix:
-        notes = fleet_action.after_pass(settings, ix)
+        notes = fleet_action.before_pass(settings, ix)  # checked before the pass writes its heartbeat
     assert any("node name 'node-a' is also used by host 'some-other-box'" in n for n in notes), notes
 
 

@@ -492,3 +492,73 @@ def test_two_daemons_on_one_shared_hot_dir_one_acts(tmp_path: Path) -> None:
     for step in STEPS:
         got = tmp_path / actors[0] / "warm" / "exp" / f"checkpoint-{step}" / "model.bin"
         assert got.read_bytes() == payloads[step]
+
+
+def test_daemon_takes_the_lease_before_it_catalogs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's pass right after a takeover: the previous holder (stalled past its lease, its
+    last move still in flight) finishes that move the moment this node takes the lease. The
+    daemon catalogs after taking the lease, so its plan never names the checkpoint already moved
+    and its first pass as holder succeeds. (Cataloging first, the pass planned a copy of
+    checkpoint-100 from a hot dir that no longer held it: its copy and delete were planned, then
+    skipped by the executor's re-check, "written to since it was cataloged".)"""
+    import shutil
+
+    import structlog
+    from builders import FAST_DAEMON
+
+    from ckptkeeper.actions.index import open_index
+    from ckptkeeper.actions.sharedfs import open_shared
+    from ckptkeeper.daemon.service import Daemon
+
+    hot = tmp_path / "shared-hot"
+    payloads = _payloads(hot)
+    settings = load_settings(
+        _node(tmp_path, "node-b", hot, lease_ttl="30s", daemon={**FAST_DAEMON, "polling": True})
+    )
+    shared = open_shared(settings)
+    assert shared is not None
+    (tier,) = shared.tiers
+    old = Lease(tier.store, "node-a", 30.0, clock=lambda: time.time() - 3600, name=tier.lease_name)
+    assert old.acquire()  # node-a's lease, expired an hour ago: node-b takes it over this pass
+    a_warm = tmp_path / "node-a" / "warm" / "exp"
+    real_acquire = Lease.acquire
+
+    def old_holders_move_lands(lease: Lease) -> bool:
+        """node-a's in-flight move of checkpoint-100 (copied to its warm tier, gone from hot)
+        completes right as node-b takes the lease."""
+        got = real_acquire(lease)
+        if got and lease.node == "node-b" and (hot / "exp" / "checkpoint-100").exists():
+            a_warm.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(hot / "exp" / "checkpoint-100", a_warm / "checkpoint-100")
+            shutil.rmtree(hot / "exp" / "checkpoint-100")
+        return got
+
+    monkeypatch.setattr(Lease, "acquire", old_holders_move_lands)
+    daemon = Daemon(None, settings)
+    daemon.index = open_index(settings)
+    try:
+        daemon.watcher = daemon._make_watcher(settings)
+        daemon.watcher.start(initial_reconcile=True)  # the catalog as it was before the takeover
+        try:
+            with structlog.testing.capture_logs() as events:
+                error = daemon._prune("retention", ("retention", "reap"))
+        finally:
+            daemon.watcher.stop()
+    finally:
+        daemon.index.close()
+    assert error is None, error
+    assert [e for e in events if e["event"] == "action skipped"] == []
+    (done,) = [e for e in events if e["event"] == "prune done"]
+    assert (done["actions"], done["failed"]) == (5, 0)  # copy 200, 300, 400; drop 200, 300 from hot
+    assert _hot_steps(hot) == ["checkpoint-400"]
+    b_warm = tmp_path / "node-b" / "warm" / "exp"
+    assert sorted(p.name for p in b_warm.iterdir() if p.is_dir()) == [
+        "checkpoint-200",
+        "checkpoint-300",
+        "checkpoint-400",
+    ]
+    for step in (200, 300, 400):
+        assert (b_warm / f"checkpoint-{step}" / "model.bin").read_bytes() == payloads[step]
+    assert (a_warm / "checkpoint-100" / "model.bin").read_bytes() == payloads[100]
+    info, _etag = read_lease(tier.store, tier.lease_name)
+    assert info is not None and info.node == "node-b"

@@ -1,6 +1,8 @@
 """``fleet`` and the fleet's part of every prune pass (DESIGN §10), for tiers with ``shared = true``.
 
-After a pass (:func:`after_pass`): this node's heartbeat object; then, if the store enforces
+Before a pass acts (:func:`before_pass`): this node's heartbeat object, so a node back from a long
+silence is not gone to a lease holder adopting its copies while this pass runs (one GET for the
+name-clash check and one PUT). After a pass (:func:`after_pass`): the heartbeat again; then, if the store enforces
 conditional writes (probed once per process: create twice, the second must get 412), the lease;
 the holder cleans the litter of nodes gone for ``fleet.orphan_after`` and releases the lease.
 Without conditional writes there is no lease and no fleet-wide delete, with one warning.
@@ -61,6 +63,35 @@ def conditional_writes(tier: S3TierStorage, node: str) -> bool:
     return _CONDITIONAL[key]
 
 
+def before_pass(settings: Settings, index: Index, *, now: float | None = None) -> list[str]:
+    """Write (refresh) this node's heartbeat in every shared tier before the pass does anything.
+
+    A node silent for ``orphan_after`` is gone, and the lease holder adopts its copies, reading
+    its heartbeat again before each delete. Written only at the end of a pass, the heartbeat of a
+    node back after a long silence stays old for its whole first pass: its copies could be adopted
+    under it. Written here too, the holder's next read sees the node back and stops. The name clash
+    check (another machine wrote this node's heartbeat) is done here, on the heartbeat as the last
+    pass left it. Returns notes; never raises for a store problem (the pass goes on)."""
+    notes: list[str] = []
+    for tier in _tiers(settings):
+        t = time.time() if now is None else now
+        try:
+            runs, ckpts, newest = index.tier_holdings(tier.name, settings.node)
+            clash = name_clash(
+                read_beat(tier, f"{settings.node}.json"), socket.gethostname(), t, settings.fleet.orphan_after
+            )
+            if clash is not None:
+                log.error(clash, tier=tier.name)
+                notes.append(f"{tier.name}: {clash}")
+            write_beat(
+                tier, settings.node, runs_held=runs, checkpoints_held=ckpts, newest_verified=newest, now=t
+            )
+        except StorageError as exc:
+            log.warning("cannot write this node's heartbeat before the pass", tier=tier.name, error=str(exc))
+            notes.append(f"{tier.name}: cannot write this node's heartbeat before the pass: {exc}")
+    return notes
+
+
 def after_pass(
     settings: Settings,
     index: Index,
@@ -78,12 +109,7 @@ def after_pass(
         t = time.time() if now is None else now
         try:
             runs, ckpts, newest = index.tier_holdings(tier.name, settings.node)
-            clash = name_clash(
-                read_beat(tier, f"{settings.node}.json"), socket.gethostname(), t, settings.fleet.orphan_after
-            )
-            if clash is not None:
-                log.error(clash, tier=tier.name)
-                notes.append(f"{tier.name}: {clash}")
+            # the name clash was checked by before_pass, on the heartbeat the last pass left
             write_beat(
                 tier, settings.node, runs_held=runs, checkpoints_held=ckpts, newest_verified=newest, now=t
             )

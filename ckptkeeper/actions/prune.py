@@ -31,7 +31,7 @@ from ckptkeeper.actions.index import (
 )
 from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.preflight import sweep_scratch
-from ckptkeeper.actions.sharedfs import open_shared
+from ckptkeeper.actions.sharedfs import SharedFs, open_shared
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
@@ -170,17 +170,23 @@ def run_prune(
     progress: Progress | None = None,
     now: Callable[[], float] = time.time,
     on_plan: Callable[[Plan], None] | None = None,
+    shared: SharedFs | None = None,
 ) -> PruneOutcome:
     """Reconcile, plan and (unless ``dry_run``) execute. Raises Locked if another executor runs.
 
     ``on_plan`` sees the final plan before the first byte moves (the CLI prints it then, so a
-    long copy is never a silent wait)."""
+    long copy is never a silent wait).
+
+    ``shared``: the shared filesystem tiers' leases, already taken by the caller (the daemon, see
+    :func:`take_shared`) before it cataloged; None: this pass opens and takes them itself."""
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
     # A shared filesystem tier: only its lease holder acts on it.
-    shared = open_shared(settings, probe=not dry_run)
-    if shared is not None:
-        shared.check_identity(now())  # NodeClash: a config error, before anything is done
+    taken = shared is not None and not dry_run
+    if not taken:
+        shared = open_shared(settings, probe=not dry_run)
+        if shared is not None:
+            shared.check_identity(now())  # NodeClash: a config error, before anything is done
     if dry_run:
         lost: dict[str, Any] | None = None
         with index.in_memory_copy() as scratch:
@@ -212,6 +218,13 @@ def run_prune(
 
     adopted = []
     with executor_lock(settings, lock_timeout):
+        beat_notes: list[str] = []
+        if any(t.shared and not t.is_local for t in settings.tiers):
+            from ckptkeeper.actions.fleet import before_pass  # only for shared tiers
+
+            # Before anything acts (recovery included): a node back from a long silence is not
+            # gone while this pass runs, so no lease holder adopts its copies under it.
+            beat_notes = before_pass(settings, index)
         executor = Executor(
             index,
             settings.tier_specs(),
@@ -225,7 +238,7 @@ def run_prune(
         recovered = executor.recover()
         # A preflight killed mid-run left its scratch on the tiers; with the lock held it is dead.
         sweep_scratch(settings)
-        if shared is not None:
+        if shared is not None and not taken:
             shared.acquire(dry_run=False, now=now())
         # The plan judges ages (quiet for partial_after, failed_after, keep_within) at the moment the
         # scan began, not when it ended: a write seen during a long scan is at most that old, so a
@@ -271,6 +284,8 @@ def run_prune(
 
             fleet_notes = after_pass(settings, index, adopted=adopted, force=force)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *fleet_notes))
+        if beat_notes:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *beat_notes))
         if "retention" in kinds and run is None and not result.stopped:
             try:
                 record_policy_held(settings, held)
@@ -294,6 +309,21 @@ def run_prune(
         damaged=damaged,
         adopted=adopted,
     )
+
+
+def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None:
+    """For a caller that catalogs before :func:`run_prune` (the daemon): check this keeper's
+    identity and take or renew the shared filesystem tiers' leases *before* cataloging, as
+    ``run_prune`` does for itself. A new holder's catalog then sees everything the previous holder
+    did: once this node holds the lease the previous holder starts nothing more (its next renewal
+    fails), so a plan made from a catalog taken afterwards never names a checkpoint it already moved.
+    None: no shared local tier. Raises :class:`~ckptkeeper.actions.sharedfs.NodeClash`."""
+    shared = open_shared(settings, probe=True)
+    if shared is not None:
+        t = time.time() if now is None else now
+        shared.check_identity(t)
+        shared.acquire(dry_run=False, now=t)
+    return shared
 
 
 def _held(plan: Plan, index: Index, names: list[str], run: str | None) -> dict[str, TierHeld]:

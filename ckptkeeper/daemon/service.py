@@ -424,10 +424,13 @@ class Daemon:
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
         from ckptkeeper.actions.pins import store_missing_pins
-        from ckptkeeper.actions.prune import run_prune
+        from ckptkeeper.actions.prune import run_prune, take_shared
 
         if self.watcher is None or self.index is None:
             return "the hot tier is not being watched (see the watcher errors above)"
+        # Shared filesystem tiers: the lease first, then the catalog (as the CLI's pass does), so a
+        # pass right after a takeover never plans from what the previous holder changed since.
+        shared = take_shared(self.settings)
         # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune where it
         # could interleave with a watcher reconcile of the same run (hence rescan=False). A sync, not
         # a full walk, while the watcher vouches for the index (Watcher.sync): re-parsing 10k
@@ -446,6 +449,7 @@ class Daemon:
                 rescan=False,
                 lock_timeout=EXECUTOR_LOCK_WAIT,
                 stop=self.stopping,
+                shared=shared,
             )
         except Locked as exc:
             # Our executor never started; the other process's changes raise events of their own.

@@ -36,8 +36,8 @@ from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.adoption import plan_adoption
-from ckptkeeper.core.model import Plan
-from ckptkeeper.fleet.claims import claim
+from ckptkeeper.core.model import MANIFEST_SUFFIX, Plan
+from ckptkeeper.fleet.claims import claim, sweep
 from ckptkeeper.fleet.cleanup import clean_gone_nodes
 from ckptkeeper.fleet.lease import Lease, Step, decide, read_lease
 from ckptkeeper.fleet.nodes import NODES_DIR, NodeBeat, read_beat
@@ -109,6 +109,10 @@ class Adoption:
     lost_lease: bool = False
     claimed: list[str] = field(default_factory=list)
     """Copies another holder had claimed (:mod:`ckptkeeper.fleet.claims`): its to delete, skipped."""
+    listed: frozenset[str] = frozenset()
+    """The node's copies (paths) in the listing the plan was made from."""
+    claims_removed: list[str] = field(default_factory=list)
+    """Claims removed after the look (:func:`ckptkeeper.fleet.claims.sweep`): stale, item gone."""
 
     @property
     def complete(self) -> bool:
@@ -127,6 +131,7 @@ class Adoption:
             "errors": list(self.errors),
             "late": list(self.late),
             "claimed_by_another_holder": list(self.claimed),
+            "claims_removed": len(self.claims_removed),
             "stopped": self.stopped,
         }
 
@@ -138,7 +143,8 @@ def plan_node(
     copies, pins = tier.adopt(beat.node).list_manifests_and_pins()
     silent = now - beat.last_pass
     plan = plan_adoption(beat.node, silent, copies, pins, tier.spec, now, max_delete=max_delete, force=force)
-    return Adoption(tier.name, beat.node, silent, plan)
+    listed = frozenset(rel.removesuffix(MANIFEST_SUFFIX) for rel, _manifest, _damage in copies)
+    return Adoption(tier.name, beat.node, silent, plan, listed=listed)
 
 
 def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: float, now: float) -> None:
@@ -297,7 +303,27 @@ def clean_and_adopt(
             break
         if adoption.complete:
             record(tier, adoption, t)
+            notes += _sweep_claims(tier, lease, adoption, t, settings.fleet.orphan_after)
     return notes
+
+
+def _sweep_claims(
+    tier: S3TierStorage, lease: Lease, adoption: Adoption, t: float, stale_after: float
+) -> list[str]:
+    """After a complete look at a gone node (litter cleaned, adoption done): remove its claims that
+    are stale and whose item is gone (:func:`ckptkeeper.fleet.claims.sweep`); notes."""
+    if not lease.held:
+        return []  # stalled past the lease: what we listed is stale; the next holder sweeps
+    left = adoption.listed - set(adoption.deleted)
+    try:
+        adoption.claims_removed = sweep(tier, adoption.node, left, t, stale_after)
+    except StorageError as exc:
+        return [f"{tier.name}: claims of {adoption.node} not swept: {exc}"]
+    if adoption.claims_removed:
+        log.info(
+            "fleet claims swept", gone=adoption.node, tier=tier.name, removed=len(adoption.claims_removed)
+        )
+    return []
 
 
 def adoption_notes(adoption: Adoption) -> list[str]:

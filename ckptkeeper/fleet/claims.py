@@ -12,9 +12,14 @@ A claimant that died between its claim and its delete would block the item forev
 older than ``stale_after`` (``fleet.orphan_after``) may be taken over, with ``If-Match`` on the
 claim's etag (one taker wins). What is left: a claimant stalled for longer than ``stale_after``
 *between its claim and its delete* deletes after the taker did (days by default, against minutes
-of ``lease_ttl`` without claims). Claims stay in the bucket (one small object per item deleted):
-the next claim of the same item (a node that came back, wrote that path again and went silent
-again) is older than ``stale_after`` by then and taken over.
+of ``lease_ttl`` without claims).
+
+Claims are removed by the lease holder (:func:`sweep`), once a claim is older than ``stale_after``
+*and* its item is gone: then nobody can delete the item any more (the claimant did, or the item
+went otherwise), and the claim guards nothing. A claim older than ``stale_after`` could be taken
+over anyway, so removing it gives no holder a right it did not already have. Cost: one listing of
+``claims/<node>/`` per complete look at a gone node (once per ``orphan_after``), and at most
+``SWEEP_LIMIT`` deletes; the rest wait for the next look.
 """
 
 from __future__ import annotations
@@ -22,12 +27,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Set
 
 from ckptkeeper.storage import S3TierStorage
 
-__all__ = ["CLAIMS_DIR", "claim", "marker_item", "upload_item"]
+__all__ = [
+    "CLAIMS_DIR",
+    "SWEEP_LIMIT",
+    "claim",
+    "marker_item",
+    "stale_claims_of_gone_items",
+    "sweep",
+    "upload_item",
+]
 
 CLAIMS_DIR = "claims"
+SWEEP_LIMIT = 200
+"""Claims removed per gone node per look, at most (bounded work per pass)."""
+
+_LITTER = ("markers/", "uploads/")
 
 
 def upload_item(upload_id: str) -> str:
@@ -59,3 +77,41 @@ def claim(tier: S3TierStorage, me: str, node: str, item: str, now: float, stale_
     if now - at <= stale_after:
         return False
     return tier.put_fleet_object(name, body, if_match=etag) is not None
+
+
+def stale_claims_of_gone_items(
+    listed: list[tuple[str, float]], copies_left: Set[str], now: float, stale_after: float, limit: int
+) -> list[str]:
+    """The claims (item names) to remove, from one listing of a gone node's claims (pure).
+
+    Only claims older than ``stale_after`` (store time) whose item is gone: for a copy, its path is
+    not in ``copies_left`` (the node's copies as the holder's complete look left them); for a
+    marker or an upload, always — the caller sweeps only after a complete cleanup of the node's
+    litter, which listed every marker and upload of it: one still there had its claim taken over
+    (fresh now) or is claimed fresh by another holder. At most ``limit``, oldest first."""
+    out = [
+        (mtime, name)
+        for name, mtime in listed
+        if now - mtime > stale_after and (name.startswith(_LITTER) or name not in copies_left)
+    ]
+    return [name for _mtime, name in sorted(out)[:limit]]
+
+
+def sweep(
+    tier: S3TierStorage,
+    node: str,
+    copies_left: Set[str],
+    now: float,
+    stale_after: float,
+    *,
+    limit: int = SWEEP_LIMIT,
+) -> list[str]:
+    """Remove ``node``'s claims whose item is gone and which are older than ``stale_after`` (one
+    listing, at most ``limit`` deletes); returns the items whose claims were removed. Called by the
+    lease holder right after a complete look at the gone ``node`` (its litter cleaned, its copies
+    adopted with no error): ``copies_left`` is what that look left of its copies."""
+    listed = tier.list_fleet_objects(f"{CLAIMS_DIR}/{node}")
+    gone = stale_claims_of_gone_items(listed, copies_left, now, stale_after, limit)
+    for item in gone:
+        tier.delete_fleet_object(f"{CLAIMS_DIR}/{node}/{item}")
+    return gone
