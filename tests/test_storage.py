@@ -285,7 +285,7 @@ class TestTierContract:
             good = backend.raw.get(bad)
             backend.raw.put(bad, good[:100] + bytes([good[100] ^ 0x01]) + good[101:])
         dest = tmp_path / "restore"
-        with pytest.raises(StorageError, match="part-21.bin") as err:
+        with pytest.raises(StorageError, match=r"part-21\.bin") as err:
             backend.tier.fetch(m, dest)
         if damage == "flipped byte":
             assert isinstance(err.value, VerificationError) and "hash" in str(err.value)
