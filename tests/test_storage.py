@@ -253,6 +253,47 @@ class TestTierContract:
         assert first.read_bytes() == hot.path(hot.ckpt_file).read_bytes()
         assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging left
 
+    def many_files(self, hot: Hot) -> Manifest:
+        """A checkpoint of 40 files (nested, some empty, one over a chunk) beside ``hot``'s: an S3
+        restore fetches several of them at once (``fetch_workers``)."""
+        d = hot.root / "run1" / "checkpoint-200"
+        for i in range(40):
+            f = d / f"shard-{i % 4}" / ("empty" if i % 13 == 0 else f"part-{i:02d}.bin")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(os.urandom(0 if i % 13 == 0 else 1 + 997 * i + (300 * 1024 if i == 7 else 0)))
+        return cataloged(hot.root, "run1", "checkpoint-200", 200)
+
+    def test_fetch_of_many_files_is_byte_identical(self, backend: Backend, hot: Hot, tmp_path: Path) -> None:
+        m = self.many_files(hot)
+        backend.tier.copy_from(hot.tier, m)
+        seen: list[int] = []
+        restored = backend.tier.fetch(m, tmp_path / "restore", progress=seen.append)
+        assert tree_bytes(restored) == tree_bytes(hot.path(m))
+        assert sum(seen) == m.total_bytes
+        assert [p.name for p in (tmp_path / "restore").iterdir()] == ["checkpoint-200"]  # no staging left
+
+    @pytest.mark.parametrize("damage", ["flipped byte", "missing object"])
+    def test_fetch_with_one_bad_file_among_many_leaves_nothing(
+        self, backend: Backend, hot: Hot, tmp_path: Path, damage: str
+    ) -> None:
+        m = self.many_files(hot)
+        backend.tier.copy_from(hot.tier, m)
+        bad = "run1/checkpoint-200/shard-1/part-21.bin"
+        if damage == "missing object":
+            backend.raw.remove(bad)
+        else:
+            good = backend.raw.get(bad)
+            backend.raw.put(bad, good[:100] + bytes([good[100] ^ 0x01]) + good[101:])
+        dest = tmp_path / "restore"
+        with pytest.raises(StorageError, match=r"part-21\.bin") as err:
+            backend.tier.fetch(m, dest)
+        if damage == "flipped byte":
+            assert isinstance(err.value, VerificationError) and "hash" in str(err.value)
+        assert list(dest.iterdir()) == []  # no checkpoint, no staging directory, no stray file
+        # the copy itself is untouched: once repaired, the same fetch succeeds byte for byte
+        backend.raw.put(bad, (hot.path(m) / "shard-1" / "part-21.bin").read_bytes())
+        assert tree_bytes(backend.tier.fetch(m, dest)) == tree_bytes(hot.path(m))
+
     def test_manifest_paths_cannot_escape(self, backend: Backend, hot: Hot, tmp_path: Path) -> None:
         backend.tier.copy_from(hot.tier, hot.ckpt_dir)
         evil = replace(hot.ckpt_dir, files=(FileEntry("../../escaped", 1, "00"),))

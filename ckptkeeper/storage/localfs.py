@@ -233,17 +233,24 @@ class _LocalFileWriter:
             raise VerificationError(
                 f"{self.where}: destination holds {size} bytes, expected {self.entry.size}"
             )
-        self.sink._written(self.fd)
+        self.sink._written(self)
         self.fd = None
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self.sink.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            self.sink.writers.discard(self)
 
 
 class _LocalSink:
-    """Writes ``root/<parts>`` under a staging name; commit = manifest, then rename into place."""
+    """Writes ``root/<parts>`` under a staging name; commit = manifest, then rename into place.
+
+    Files may be written from several threads at once (a restore fetches the objects of a
+    checkpoint concurrently): creating files and directories, and the bookkeeping of open and
+    unsynced descriptors, happen under :attr:`lock`; each writer is used by one thread.
+    """
 
     def __init__(self, root: Path, parts: tuple[str, ...], is_dir: bool, *, with_manifest: bool) -> None:
         self.root = root
@@ -255,7 +262,9 @@ class _LocalSink:
         self.manifest_name = self.name + MANIFEST_SUFFIX
         self.manifest_written = False
         self.committed = False
-        self.writer: _LocalFileWriter | None = None
+        self.lock = threading.Lock()
+        self.writers: set[_LocalFileWriter] = set()
+        """Files open for writing (abort closes them all)."""
         self.dir_fds: dict[tuple[str, ...], int] = {}
         self.unsynced: deque[int] = deque()
         """Descriptors of finished files not yet fsync-ed (done at commit, oldest first)."""
@@ -297,21 +306,27 @@ class _LocalSink:
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
         where = f"{self.root}/{self.rel}" + (f"/{entry.path}" if entry.path else "")
-        try:
-            if self.is_dir:
-                parts = _split_rel(entry.path, "file path in manifest")
-                fd = os.open(parts[-1], flags, 0o666, dir_fd=self._dir(parts[:-1]))
-            else:
-                fd = os.open(self.staging, flags, 0o666, dir_fd=self.parent_fd)
-        except OSError as exc:
-            raise StorageError(f"cannot create {where}: {_describe(exc)}") from exc
-        self.writer = _LocalFileWriter(fd, entry, where, self)
-        return self.writer
+        parts = _split_rel(entry.path, "file path in manifest") if self.is_dir else ()
+        with self.lock:
+            try:
+                if self.is_dir:
+                    fd = os.open(parts[-1], flags, 0o666, dir_fd=self._dir(parts[:-1]))
+                else:
+                    fd = os.open(self.staging, flags, 0o666, dir_fd=self.parent_fd)
+            except OSError as exc:
+                raise StorageError(f"cannot create {where}: {_describe(exc)}") from exc
+            writer = _LocalFileWriter(fd, entry, where, self)
+            self.writers.add(writer)
+        return writer
 
-    def _written(self, fd: int) -> None:
-        self.unsynced.append(fd)
-        while len(self.unsynced) > _MAX_UNSYNCED_FILES:
-            self._sync_oldest()
+    def _written(self, writer: _LocalFileWriter) -> None:
+        """``writer`` is done: its descriptor waits for the commit's fsync."""
+        with self.lock:
+            assert writer.fd is not None
+            self.writers.discard(writer)
+            self.unsynced.append(writer.fd)
+            while len(self.unsynced) > _MAX_UNSYNCED_FILES:
+                self._sync_oldest()
 
     def _sync_oldest(self) -> None:
         fd = self.unsynced.popleft()
@@ -356,8 +371,8 @@ class _LocalSink:
     def abort(self) -> None:
         if self.committed:
             return
-        if self.writer is not None:
-            self.writer.close()
+        for writer in list(self.writers):
+            writer.close()
         self._close_unsynced()
         self._close_dirs()
         try:

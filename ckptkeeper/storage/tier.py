@@ -4,11 +4,13 @@ read → hash → write pass every copy and restore makes."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ckptkeeper.core.model import (
     Artifact,
+    FileEntry,
     Manifest,
     TierSpec,
     TierUsage,
@@ -44,6 +46,11 @@ class TierStorage:
     hot: bool
     node: str
     """This node's name (DESIGN §10): the writer recorded in the manifests of copies it makes."""
+
+    fetch_workers: ClassVar[int] = 1
+    """Files of one checkpoint :meth:`fetch` copies at once. A backend whose reads wait on the
+    network (S3: a round trip per object) raises it, so that a checkpoint of many objects is not
+    one request after another; a local read is bound by the disk, where one stream is best."""
 
     schemes: ClassVar[tuple[str, ...]] = ()
     """URL schemes a backend serves (``""``: a plain path); a backend class registers itself by
@@ -251,11 +258,15 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
+        workers = min(self.fetch_workers, len(manifest.files))
         try:
-            _stream_checkpoint(self, rel, manifest, sink, progress)
+            if workers > 1:
+                _stream_concurrently(self, rel, manifest, sink, progress, workers)
+            else:
+                _stream_checkpoint(self, rel, manifest, sink, progress)
             sink.commit(manifest)
         except BaseException as exc:
-            sink.abort()
+            sink.abort()  # every worker has stopped: the staging directory goes, nothing partial stays
             if isinstance(exc, StorageError) or not isinstance(exc, Exception):
                 raise
             raise StorageError(f"restore of {rel} from {self.name!r} failed: {_describe(exc)}") from exc
@@ -355,43 +366,119 @@ def _stream_checkpoint(
     writers get a view of it that is only valid during ``write`` and must copy what they keep.
     """
     buf = bytearray(hashing.CHUNK_SIZE)
-    view = memoryview(buf)
     for entry in manifest.files:
-        where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
-        reader = src._open_read(rel, entry.path)
-        try:
-            writer = sink.open_file(entry, reader)
-            hasher = hashing.new_hasher()
-            size = 0
-            readinto = getattr(reader, "readinto", None)
-            while True:
-                chunk: bytes | memoryview
-                if readinto is not None:
-                    n = readinto(buf)
-                    chunk = view[:n]
-                else:
-                    chunk = reader.read(hashing.CHUNK_SIZE)
-                    n = len(chunk)
-                if not n:
-                    break
-                size += n
-                if size > entry.size:
-                    raise VerificationError(
-                        f"{where}: more than the {entry.size} bytes of its manifest (changed since cataloged)"
-                    )
-                hasher.update(chunk)
-                writer.write(chunk)
-                if progress is not None:
-                    progress(n)
-            if size != entry.size:
+        _stream_file(src, rel, entry, sink, progress, buf)
+
+
+def _stream_concurrently(
+    src: TierStorage,
+    rel: str,
+    manifest: Manifest,
+    sink: _LocalSink,
+    progress: Progress | None,
+    workers: int,
+) -> None:
+    """:func:`_stream_checkpoint` with ``workers`` files in flight at once (a restore from S3).
+
+    Each file is still read, hashed against its manifest entry and written in one pass by one
+    thread; the largest files start first, so that no big object is left to run alone at the end.
+    The first failure stops the other workers (at their next chunk) and is raised once all of them
+    have returned, so the caller's abort never races a writer. Returns only when every file is
+    written and checked; the commit (fsync, rename into place) stays with the caller.
+    """
+    pending = iter(sorted(manifest.files, key=lambda e: (-e.size, e.path)))
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    report: Progress | None = None
+    if progress is not None:
+        outer = progress
+
+        def report(n: int) -> None:
+            with lock:
+                outer(n)
+
+    def work() -> None:
+        buf = bytearray(hashing.CHUNK_SIZE)
+        while not stop.is_set():
+            with lock:
+                entry = next(pending, None)
+            if entry is None:
+                return
+            try:
+                _stream_file(src, rel, entry, sink, report, buf, stop)
+            except BaseException as exc:  # raised by the caller's thread below
+                with lock:
+                    errors.append(exc)  # before stop is set: the first error is a real one
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, name=f"ckptkeeper-fetch-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+def _stream_file(
+    src: TierStorage,
+    rel: str,
+    entry: FileEntry,
+    sink: _Sink,
+    progress: Progress | None,
+    buf: bytearray,
+    stop: threading.Event | None = None,
+) -> None:
+    """Read → hash → write one file of a checkpoint, checked against its manifest entry.
+
+    ``stop`` (set when another file of a concurrent fetch failed) ends the copy early.
+    """
+    view = memoryview(buf)
+    where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+    reader = src._open_read(rel, entry.path)
+    try:
+        writer = sink.open_file(entry, reader)
+        hasher = hashing.new_hasher()
+        size = 0
+        readinto = getattr(reader, "readinto", None)
+        while True:
+            if stop is not None and stop.is_set():
+                raise StorageError(f"{where}: stopped, another file of the checkpoint failed")
+            chunk: bytes | memoryview
+            if readinto is not None:
+                n = readinto(buf)
+                chunk = view[:n]
+            else:
+                chunk = reader.read(hashing.CHUNK_SIZE)
+                n = len(chunk)
+            if not n:
+                break
+            size += n
+            if size > entry.size:
                 raise VerificationError(
-                    f"{where}: {size} bytes, manifest says {entry.size} (changed since cataloged)"
+                    f"{where}: more than the {entry.size} bytes of its manifest (changed since cataloged)"
                 )
-            digest = hasher.hexdigest()
-            if digest != entry.hash:
-                raise VerificationError(
-                    f"{where}: hash {digest} != {entry.hash} in manifest (changed since cataloged)"
-                )
-            writer.finish()
-        finally:
-            reader.close()
+            hasher.update(chunk)
+            writer.write(chunk)
+            if progress is not None:
+                progress(n)
+        if size != entry.size:
+            raise VerificationError(
+                f"{where}: {size} bytes, manifest says {entry.size} (changed since cataloged)"
+            )
+        digest = hasher.hexdigest()
+        if digest != entry.hash:
+            raise VerificationError(
+                f"{where}: hash {digest} != {entry.hash} in manifest (changed since cataloged)"
+            )
+        writer.finish()
+    finally:
+        reader.close()
