@@ -4,7 +4,10 @@ README command for the fleet works on SeaweedFS as on moto").
 Two nodes share one ``shared`` cold tier and each writes a run named ``exp`` at the same step with
 its own bytes; then, from each node's CLI: ``prune`` (concurrently), ``verify``, ``ls``,
 ``fleet --json``, ``restore --node``, ``pin``/``unpin`` (pin objects in the node's own prefix),
-``status --json``, and an expiry that deletes only the node's own copy.
+``status --json``, and an expiry that deletes only the node's own copy. Then the two newer fleet
+features on each server: adoption of a gone node's copies by the lease holder (helpers of
+``test_fleet_adopt.py``) and a shared hot directory whose lease is in the bucket (helpers of
+``test_fleet_sharedfs.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ PIN = ".ckptkeeper-pin.json"
 def _node(base: Path, name: str, store: tuple[str, dict[str, Any]], *, cold_keep: int = 5) -> Path:
     bucket, options = store
     creds = {k: v for k, v in options.items() if k != "endpoint_url"}
-    return fleet_node(base, name, bucket, options["endpoint_url"], cold_keep_last=cold_keep, storage_options=creds)
+    return fleet_node(
+        base, name, bucket, options["endpoint_url"], cold_keep_last=cold_keep, storage_options=creds
+    )
 
 
 def _keys(store: tuple[str, dict[str, Any]]) -> set[str]:
@@ -104,3 +109,110 @@ def test_the_readme_fleet_commands_on_each_store(tmp_path: Path, store: tuple[st
     assert f"ckpt/node-a/exp/checkpoint-200{MANIFEST_SUFFIX}" in keys
     assert f"ckpt/node-b/exp/checkpoint-100{MANIFEST_SUFFIX}" in keys
     assert run_cli(config["node-b"], "verify").returncode == 0
+
+
+def _client(store: tuple[str, dict[str, Any]]) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=store[1]["endpoint_url"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+def test_the_lease_holder_adopts_a_gone_nodes_copies_on_each_store(
+    tmp_path: Path, store: tuple[str, dict[str, Any]]
+) -> None:
+    """README "Many nodes, one bucket": adoption and its claims (conditional creates) on each server."""
+    from test_fleet_adopt import (
+        _adopted_events,
+        _copies_of,
+        _node_a_with_cold_copies,
+        _objects,
+        _wait_until_gone,
+    )
+    from test_fleet_adopt import _node as adopt_node
+
+    bucket, endpoint = store[0], store[1]["endpoint_url"]
+    client = _client(store)
+    _node_a_with_cold_copies(tmp_path, bucket, endpoint)  # steps 1-5 in cold, 2 pinned, all kept
+    b = adopt_node(tmp_path, "node-b", bucket, endpoint, cold_keep=2)
+    assert _copies_of(_objects(client, bucket), "node-a") == [1, 2, 3, 4, 5]
+    _wait_until_gone()
+
+    done = run_cli(b, "prune", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (did,) = json.loads(done.stdout)["adopted"]
+    assert did["node"] == "node-a" and did["tier"] == "cold", did
+    assert did["deleted"] == ["exp/checkpoint-1", "exp/checkpoint-3"] and did["stopped"] is None, did
+    assert did["claimed_by_another_holder"] == [] and did["errors"] == [], did
+    assert [e["path"] for e in _adopted_events(done.stderr)] == did["deleted"]
+    after = _objects(client, bucket)
+    assert _copies_of(after, "node-a") == [2, 4, 5]  # pinned, and the newest 2
+    assert not [
+        k for k in after if k.startswith(("ckpt/node-a/exp/checkpoint-1", "ckpt/node-a/exp/checkpoint-3"))
+    ]
+    for step in (2, 4, 5):  # kept copies: the bytes node A wrote
+        body = client.get_object(Bucket=bucket, Key=f"ckpt/node-a/exp/checkpoint-{step}/model.bin")["Body"]
+        assert body.read() == f"a-{step}".encode() * 1000
+    assert "ckpt/.ckptkeeper/adopted/node-a.json" in after
+    # each adopted copy was claimed before its delete; the pass's own sweep may already have removed
+    # a claim that aged past orphan_after (2 s) by its end, and says how many it removed
+    claims = "ckpt/.ckptkeeper/claims/node-a/"
+    present = {k[len(claims) :] for k in after if k.startswith(claims)}
+    assert present <= {"exp/checkpoint-1", "exp/checkpoint-3"}, present
+    assert len(present) + did["claims_removed"] == 2, (present, did)
+
+    again = run_cli(b, "prune", "--json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert all(x["deleted"] == [] for x in json.loads(again.stdout)["adopted"])
+    assert _adopted_events(again.stderr) == []
+    assert _copies_of(_objects(client, bucket), "node-a") == [2, 4, 5]
+
+
+def test_a_shared_hot_dir_with_its_lease_in_the_bucket_on_each_store(
+    tmp_path: Path, store: tuple[str, dict[str, Any]]
+) -> None:
+    """README "A shared hot filesystem": two nodes on one hot dir, the lease in the shared bucket;
+    exactly one acts, the other only catalogs, both exit 0."""
+    from test_fleet_sharedfs import _cold_bytes, _hot_steps, _manifests, _payloads
+    from test_fleet_sharedfs import _node as sharedfs_node
+
+    bucket, endpoint = store[0], store[1]["endpoint_url"]
+    client = _client(store)
+    hot = tmp_path / "shared-hot"
+    payloads = _payloads(hot)
+    configs = {
+        n: sharedfs_node(tmp_path, n, hot, bucket=bucket, endpoint=endpoint) for n in ("node-a", "node-b")
+    }
+
+    procs = {n: start_cli(c, "prune", "--json") for n, c in configs.items()}  # at the same moment
+    docs = {}
+    for n, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, (n, out, err)
+        docs[n] = json.loads(out)
+    actors = [n for n, d in docs.items() if d["result"]["done"]]
+    assert len(actors) == 1, {n: (d["result"], d["notes"]) for n, d in docs.items()}
+    (holder,) = actors
+    (other,) = set(configs) - {holder}
+    assert docs[holder]["result"]["failed"] == [], docs[holder]
+    assert docs[other]["actions"] == []
+    note = next(x for x in docs[other]["notes"] if x.startswith("hot is shared:"))
+    assert note.startswith(f"hot is shared: {holder} holds the lease (expires in "), note
+    assert note.endswith("); this node only catalogs"), note
+
+    manifests = _manifests(client, bucket)  # each checkpoint copied once, by the holder, whole
+    assert sorted(m["step"] for m in manifests.values()) == sorted(payloads)
+    assert {m["node"] for m in manifests.values()} == {holder}
+    for key, m in manifests.items():
+        assert _cold_bytes(client, bucket, key) == payloads[m["step"]]
+    assert _hot_steps(hot) == ["checkpoint-400"]
+    # the lease is in the bucket (this store enforces conditional writes), not in the filesystem
+    assert [k for k in _keys(store) if k.startswith("ckpt/.ckptkeeper/leases/hot-")], _keys(store)
+    assert not (hot / ".ckptkeeper" / "leases").exists() or not any(
+        (hot / ".ckptkeeper" / "leases").iterdir()
+    )
