@@ -162,9 +162,11 @@ def python_env() -> dict[str, str]:
 
 def run_worker(module: str, payload: dict[str, Any], *, timeout: float = 1800) -> dict[str, Any]:
     """Run ``python -m <module>`` with ``payload`` as JSON on stdin; return its last stdout line
-    parsed as JSON. Each worker is its own process: its CPU and peak RSS are its own."""
+    parsed as JSON. Each worker is its own process, forked from the small ``bench/_launch.py``
+    rather than from this one, so its CPU and peak RSS are its own (see that module)."""
+    launcher = [sys.executable, "-S", str(Path(__file__).with_name("_launch.py")), os.devnull]
     proc = subprocess.run(
-        [sys.executable, "-m", module],
+        [*launcher, sys.executable, "-m", module],
         input=json.dumps(payload),
         capture_output=True,
         text=True,

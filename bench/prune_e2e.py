@@ -3,7 +3,8 @@
 bench/s3_transfer.py and bench/tier_move.py time the storage layer inside a worker; a user runs
 the CLI, which also imports, reads the config, recognises the hot tier, plans, journals, writes
 manifests and commits the index (issue 17). Here each side is one child process, started from
-nothing, and the parent reads its whole life from ``os.wait4``: wall (spawn to exit), CPU
+nothing (forked from a small launcher, ``bench/_launch.py``, so its peak RSS is its own), and its
+whole life is read from ``os.wait4``: wall (spawn to exit), CPU
 (user + system, every thread) and peak RSS (``ru_maxrss``).
 
 * **prune → cold**: a hot dir of settled HF-style checkpoints, a config whose hot tier keeps none
@@ -31,6 +32,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,18 +59,28 @@ class Usage:
 
 
 def measure(argv: list[str], env: dict[str, str], *, cwd: Path | None = None) -> Usage:
-    """Spawn ``argv`` and wait for it with ``os.wait4``: its own wall, CPU and peak RSS."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    out = proc.stdout.read()  # drained while it runs: a full pipe must not stall the child
-    _, status, ru = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stdout.close()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[:4]} … exited {proc.returncode}:\n{out.decode(errors='replace')[-3000:]}")
-    return Usage(wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024)
+    """Run ``argv`` through ``bench/_launch.py``: its own wall, CPU and peak RSS (``os.wait4`` of a
+    process forked from the small launcher, not from this one: see that module's docstring)."""
+    fd, result = tempfile.mkstemp(prefix="ckptkeeper-bench-launch-", suffix=".json")
+    os.close(fd)
+    launcher = [sys.executable, "-S", str(Path(__file__).with_name("_launch.py")), result]
+    try:
+        proc = subprocess.run(
+            [*launcher, *argv],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+        doc = json.loads(Path(result).read_text() or "{}")
+    finally:
+        os.unlink(result)
+    code = os.waitstatus_to_exitcode(doc["status"]) if "status" in doc else proc.returncode
+    if proc.returncode != 0 or code != 0:
+        out = proc.stdout.decode(errors="replace")[-3000:]
+        raise RuntimeError(f"{argv[:4]} … exited {code}:\n{out}")
+    return Usage(float(doc["wall"]), float(doc["cpu"]), doc["maxrss_kib"] / 1024)
 
 
 def _safetensors(path: Path, size: int, rng: random.Random) -> None:
