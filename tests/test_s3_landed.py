@@ -5,6 +5,8 @@ issue 17), and without trusting a listing that lags the writes. Real moto server
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 from builders import manifest_of
 from builders import tier as spec
+from faultproxy import FaultProxy, Request
 
 from ckptkeeper import storage
 from ckptkeeper.core.model import Manifest
@@ -160,3 +163,76 @@ def test_storages_of_one_tier_share_a_client_and_never_see_a_stale_listing(
     fresh = TierStorage(spec("cold", f"s3://{s3_bucket}/cold/ckpt", storage_options=s3_storage_options))
     assert isinstance(fresh, storage.S3TierStorage) and fresh.fs is not cold_raw.tier.fs
     assert fresh.list_manifests() == []
+
+
+# --------------------------------------------------------------------------------------------
+# the survivor re-check before a delete: the manifest and one listing, HEADs only for what the
+# listing does not show as expected
+
+
+@pytest.fixture
+def proxied_cold(s3_reset: str, s3_bucket: str, s3_client: Any) -> Iterator[tuple[Cold, FaultProxy]]:
+    """The cold tier through a fault proxy (no random faults: rules only), to see and bend requests."""
+    with FaultProxy(s3_reset, rate=0.0) as proxy:
+        options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+        tier = TierStorage(spec("cold", f"s3://{s3_bucket}/cold/ckpt", storage_options=options))
+        assert isinstance(tier, storage.S3TierStorage)
+        yield Cold(tier, S3Raw(s3_client, s3_bucket, "cold/ckpt/")), proxy
+
+
+def _recording(seen: list[tuple[str, str]]) -> Any:
+    def rule(request: Request) -> None:
+        seen.append((request.method, request.target))
+        return None
+
+    return rule
+
+
+def _hiding_every_other_entry(request: Request) -> Any:
+    """A listing that lags the writes: half its entries missing, no error, no truncation flag."""
+    if request.method != "GET" or "list-type=2" not in request.query:
+        return None
+
+    def cut(body: bytes) -> bytes:
+        for entry in re.findall(rb"<Contents>.*?</Contents>", body, re.S)[::2]:
+            body = body.replace(entry, b"")
+        return body
+
+    return cut
+
+
+def test_s3_recheck_is_one_get_and_one_listing_and_heads_only_what_a_listing_hides(
+    proxied_cold: tuple[Cold, FaultProxy], hot: Hot
+) -> None:
+    cold, proxy = proxied_cold
+    cold.tier.copy_from(hot.tier, hot.ckpt_dir)
+    seen: list[tuple[str, str]] = []
+    proxy.rules.append(_recording(seen))
+    assert cold.tier.recheck(hot.ckpt_dir) == []
+    assert sorted(m for m, _ in seen) == ["GET", "GET"]  # the manifest, one listing
+    assert [t for m, t in seen if "list-type=2" in t and "checkpoint-100%2F" in t]
+    assert not [m for m, _ in seen if m == "HEAD"]
+
+    # A lagging listing: each object it does not show is asked about on its own; no false verdict.
+    seen.clear()
+    proxy.rules.insert(0, _hiding_every_other_entry)
+    assert cold.tier.recheck(hot.ckpt_dir) == []
+    heads = sorted(t.split("?")[0] for m, t in seen if m == "HEAD")
+    assert len(heads) == 2 and all("/cold/ckpt/run1/checkpoint-100/" in h for h in heads)
+
+
+@pytest.mark.parametrize("hide", [False, True], ids=["listed", "listing-lags"])
+def test_s3_recheck_reports_an_object_gone_or_of_another_size(
+    proxied_cold: tuple[Cold, FaultProxy], hot: Hot, hide: bool
+) -> None:
+    cold, proxy = proxied_cold
+    cold.tier.copy_from(hot.tier, hot.ckpt_dir)
+    if hide:
+        proxy.rules.append(_hiding_every_other_entry)
+    cold.raw.remove("run1/checkpoint-100/sub/optim/shard-0.pt")
+    cold.raw.put("run1/checkpoint-100/model.safetensors", b"short")
+    problems = cold.tier.recheck(hot.ckpt_dir)
+    assert any("sub/optim/shard-0.pt" in p and "missing" in p for p in problems), problems
+    assert any("model.safetensors: size 5 != " in p for p in problems), problems
+    cold.raw.remove("run1/checkpoint-100.ckptkeeper-manifest.json")
+    assert cold.tier.recheck(hot.ckpt_dir) == ["run1/checkpoint-100: no committed copy (manifest missing)"]

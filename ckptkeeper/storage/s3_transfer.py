@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from ckptkeeper.core.model import (
@@ -140,6 +141,11 @@ class _S3Sink:
         self.landed: dict[str, str] = {}
         """key -> ETag of every object this copy stored: all that an abort deletes."""
         self.writer: _S3FileWriter | None = None
+        self.in_flight: deque[_GuardedWriter] = deque()
+        """Files whose one PUT is still in flight (oldest first), at most :attr:`put_concurrency`."""
+        self.put_concurrency = max(1, tier.put_concurrency)
+        self.uncertain: list[str] = []
+        """Keys whose PUT failed or was cut short without an answer: stored or not, nobody knows."""
         self.pool = _PartPool()
         self.untrusted: list[tuple[str, FileEntry]] = []
         self.unchecked: list[tuple[str, FileEntry]] = []
@@ -171,7 +177,26 @@ class _S3Sink:
         )
         self.writer.on_upload = self._upload_started
         self.writer.defer_check = bool(entry.path)  # objects under ``key/``: one listing finds them
+        self.writer.in_background = self.put_concurrency > 1
         return _GuardedWriter(self, self.writer)
+
+    def settle(self, keep: int = 0) -> None:
+        """Wait for the oldest PUTs in flight until at most ``keep`` remain; raise the first failure.
+
+        A checkpoint of many small files sent them one PUT after another, a round trip each
+        (bench/prune_e2e.py: 200 files of 64 KiB-4 MiB per checkpoint); now up to
+        :attr:`put_concurrency` of them are in flight while the next file is read and hashed. A
+        failed PUT's key is :attr:`uncertain` (an answer may have been lost after it landed), and
+        :meth:`abort` settles the rest before it cleans up."""
+        while len(self.in_flight) > keep:
+            guarded = self.in_flight.popleft()
+            try:
+                with self.tier._errors(f"upload of {guarded.writer.key}"):
+                    guarded.writer.settle()
+            except BaseException:
+                self.uncertain.append(guarded.writer.key)
+                raise
+            guarded.stored()
 
     def _upload_started(self, upload_id: str) -> None:
         self.uploads.append(upload_id)
@@ -215,6 +240,7 @@ class _S3Sink:
 
     def commit(self, manifest: Manifest) -> None:
         tier = self.tier
+        self.settle()
         self._check_landed()
         for key, entry in self.untrusted:
             with tier._errors(f"read-back of {key}"):
@@ -254,6 +280,13 @@ class _S3Sink:
     def abort(self) -> None:
         if self.committed:
             return
+        while self.in_flight:  # cancelled, or waited for: each one's outcome is known or uncertain
+            w = self.in_flight.popleft().writer
+            w.abort()
+            if w.etag is not None:
+                self.landed[w.key] = w.etag
+            else:
+                self.uncertain.append(w.key)
         if self.writer is not None:
             self.writer.abort()
         if self.commit_attempted:
@@ -267,14 +300,18 @@ class _S3Sink:
             # own upload (the writer aborted it): a concurrent writer of the same key keeps its
             # data and its uploads (DESIGN §10: a losing writer deletes only its own keys).
             self.tier._delete_keys(self._still_ours())
-            w = self.writer
-            if w is not None and w.etag is None and self.tier._head(w.key) is not None:
-                # The failed file may have landed (a reply lost) or be someone else's: the marker
-                # stays, so the reaper settles it once the copy is stale (list_staging).
-                log.warning(
-                    "%s: %s may hold an object of this copy; left for the reaper", self.tier.name, w.key
-                )
-                return
+            current = self.writer
+            unknown = [k for k in self.uncertain if k not in self.landed]
+            if current is not None and current.etag is None and current.key not in unknown:
+                unknown.append(current.key)
+            for key in unknown:
+                if self.tier._head(key) is not None:
+                    # The failed file may have landed (a reply lost) or be someone else's: the marker
+                    # stays, so the reaper settles it once the copy is stale (list_staging).
+                    log.warning(
+                        "%s: %s may hold an object of this copy; left for the reaper", self.tier.name, key
+                    )
+                    return
             self.tier._delete_keys([self.marker])
         except Exception as exc:
             log.warning(
@@ -298,8 +335,20 @@ class _GuardedWriter:
             self.sink.maybe_beat()
 
     def finish(self) -> None:
-        with self.sink.tier._errors(f"upload of {self.writer.key}"):
+        sink = self.sink
+        with sink.tier._errors(f"upload of {self.writer.key}"):
             self.writer.finish()
+        if self.writer.put is not None:
+            sink.writer = None  # the sink's in-flight queue owns it now
+            sink.in_flight.append(self)
+            sink.settle(keep=sink.put_concurrency)
+            return
+        self.stored()
+
+    def stored(self) -> None:
+        """The object is stored: what the commit must still check, and what an abort may delete."""
+        if self.writer.etag is not None:
+            self.sink.landed[self.writer.key] = self.writer.etag
         if self.writer.unchecked:
             self.sink.unchecked.append((self.writer.key, self.writer.entry))
         if not self.writer.trusted:

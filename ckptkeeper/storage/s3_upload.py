@@ -43,6 +43,7 @@ class _S3Tier(Protocol):
     node: str
     bucket: str
     max_inflight: int
+    put_concurrency: int
     marker_beat: float
 
     @property
@@ -273,6 +274,13 @@ class _S3FileWriter:
         answer and its HEAD is left to that check."""
         self.unchecked = False
         """The object was stored with its presence and size not checked yet (``defer_check``)."""
+        self.in_background = False
+        """Set by a sink that lets a one-PUT object from a local file go on while the next file is
+        read (:meth:`_S3Sink.open_file`): :meth:`finish` then only sends the PUT, and
+        :meth:`settle` waits for its answer. Needs ``defer_check`` and a re-readable source: no
+        buffer is held while the request is in flight."""
+        self.put: tuple[Future[Any], str] | None = None
+        """The one-PUT request in flight and the CRC32 it carries, until :meth:`settle`."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
@@ -397,6 +405,11 @@ class _S3FileWriter:
         elif echoed != expected:
             raise VerificationError(f"{self.where}: {what}: store reports CRC32 {echoed}, sent {expected}")
 
+    @property
+    def backgrounded(self) -> bool:
+        """This object's PUT is sent by :meth:`finish` and answered at :meth:`settle`."""
+        return self.in_background and self.defer_check and self.source is not None and self.single
+
     def finish(self) -> None:
         tier = self.tier
         if self.upload_id is None:
@@ -404,18 +417,14 @@ class _S3FileWriter:
 
             body, crc, buf = self._take_part()
             expected = _crc32_b64(crc)
-            resp = asyncio.run_coroutine_threadsafe(
-                self._send("put_object", body, expected), tier.fs.loop
-            ).result()
+            future = asyncio.run_coroutine_threadsafe(self._send("put_object", body, expected), tier.fs.loop)
+            if self.backgrounded and buf is None:
+                self.put = (future, expected)
+                return
+            resp = future.result()
             if buf is not None:
                 self.pool.put(buf)
-            self._check_echo(resp, expected, "put")
-            if self.defer_check and resp.get("ETag"):
-                # The store checked the body against its CRC32 (and echoed it: _check_echo); that
-                # it holds the object, at this size, is checked with its siblings' before commit.
-                self.etag = str(resp["ETag"])
-                self.unchecked = True
-                self._close_source()
+            if self._stored_unchecked(resp, expected):
                 return
         else:
             if self.filled:
@@ -452,13 +461,48 @@ class _S3FileWriter:
             raise VerificationError(f"{self.where}: stored CRC32 {stored} != {expected} of the bytes sent")
         self._close_source()
 
+    def _stored_unchecked(self, resp: Mapping[str, Any], expected: str) -> bool:
+        """Check a one-PUT answer; True if the object counts as stored, its presence and size left
+        to the sink's listing (``defer_check``)."""
+        self._check_echo(resp, expected, "put")
+        if self.defer_check and resp.get("ETag"):
+            # The store checked the body against its CRC32 (and echoed it: _check_echo); that
+            # it holds the object, at this size, is checked with its siblings' before commit.
+            self.etag = str(resp["ETag"])
+            self.unchecked = True
+            self._close_source()
+            return True
+        return False
+
+    def settle(self) -> None:
+        """Wait for the answer to a PUT :meth:`finish` left in flight, and check it as finish would."""
+        if self.put is None:
+            return
+        future, expected = self.put
+        resp = future.result()
+        self.put = None
+        if not self._stored_unchecked(resp, expected):
+            raise VerificationError(f"{self.where}: the store's answer to the PUT carried no ETag")
+
     def _close_source(self) -> None:
         if self.source is not None:
             self.source.close()  # a straggling read then fails (closed file), never reads another
 
     def abort(self) -> None:
+        """Stop this object's requests. A PUT still in flight is let finish (one request, bounded
+        by the client's timeouts; cancelled only after 60 s): with its answer, :attr:`etag` says
+        what it stored, and the sink deletes it if still ours. Cancelled, or failed, whether it
+        landed is unknown (``etag`` None) and the sink asks the store."""
         import concurrent.futures
 
+        if self.put is not None:
+            future, _ = self.put
+            self.put = None
+            if concurrent.futures.wait([future], timeout=60).not_done:
+                future.cancel()
+            if future.done() and not future.cancelled() and future.exception() is None:
+                etag = future.result().get("ETag")
+                self.etag = str(etag) if etag else None
         for _, _, fut, _ in self.pending:
             fut.cancel()
         concurrent.futures.wait([f for _, _, f, _ in self.pending], timeout=60)
