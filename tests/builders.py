@@ -4,7 +4,8 @@ Values (pure, no files): ``checkpoint``, ``run``, ``snapshot``, ``tier``, ``mani
 ``manifest_of`` / ``file_entries`` which hash what is on disk as the catalog would.
 Config files: ``write_config`` renders a TOML config from plain values (mode 0600, replaced
 atomically, as the daemon expects), ``config_text`` is the same text, ``s3_tier`` a cold tier table
-on a moto endpoint, ``fleet_node`` the config of one node of a fleet sharing a bucket.
+on a moto endpoint, ``fleet_node`` the config of one node of a fleet sharing a bucket, ``part_node``
+one node of a job whose checkpoints span nodes (its share of the run in its hot dir, and its config).
 On disk and in processes: ``hf_checkpoint`` (a settled HF-style checkpoint), ``index_checkpoint``
 (a row in an :class:`~ckptkeeper.index.Index`), ``start_cli`` / ``run_cli`` (the real CLI in a
 subprocess, without the test environment's ``CKPTKEEPER_*`` variables).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -282,10 +284,12 @@ def fleet_node(
     cold_keep_last: int | None = 10,
     shared: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    reaper: Mapping[str, Any] | None = None,
 ) -> Path:
     """The config of node ``name`` of a fleet (``base/name/``: its own hot dir, index and
-    ``node``), with a ``replicate`` cold tier in ``bucket`` (``shared`` unless told otherwise).
-    Tests back-date checkpoints to mean "settled", hence ``trust_mtimes``."""
+    ``node``), with a ``replicate`` cold tier in ``bucket`` (``shared`` unless told otherwise),
+    and a ``[reaper]`` table if given. Tests back-date checkpoints to mean "settled", hence
+    ``trust_mtimes``."""
     home = base / name
     (home / "hot").mkdir(parents=True, exist_ok=True)
     cold = s3_tier(
@@ -299,7 +303,39 @@ def fleet_node(
         node=name,
         daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
         tiers=[local_tier("hot", home / "hot", keep_last=hot_keep_last), cold],
+        reaper=reaper,
     )
+
+
+PART_NODE_REAPER = {"partial_after": "10m", "failed_after": "1h", "keep_last_of_failed": 1}
+"""The reaper of a :func:`part_node`: thresholds far below its runs' 3 h age."""
+
+
+def part_node(
+    base: Path,
+    k: int,
+    run_dir: Path,
+    bucket: str,
+    endpoint: str,
+    *,
+    cold_keep_last: int = 2,
+    age: float = 3 * 3600,
+) -> tuple[Path, Path]:
+    """Node ``k`` of a job whose checkpoints span nodes: its hot dir and :func:`fleet_node` config
+    (``base/node{k}/``, hot keeps 1, the shared bucket keeps ``cold_keep_last``,
+    :data:`PART_NODE_REAPER`). The first call copies ``run_dir`` (the node's share of the run) to
+    ``hot/<run_dir.name>`` with every mtime ``age`` seconds ago; called again, it only rewrites
+    the config. Returns ``(hot, config)``."""
+    name = f"node{k}"
+    hot = base / name / "hot"
+    if not hot.exists():
+        hot.mkdir(parents=True)
+        shutil.copytree(run_dir, hot / run_dir.name)
+        then = time.time() - age
+        for p in sorted(hot.rglob("*"), reverse=True):
+            os.utime(p, (then, then), follow_symlinks=False)
+    config = fleet_node(base, name, bucket, endpoint, cold_keep_last=cold_keep_last, reaper=PART_NODE_REAPER)
+    return hot, config
 
 
 def hf_checkpoint(run_dir: Path, step: int, payload: bytes, *, age: float = 3600.0) -> Path:

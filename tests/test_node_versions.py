@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import local_tier, run_cli, s3_tier, write_config
+from builders import fleet_node, part_node, run_cli
 from test_node_parts import JOB, NODES, RANKS_PER_NODE, STEPS, job  # noqa: F401  (job: the fixture)
 
 from ckptkeeper.core.versions import job_token
@@ -37,27 +35,10 @@ RUN = "hooked"
 def _node(
     job_dir: Path, base: Path, k: int, bucket: str, endpoint: str, *, cold_keep_last: int = 2
 ) -> tuple[Path, Path]:
-    """Node ``k``: its hot dir (the job's ``hooked`` run, back-dated 3 h), config and index; the
-    cold tier is the shared bucket (replicate, ``keep_last=cold_keep_last``); hot keeps 1."""
-    home = base / f"node{k}"
-    hot = home / "hot"
-    if not hot.exists():
-        hot.mkdir(parents=True)
-        shutil.copytree(job_dir / f"node{k}" / "hot" / RUN, hot / RUN)
-        then = time.time() - 3 * 3600
-        for p in sorted(hot.rglob("*"), reverse=True):
-            os.utime(p, (then, then), follow_symlinks=False)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=cold_keep_last)
-    cold["shared"] = True
-    config = write_config(
-        home / "config.toml",
-        index=home / "index.db",
-        node=f"node{k}",
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
-        tiers=[local_tier("hot", hot, keep_last=1), cold],
-        reaper={"partial_after": "10m", "failed_after": "1h", "keep_last_of_failed": 1},
+    """Node ``k`` of the job: its ``hooked`` run back-dated 3 h in its hot dir, and its config."""
+    return part_node(
+        base, k, job_dir / f"node{k}" / "hot" / RUN, bucket, endpoint, cold_keep_last=cold_keep_last
     )
-    return hot, config
 
 
 def ck(config: Path, *args: str, code: int = 0, env: dict[str, str] | None = None) -> Any:
@@ -225,17 +206,7 @@ def test_a_version_spanning_nodes_goes_to_cold_whole(
 
 def _third_node(base: Path, bucket: str, endpoint: str) -> Path:
     """A node outside the job: its own empty hot dir and index, the same shared cold tier."""
-    home = base / "node2"
-    (home / "hot").mkdir(parents=True)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=2)
-    cold["shared"] = True
-    return write_config(
-        home / "config.toml",
-        index=home / "index.db",
-        node="node2",
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
-        tiers=[local_tier("hot", home / "hot", keep_last=1), cold],
-    )
+    return fleet_node(base, "node2", bucket, endpoint, cold_keep_last=2)
 
 
 def test_an_expired_step_waits_for_the_newer_version_to_be_complete(

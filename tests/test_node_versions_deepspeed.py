@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import local_tier, run_cli, s3_tier, write_config
+from builders import local_tier, part_node, run_cli, write_config
 from test_node_versions import _third_node, ck, keys
 
 from ckptkeeper.core.versions import job_token
@@ -37,27 +37,8 @@ NODE_FILES = {
 
 
 def _node(base: Path, k: int, bucket: str, endpoint: str, *, cold_keep_last: int = 2) -> tuple[Path, Path]:
-    """Node ``k``: the fixture's node dir as its hot dir (back-dated 3 h), its own config, index and
-    ``node``; hot keeps 1, the shared bucket (replicate) keeps ``cold_keep_last``. Called again, it
-    only rewrites the config."""
-    home = base / f"node{k}"
-    hot = home / "hot"
-    if not hot.exists():
-        shutil.copytree(FIXTURE / f"node{k}", hot)
-        then = time.time() - 3 * 3600
-        for p in sorted(hot.rglob("*"), reverse=True):
-            os.utime(p, (then, then), follow_symlinks=False)
-    cold = s3_tier("cold", bucket, endpoint, replicate=True, keep_last=cold_keep_last)
-    cold["shared"] = True
-    config = write_config(
-        home / "config.toml",
-        index=home / "index.db",
-        node=f"node{k}",
-        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": ""},
-        tiers=[local_tier("hot", hot, keep_last=1), cold],
-        reaper={"partial_after": "10m", "failed_after": "1h", "keep_last_of_failed": 1},
-    )
-    return hot, config
+    """Node ``k``: the fixture's share of node ``k`` back-dated 3 h in its hot dir, and its config."""
+    return part_node(base, k, FIXTURE / f"node{k}" / RUN, bucket, endpoint, cold_keep_last=cold_keep_last)
 
 
 def _records(s3: Any, bucket: str, step: int) -> list[str]:

@@ -178,7 +178,7 @@ def run_prune(
     long copy is never a silent wait).
 
     ``shared``: the shared filesystem tiers' leases, already taken by the caller (the daemon, see
-    :func:`take_shared`) before it cataloged; None: this pass opens and takes them itself."""
+    :func:`~ckptkeeper.actions.sharedfs.take_shared`) before it cataloged; None: this pass opens and takes them itself."""
     names = [t.name for t in settings.tiers]
     damaged: dict[str, str] = {}
     # A shared filesystem tier: only its lease holder acts on it.
@@ -309,21 +309,6 @@ def run_prune(
         damaged=damaged,
         adopted=adopted,
     )
-
-
-def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None:
-    """For a caller that catalogs before :func:`run_prune` (the daemon): check this keeper's
-    identity and take or renew the shared filesystem tiers' leases *before* cataloging, as
-    ``run_prune`` does for itself. A new holder's catalog then sees everything the previous holder
-    did: once this node holds the lease the previous holder starts nothing more (its next renewal
-    fails), so a plan made from a catalog taken afterwards never names a checkpoint it already moved.
-    None: no shared local tier. Raises :class:`~ckptkeeper.actions.sharedfs.NodeClash`."""
-    shared = open_shared(settings, probe=True)
-    if shared is not None:
-        t = time.time() if now is None else now
-        shared.check_identity(t)
-        shared.acquire(dry_run=False, now=t)
-    return shared
 
 
 def _held(plan: Plan, index: Index, names: list[str], run: str | None) -> dict[str, TierHeld]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckptkeeper.actions.progress import byte_progress
 from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest.catalog import Catalog
@@ -288,16 +289,8 @@ def _restore_row(
     errors = []
     for tier in order:
         storage = TierStorage(tier.to_spec(), hot=tier.name == hot.name)
-        done = 0
-
-        def on_bytes(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress is not None:
-                progress(done, total)
-
         try:
-            path = storage.fetch(manifest, target, progress=on_bytes)
+            path = storage.fetch(manifest, target, progress=byte_progress(total, progress))
         except StorageError as exc:
             log.warning("restore from tier failed, trying the next", tier=tier.name, error=str(exc))
             errors.append(f"{tier.name}: {exc}")
@@ -371,16 +364,8 @@ def _restore_from_fleet(
             raise LookupError(f"run {run!r} of node {copies[0].node} has no checkpoint at step {step}")
         chosen = max(wanted, key=lambda c: c.manifest.name)
     total = chosen.manifest.total_bytes
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
-
     try:
-        path = chosen.storage.fetch(chosen.manifest, to, progress=on_bytes)
+        path = chosen.storage.fetch(chosen.manifest, to, progress=byte_progress(total, progress))
     except StorageError as exc:
         raise LookupError(
             f"could not restore {run}@{chosen.manifest.step} from node {chosen.node}: {exc}"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptkeeper.actions.progress import byte_progress
 from ckptkeeper.core.model import Manifest
 from ckptkeeper.core.versions import VersionStatus
 from ckptkeeper.fleet.versions import read_version
@@ -162,14 +163,7 @@ def _fetch(
     progress: Callable[[int, int], None] | None,
 ) -> PartsRestored:
     total = sum(c.manifest.total_bytes for c in copies)
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
-
+    on_bytes = byte_progress(total, progress)  # one count over all parts
     first = copies[0]
     name = first.manifest.name
     fetched = tuple(

@@ -38,7 +38,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.sharedfs")
 
-__all__ = ["NodeClash", "SharedFs", "open_shared", "shared_fs_status"]
+__all__ = ["NodeClash", "SharedFs", "check_node_name", "open_shared", "shared_fs_status", "take_shared"]
 
 
 class NodeClash(Exception):
@@ -212,6 +212,30 @@ def open_shared(settings: Settings, *, probe: bool = False) -> SharedFs | None:
     ``probe``: a real pass, which may probe the bucket's conditional writes."""
     tiers = _tiers(settings, probe=probe)
     return SharedFs(settings, tiers) if tiers else None
+
+
+def check_node_name(settings: Settings, now: float) -> None:
+    """At a keeper's start (the daemon's): refuse to run when another keeper wrote this node's
+    heartbeat on a shared tier recently, before anything is done (raises :class:`NodeClash`: a
+    config error, exit 2). No I/O without a shared local tier."""
+    shared = open_shared(settings)
+    if shared is not None:
+        shared.check_identity(now)
+
+
+def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None:
+    """For a caller that catalogs before :func:`~ckptkeeper.actions.prune.run_prune` (the daemon):
+    check this keeper's identity and take or renew the shared filesystem tiers' leases *before*
+    cataloging, as ``run_prune`` does for itself. A new holder's catalog then sees everything the
+    previous holder did: once this node holds the lease the previous holder starts nothing more (its
+    next renewal fails), so a plan made from a catalog taken afterwards never names a checkpoint it
+    already moved. None: no shared local tier. Raises :class:`NodeClash`."""
+    shared = open_shared(settings, probe=True)
+    if shared is not None:
+        t = time.time() if now is None else now
+        shared.check_identity(t)
+        shared.acquire(dry_run=False, now=t)
+    return shared
 
 
 def shared_fs_status(settings: Settings, *, now: float | None = None) -> list[dict[str, Any]]:

@@ -5,10 +5,11 @@ Threads, and why each exists:
 - the watchdog observer (inotify or polling) and ONE watcher worker that reconciles changed runs
   (see :mod:`ckptkeeper.ingest.watcher`);
 - APScheduler's ``BackgroundScheduler`` with a single worker thread: ``retention`` and ``reap``
-  run the prune operation, ``rescan`` reconciles every tier. One worker because the jobs contend
-  for the same executor lock and index anyway, and serial jobs are easier to reason about than a
-  retention pass racing a reap pass. The ``scrub`` job (re-hashing slower-tier copies, rate-limited)
-  has a worker of its own, so a long scrub never delays retention (:mod:`.schedule`);
+  run the prune operation (:mod:`.prune_job`), ``rescan`` reconciles every tier. One worker
+  because the jobs contend for the same executor lock and index anyway, and serial jobs are easier
+  to reason about than a retention pass racing a reap pass. The ``scrub`` job (re-hashing
+  slower-tier copies, rate-limited) has a worker of its own, so a long scrub never delays retention
+  (:mod:`.schedule`);
 - the Prometheus endpoint and the systemd watchdog pinger;
 - the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
   :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
@@ -45,9 +46,9 @@ from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, L
 from ckptkeeper.config import ConfigError, Settings, load_settings, parse_addr
 from ckptkeeper.daemon.config_diff import config_changes, watch_keys_changed
 from ckptkeeper.daemon.logbridge import bridge_stdlib_logging
+from ckptkeeper.daemon.prune_job import PruneJob
 from ckptkeeper.daemon.schedule import JOB_IDS, intervals, make_scheduler, reschedule
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
-from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.util import logs
 from ckptkeeper.util.fmt import format_duration, human_age
 from ckptkeeper.util.lock import DaemonLock, LockHeld
@@ -57,7 +58,6 @@ from ckptkeeper.util.logs import get_logger
 # inside the methods that run after run() has installed the signal handlers: a SIGTERM that reaches
 # a daemon still importing at start-up must stop it cleanly (exit 0, STOPPING=1), not kill it.
 if TYPE_CHECKING:
-    from ckptkeeper.actions.prune import PruneOutcome
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.index import Index
     from ckptkeeper.ingest.report import ReconcileReport
@@ -69,8 +69,6 @@ log = get_logger("ckptkeeper.daemon.service")
 
 PROMPT_RETENTION_DELAY = 2.0
 """New complete checkpoints within this window share one prompt retention pass."""
-EXECUTOR_LOCK_WAIT = 2.0
-"""A manual prune holds the executor lock: skip this round rather than queue behind it."""
 STATUS_INTERVAL = 30.0
 WATCHER_RESTART_BACKOFF = 30.0
 
@@ -83,18 +81,7 @@ def _release_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _run_of(path: str | None, run_depth: int) -> str | None:
-    """The run a hot-tier path (relative to the root) lies in; None above run depth or in a
-    hidden/staging directory that no reconcile treats as a run."""
-    parts = (path or "").split("/")
-    if len(parts) <= run_depth or any(p in ("", ".", "..") for p in parts):
-        return None
-    if any(p.startswith(".") or STAGING_MARK in p for p in parts[:run_depth]):
-        return None
-    return "/".join(parts[:run_depth])
-
-
-class Daemon:
+class Daemon(PruneJob):
     """One daemon process. :meth:`run` returns the exit code; the CLI passes it to ``sys.exit``."""
 
     def __init__(self, config_path: str | None, settings: Settings) -> None:
@@ -128,13 +115,11 @@ class Daemon:
         except OSError as exc:
             print(f"ckptkeeper: cannot take {lock.path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_ACTION_FAILED
-        from ckptkeeper.actions.sharedfs import NodeClash, open_shared
+        from ckptkeeper.actions.sharedfs import NodeClash, check_node_name
 
         previous = self._install_signal_handlers()
         try:
-            shared = open_shared(self.settings)
-            if shared is not None:  # two keepers with one node name on a shared tier: refuse to start
-                shared.check_identity(time.time())
+            check_node_name(self.settings, time.time())  # two keepers, one node name: refuse to start
             return self._run_locked()
         except NodeClash as exc:
             print(f"ckptkeeper: {exc}", file=sys.stderr)
@@ -421,115 +406,6 @@ class Daemon:
         first = report.bad[0] if report.bad else None
         detail = f"; first: {first.tier}:{first.run}@{first.step}: {first.problem}" if first else ""
         return ", ".join(p for p in parts if p) + detail
-
-    def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
-        from ckptkeeper.actions.pins import store_missing_pins
-        from ckptkeeper.actions.prune import run_prune, take_shared
-
-        if self.watcher is None or self.index is None:
-            return "the hot tier is not being watched (see the watcher errors above)"
-        # Shared filesystem tiers: the lease first, then the catalog (as the CLI's pass does), so a
-        # pass right after a takeover never plans from what the previous holder changed since.
-        shared = take_shared(self.settings)
-        # Reconcile here, under the watcher's reconcile lock, rather than inside run_prune where it
-        # could interleave with a watcher reconcile of the same run (hence rescan=False). A sync, not
-        # a full walk, while the watcher vouches for the index (Watcher.sync): re-parsing 10k
-        # unchanged checkpoints every pass was most of an idle daemon's CPU.
-        if self._deletes_held():
-            synced = self.watcher.reconcile_all()  # a rebuilt index waits on full listings of every tier
-            hot_reconcile = "full"
-        else:
-            synced = self.watcher.sync()
-            hot_reconcile = "full" if self.watcher.last_sync_full else "runs"
-        try:
-            outcome = run_prune(
-                self.settings,
-                self.index,
-                kinds=kinds,
-                rescan=False,
-                lock_timeout=EXECUTOR_LOCK_WAIT,
-                stop=self.stopping,
-                shared=shared,
-            )
-        except Locked as exc:
-            # Our executor never started; the other process's changes raise events of their own.
-            log.info("prune skipped: another process holds the executor lock", job=job, detail=str(exc))
-            return f"skipped: {exc}"
-        except Exception:
-            # Failed part-way: which paths it touched is unknown, so walk everything.
-            self.watcher.request_full()
-            raise
-        self._resync_after(outcome)
-        try:
-            store_missing_pins(self.settings, self.index, self.watcher.catalog.tier_pins)
-        except Exception:  # best effort, retried next pass; the prune itself is done
-            log.exception("cannot store pin objects in the tiers", job=job)
-        if self.metrics is not None:
-            self.metrics.record_outcome(outcome)
-        log.info(
-            "prune done",
-            job=job,
-            exit_code=outcome.exit_code,
-            actions=len(outcome.plan.actions),
-            failed=len(outcome.failed),
-            reclaimed_bytes=outcome.reclaimed_bytes,
-            hot_reconcile=hot_reconcile,
-            reconciled_runs=synced.runs,
-        )
-        for line in outcome.failed:
-            log.error("prune action failed", job=job, detail=line)
-        if outcome.exit_code == EXIT_OK:
-            return None
-        if outcome.failed:
-            return f"{len(outcome.failed)} action(s) failed; first: {outcome.failed[0]}"
-        if outcome.held:
-            return "policy held: " + "; ".join(t.describe() for t in outcome.held.values())
-        if outcome.plan.refused:
-            return f"refused by a guard: {outcome.plan.refused}"
-        return f"prune exited with code {outcome.exit_code}"
-
-    def _deletes_held(self) -> bool:
-        from ckptkeeper.actions.index import read_hold
-
-        try:
-            return read_hold(self.settings) is not None
-        except Exception:
-            return True  # cannot tell: the full reconcile is the safe choice
-
-    def _resync_after(self, outcome: PruneOutcome) -> None:
-        """Re-check what the executor touched, and only that: each run whose hot copies it changed
-        (queued on the watcher, which also hears the deletes), and each slower tier it wrote to.
-
-        The executor records its own moves in the index; this catches what it could not know (a
-        half-done step, a tier that changed under it). run_prune does no walk of its own for us
-        (``rescan=False``). Recovered journal steps, or a hot-tier action that maps to no run,
-        fall back to reconciling every tier.
-        """
-        assert self.watcher is not None
-        result = outcome.result
-        if result is None:
-            return
-        hot = self.settings.hot.name
-        actions = [*result.done, *(a for a, _ in result.failed)]
-        runs: set[str] = set()
-        full = bool(result.recovered)
-        for a in actions:
-            if hot not in (a.tier, a.to_tier):
-                continue
-            run = a.run if a.run is not None else _run_of(a.path, self.watcher.run_depth)
-            if run is None:
-                full = True
-            else:
-                runs.add(run)
-        if full:
-            self.watcher.request_full()
-        else:
-            for run in sorted(runs):
-                self.watcher.request(run)
-        slower = {t for a in actions for t in (a.tier, a.to_tier) if t is not None and t != hot}
-        for tier in self.settings.tiers[1:]:
-            if full or tier.name in slower:
-                self.watcher.catalog.reconcile_tier(tier.name)
 
     # -- watcher callbacks (watcher worker thread) -----------------------------------------
 
