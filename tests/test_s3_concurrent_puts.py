@@ -71,7 +71,9 @@ def test_many_small_files_arrive_whole(
     tier, _ = cold
     hot_tier, manifest, ckpt = hot
     tier.copy_from(hot_tier, manifest)
-    assert [(m.digest if m else None, err) for _, m, err in tier.list_manifests()] == [(manifest.digest, None)]
+    assert [(m.digest if m else None, err) for _, m, err in tier.list_manifests()] == [
+        (manifest.digest, None)
+    ]
     for path in sorted(ckpt.rglob("*.bin")):
         key = f"cold/run1/checkpoint-100/{path.relative_to(ckpt)}"
         assert s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == path.read_bytes()
@@ -121,7 +123,9 @@ def test_a_put_whose_answer_is_always_lost_leaves_its_object_and_marker_to_the_r
     tier.copy_from(hot_tier, manifest)  # a later copy replaces the uncommitted leftovers and commits
     assert tier.recheck(manifest) == [] and tier.verify(manifest) == []
     # only the failed attempt's marker is left, for the reaper once it is stale
-    assert [k for k in _keys(s3_client, s3_bucket) if STAGING_MARK in k] == [k for k in left if STAGING_MARK in k]
+    assert [k for k in _keys(s3_client, s3_bucket) if STAGING_MARK in k] == [
+        k for k in left if STAGING_MARK in k
+    ]
 
 
 def test_a_file_changed_while_its_put_is_in_flight_fails_the_copy(

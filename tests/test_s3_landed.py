@@ -236,3 +236,11 @@ def test_s3_recheck_reports_an_object_gone_or_of_another_size(
     assert any("model.safetensors: size 5 != " in p for p in problems), problems
     cold.raw.remove("run1/checkpoint-100.ckptkeeper-manifest.json")
     assert cold.tier.recheck(hot.ckpt_dir) == ["run1/checkpoint-100: no committed copy (manifest missing)"]
+
+
+def test_s3_listing_times_are_those_boto3_reads(cold_raw: Cold, hot: Hot) -> None:
+    cold_raw.tier.copy_from(hot.tier, hot.ckpt_dir)
+    ours = {k: when for k, _, when in cold_raw.tier._target_objects("cold/ckpt/run1/checkpoint-100")}
+    resp = cold_raw.raw.client.list_objects_v2(Bucket=cold_raw.raw.bucket, Prefix="cold/ckpt/run1/")
+    theirs = {o["Key"]: o["LastModified"].timestamp() for o in resp["Contents"] if o["Key"] in ours}
+    assert ours == theirs and len(ours) == len(hot.ckpt_dir.files)
