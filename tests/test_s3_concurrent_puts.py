@@ -55,6 +55,19 @@ def _keys(client: Any, bucket: str) -> list[str]:
     return sorted(o["Key"] for o in resp.get("Contents", []))
 
 
+def _open_files() -> set[str]:
+    """What this process's descriptors point at, sockets left out (the client's pool varies)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/"):
+            out.add(f"{fd}:{target}")
+    return out
+
+
 def _put_of(name: str, fault: str) -> Any:
     def rule(request: Request) -> str | None:
         return fault if request.method == "PUT" and request.path.endswith(name) else None
@@ -90,10 +103,13 @@ def test_a_put_refused_among_those_in_flight_fails_the_copy_and_leaves_nothing(
     tier, proxy = cold
     hot_tier, manifest, _ = hot
     proxy.rules.append(_put_of("part-09.bin", "denied"))
+    tier.list_manifests()  # the client and its connections exist before the count
+    fds = _open_files()
     with pytest.raises(StorageError, match=r"part-09\.bin"):
         tier.copy_from(hot_tier, manifest)
     assert tier.list_manifests() == []
     assert _keys(s3_client, s3_bucket) == []  # the others' objects and the marker cleaned up
+    assert _open_files() <= fds  # no source file left open by a PUT that failed in flight
     proxy.rules.clear()
     tier.copy_from(hot_tier, manifest)  # and the next attempt succeeds
     assert tier.recheck(manifest) == [] and tier.verify(manifest) == []

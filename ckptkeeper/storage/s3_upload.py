@@ -447,7 +447,11 @@ class _S3FileWriter:
                 if head is None or not _same_checksum(str(head.get("ChecksumCRC32")), expected):
                     raise
             self.upload_id = None
-        head = tier._head(self.key, checksum=True)
+        self._check_stored(expected)
+
+    def _check_stored(self, expected: str) -> None:
+        """HEAD the stored object: there, at the entry's size, with the CRC32 of the bytes sent."""
+        head = self.tier._head(self.key, checksum=True)
         if head is None:
             raise VerificationError(f"{self.where}: object missing right after upload")
         self.etag = str(head.get("ETag") or "") or None
@@ -479,10 +483,13 @@ class _S3FileWriter:
         if self.put is None:
             return
         future, expected = self.put
-        resp = future.result()
         self.put = None
-        if not self._stored_unchecked(resp, expected):
-            raise VerificationError(f"{self.where}: the store's answer to the PUT carried no ETag")
+        try:
+            if not self._stored_unchecked(future.result(), expected):
+                self._check_stored(expected)  # an answer without an ETag: ask the store
+        except BaseException:
+            self._close_source()  # the sink no longer holds this writer: nothing else would
+            raise
 
     def _close_source(self) -> None:
         if self.source is not None:
