@@ -54,3 +54,21 @@ def test_plain_http_endpoints_skip_the_tls_context_and_an_explicit_verify_is_kep
     assert client_kwargs(explicit, "explicit")["verify"] == "/etc/ssl/certs/ca-certificates.crt"
     https = {**s3_storage_options, "endpoint_url": "https://s3.example.invalid"}
     assert "verify" not in client_kwargs(https, "tls")
+
+
+@given(
+    data=st.binary(max_size=4096),
+    split=st.integers(min_value=0, max_value=4096),
+    start=st.integers(0, 2**32 - 1),
+)
+def test_the_crc32_sent_to_s3_is_zlibs(data: bytes, split: int, start: int) -> None:
+    """ISA-L's CRC32 (or zlib's where isal is missing) gives zlib's values, also continued across
+    chunks, which is what S3 and moto check ``ChecksumCRC32`` against."""
+    import zlib
+
+    from ckptkeeper.util import hashing
+
+    assert hashing.crc32(data) == zlib.crc32(data)
+    assert hashing.crc32(data, start) == zlib.crc32(data, start)
+    head, tail = data[:split], data[split:]
+    assert hashing.crc32(memoryview(tail), hashing.crc32(head)) == zlib.crc32(data)

@@ -41,8 +41,9 @@ that does not match it (``BadDigest``), and for multipart objects the server der
 checksum (CRC32 of the part CRC32s, ``…-N``) from what it stored. After the upload we ``HEAD`` the
 object with ``ChecksumMode=ENABLED`` and require the size of the manifest and our own composite
 checksum, so no data is downloaded again. CRC32 rather than CRC32C: botocore needs ``awscrt`` for
-CRC32C and moto silently falls back to CRC32 without the ``crc32c`` package; zlib's CRC32 is in the
-standard library and every S3 implementation that speaks flexible checksums supports it. ETag/MD5
+CRC32C and moto silently falls back to CRC32 without the ``crc32c`` package; every S3 implementation
+that speaks flexible checksums supports CRC32, computed here by ISA-L (``isal``; zlib's where it is
+missing). ETag/MD5
 was rejected: it is not an MD5 under SSE-KMS/SSE-C, multipart ETags differ between stores, and MD5
 would cost a second, slower hash per byte. When a store echoes no checksum at all (an old S3
 clone) the checksum cannot be trusted and the object is read back and re-hashed before commit.

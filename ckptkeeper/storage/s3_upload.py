@@ -12,7 +12,6 @@ import contextlib
 import io
 import os
 import stat
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -297,7 +296,7 @@ class _S3FileWriter:
                 if self.part_hash is None:
                     self.part_hash = hashing.new_hasher()
                 self.part_hash.update(take)
-            self.crc = zlib.crc32(take, self.crc)
+            self.crc = hashing.crc32(take, self.crc)
             self.filled += n
             view = view[n:]
             if self.filled == self.capacity and not self.single:
@@ -431,7 +430,7 @@ class _S3FileWriter:
                 self._send_part()
             self._drain(0)
             combined = b"".join(c.to_bytes(4, "big") for c in self.part_crcs)
-            expected = f"{_crc32_b64(zlib.crc32(combined))}-{len(self.parts)}"
+            expected = f"{_crc32_b64(hashing.crc32(combined))}-{len(self.parts)}"
             try:
                 tier._call(
                     "complete_multipart_upload",
