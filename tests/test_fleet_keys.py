@@ -109,8 +109,10 @@ def test_a_losing_writer_deletes_only_its_own_keys(
             w.finish()
         finally:
             reader.close()
+    loser.settle()  # its PUTs still in flight are answered: each of its objects is stored ...
     key = "ckpt/exp/checkpoint-100/model.bin"
-    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"the winner's bytes")  # another writer, same key
+    # ... and then another writer of the same key replaces one
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"the winner's bytes")
     other = s3_client.create_multipart_upload(Bucket=s3_bucket, Key="ckpt/exp/checkpoint-100/big.bin")
     loser.abort()
     assert s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == b"the winner's bytes"
