@@ -1,4 +1,4 @@
-"""ckptkeeper's side-by-side performance harness (issue 8): ``python -m bench [--quick] [--json]``.
+"""ckptkeeper's side-by-side performance harness: ``python -m bench [--quick] [--json]``.
 
 One module per benchmark, each exposing ``run(cfg) -> list[Row]``; :mod:`bench.__main__` runs
 them in order and prints one table (metric, baseline, ckptkeeper, ratio, target, result).

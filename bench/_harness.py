@@ -1,6 +1,6 @@
 """What every benchmark shares: the result row, A/B alternation, medians, formatting, machine info.
 
-Conventions (issue 8): every target is a ratio against a baseline measured in the same run, on the
+Conventions: every target is a ratio against a baseline measured in the same run, on the
 same data, alternating A/B (A,B then B,A, … so drift on a shared machine hits both sides alike),
 median of ``reps`` runs. Absolute targets (latency, planning time, idle CPU) have no baseline of
 their own; their row shows ``-`` there.

@@ -16,7 +16,7 @@ small; time is simulated (file mtimes, ``now`` passed to the catalog, planner an
 
 A save that would take the hot tier over its budget fails (the disk is full) and is counted.
 
-Headroom (issue 19): the same node runs a second workload of bigger saves (5-15 % of the budget
+Headroom: the same node runs a second workload of bigger saves (5-15 % of the budget
 each) against watermarks at 90 % / 75 %, once watermark-only (``headroom = false``) and once with
 headroom on (the default), and counts the saves that failed for lack of space in each.
 Wasted bytes: what is still in hot at the end that nobody needs — partial checkpoints and every
@@ -343,7 +343,7 @@ def run(cfg: Config) -> list[Row]:
         b_waste, o_waste = base.wasted(runs_a), ours.wasted(runs_b)
         b_end, o_end = base.usage(), ours.usage()
         protected = ours.newest_bytes(runs_b)
-        # Headroom (issue 19): big saves against a 90 % watermark, watermark-only vs headroom on.
+        # Headroom: big saves against a 90 % watermark, watermark-only vs headroom on.
         big: dict[bool, Node] = {}
         for headroom in (False, True):
             big[headroom] = Node(root / f"headroom-{'on' if headroom else 'off'}", unit, budget, pid)

@@ -7,7 +7,7 @@ scan; the measurement window opens after the first scheduled retention and reap 
 start) and lasts 60 s (quick: 20 s). CPU is utime + stime of the daemon process (all threads) from
 /proc/PID/stat, RSS is VmRSS.
 
-Hookless runs (the pass rows, issue 17): the same HF checkpoints but no ``.ckptkeeper/`` — how most
+Hookless runs (the pass rows): the same HF checkpoints but no ``.ckptkeeper/`` — how most
 users start — settled (written 10 minutes before the daemon starts), so each run is ``active`` only
 until ``failed_after`` (2 h) past its newest write: a state the clock changes. 10k and 100k
 checkpoints (quick: 10k and 50k), retention and reap every few seconds so that several

@@ -1,4 +1,4 @@
-"""One node's pass in a crowded shared bucket (DESIGN §10: cost grows with what a node owns).
+"""One node's pass in a crowded shared bucket (docs/design.md, "Many nodes": cost grows with what a node owns).
 
 A moto S3 server on 127.0.0.1 holds ``nodes`` x ``per_node`` checkpoints in a ``shared`` tier
 (each node under ``<prefix>/<node>/``, a tiny manifest + data object each, plus every node's

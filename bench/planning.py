@@ -2,7 +2,7 @@
 loading one from the SQLite index (``Index.snapshot``).
 
 The synthetic node has 100 checkpoints per run (10k runs at 1M), every 100 steps, one hour apart,
-with the DESIGN §7 example policy (hot: last 2 + best 1 + watermarks; warm: last 10 within 7d;
+with the docs/design.md, "Contracts" example policy (hot: last 2 + best 1 + watermarks; warm: last 10 within 7d;
 cold: replicate, every 10000 steps, daily 30) and the reaper on. Checkpoints are spread over the
 three tiers as a node in steady state would have them; a fifth of the runs are finished, a tenth
 failed, a tenth stale, and the hot tier sits above its high watermark so the demotion pass runs too.

@@ -2,7 +2,7 @@
 
 bench/s3_transfer.py and bench/tier_move.py time the storage layer inside a worker; a user runs
 the CLI, which also imports, reads the config, recognises the hot tier, plans, journals, writes
-manifests and commits the index (issue 17). Here each side is one child process, started from
+manifests and commits the index. Here each side is one child process, started from
 nothing (forked from a small launcher, ``bench/_launch.py``, so its peak RSS is its own), and its
 whole life is read from ``os.wait4``: wall (spawn to exit), CPU
 (user + system, every thread) and peak RSS (``ru_maxrss``).

@@ -7,10 +7,10 @@ shell commands a cron job would use.
   i.e. ``LocalTierStorage.copy_from`` (one read → hash → write pass, source checked against its
   manifest, files and directories fsync-ed, manifest, atomic rename) and ``delete``.
 * same filesystem: hot and warm on disk. Baseline: ``mv`` + ``sync`` of both parent directories,
-  the durable equivalent of what the executor does (issue 17: a bare ``mv`` flushes nothing and
+  the durable equivalent of what the executor does (a bare ``mv`` flushes nothing and
   is shown for information only). ckptkeeper: the executor's rename path. The three sides rotate
   order every round (median of 15 in a full run).
-* the re-check of the survivor (issue #13): before the delete of a move, every other copy is
+* the re-check of the survivor: before the delete of a move, every other copy is
   checked in storage against the manifest (for S3 a GET of the manifest and one listing of the
   checkpoint's prefix; a HEAD only for an object the listing does not show as expected).
   Measured against what it guards, a hot → cold move through the executor (upload, verify,

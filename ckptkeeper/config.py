@@ -177,7 +177,7 @@ class TierConfig(_Strict):
     cost_per_gib_month: Price | None = None
     """What a GiB stored in this tier costs per month (any currency); shown by status and prune."""
     shared: bool = False
-    """Several nodes use this tier (DESIGN §10). An ``s3://`` tier (one bucket for a cluster):
+    """Several nodes use this tier (docs/design.md, "Many nodes"). An ``s3://`` tier (one bucket for a cluster):
     copies go under ``<prefix>/<node>/``. A local tier (a Lustre/NFS/Weka mount seen by several
     nodes, hot or warm): exactly one keeper acts on it at a time, the holder of its lease; the
     others only catalog it (:mod:`ckptkeeper.fleet.sharedfs`)."""
@@ -281,7 +281,7 @@ class DaemonConfig(_Strict):
 
 
 class FleetConfig(_Strict):
-    """Many nodes on one bucket (DESIGN §10): leases and node heartbeats in the shared tiers."""
+    """Many nodes on one bucket (docs/design.md, "Many nodes"): leases and node heartbeats in the shared tiers."""
 
     orphan_after: JobInterval = 7 * 86400.0
     """A node whose heartbeat object is older than this is gone: its litter (staging markers,
@@ -319,7 +319,7 @@ class Settings(BaseSettings):
     max_delete: Count = 100
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     node: str = Field(default_factory=lambda: _default_node())
-    """This node's name in shared tiers (DESIGN §10): recorded in every manifest and staging marker,
+    """This node's name in shared tiers (docs/design.md, "Many nodes"): recorded in every manifest and staging marker,
     and the key prefix of its copies in a ``shared`` tier."""
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)

@@ -298,7 +298,7 @@ class Executor(TrashSteps):
             return "written to since it was cataloged; it will be rescanned"
         # A copy the index marks damaged at the destination is replaced (the storage's own size
         # check cannot see bytes a scrub found wrong), unless another node wrote it: that one is
-        # reported, never deleted or rewritten by this node (DESIGN §10).
+        # reported, never deleted or rewritten by this node (docs/design.md, "Many nodes").
         replace = action.to_tier in row.damaged
         if replace:
             owner = self.index.location_owner(row.id, action.to_tier) or ""

@@ -1,4 +1,4 @@
-"""Shared fixtures: real S3 endpoints (moto over HTTP, DESIGN §9; SeaweedFS, and ``store``: a fresh
+"""Shared fixtures: real S3 endpoints (moto over HTTP, docs/design.md, "Tests"; SeaweedFS, and ``store``: a fresh
 bucket on each of the two) and a thread-leak guard.
 
 Keep this file to fixtures more than one test module needs; module-specific ones live beside

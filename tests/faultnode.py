@@ -13,7 +13,7 @@ injected at any instant lands in one of them:
   uploads warm→cold (300, 600), expiries from warm and from cold (100, 200);
 * a precious file outside every root, reachable through a symlink inside ``train``.
 
-:data:`GOLDEN` is where everything must end up (DESIGN §3 applied by hand, see below); every key of
+:data:`GOLDEN` is where everything must end up (docs/design.md, "Retention" applied by hand, see below); every key of
 it is a checkpoint the policy keeps and must never lose.
 """
 
@@ -223,7 +223,7 @@ class FaultNode:
         os.symlink(self.outside, self.hot / "train" / "link-out")
         # run `old` as this node left it after its hot dir was removed: copies with manifests in
         # warm (and step 100 in cold), written under this node's name (another node's copies are
-        # read-only to this node since DESIGN §10: tests/test_fleet_ownership.py)
+        # read-only to this node since docs/design.md, "Many nodes": tests/test_fleet_ownership.py)
         template_tier = TierStorage(tier("template", str(src)), hot=True)
         warm = TierStorage(tier("warm", str(self.warm)))
         cold = TierStorage(

@@ -1,4 +1,4 @@
-"""A slow, obviously-correct reference planner, straight from DESIGN §3 (and the README's notes on
+"""A slow, obviously-correct reference planner, straight from docs/design.md, "Retention" (and the README's notes on
 unknown tiers and never promoting), for tests/test_planner_reference.py.
 
 No caches, no fast paths, no incremental bookkeeping: each step is computed from its definition,

@@ -1,4 +1,4 @@
-"""Fleet stress mode (issue #14, DESIGN §10): many node processes, one S3 server, kill -9 everywhere.
+"""Fleet stress mode: many node processes, one S3 server, kill -9 everywhere.
 
     python tests/stress_fleet.py --nodes 50 --rounds 4 --seed 1
 

@@ -1,7 +1,7 @@
 """Hostile or broken input never makes ckptkeeper delete outside its roots, crash, or stop.
 
 * symlinks and hardlinks leading outside the roots (in hot and in warm), and directories swapped
-  for symlinks in the middle of a delete or a copy (DESIGN §8.4);
+  for symlinks in the middle of a delete or a copy (docs/design.md, safety invariant 4);
 * ``..`` and absolute paths in hook commit lines and in manifests of a slower tier;
 * NUL and non-UTF-8 bytes in names and in hook lines;
 * malformed ``commits.jsonl``, manifests and ``trainer_state.json`` — truncated, not objects, and

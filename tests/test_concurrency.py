@@ -1,4 +1,4 @@
-"""Concurrency (DESIGN §8.8): one executor at a time, and what another process does meanwhile.
+"""Concurrency (docs/design.md, safety invariant 8): one executor at a time, and what another process does meanwhile.
 
 * two ``prune`` at once: the second exits 11 (``--lock-timeout`` short) or waits and then runs;
 * ``prune`` while the daemon runs: whichever comes second skips or waits; the node converges;

@@ -1,4 +1,4 @@
-"""``kill -9`` at random instants (DESIGN §8.5): nothing kept is lost, nothing temporary is left.
+"""``kill -9`` at random instants (docs/design.md, safety invariant 5): nothing kept is lost, nothing temporary is left.
 
 Each trial builds a fresh :class:`faultnode.FaultNode` (local copies, same-filesystem renames,
 multipart uploads to S3, deletes from hot/warm/S3, reaps of a failed run and of temp artifacts all
@@ -12,7 +12,7 @@ happen in one prune), then SIGKILLs one process:
 
 Right after the kill every kept checkpoint must still be intact (byte-compared) in at least one
 committed location. Then a restart — ``prune``, or for half the daemon trials the daemon itself —
-must finish or undo the interrupted step: every checkpoint where DESIGN §3 puts it, every copy the
+must finish or undo the interrupted step: every checkpoint where docs/design.md, "Retention" puts it, every copy the
 index names intact, no staging names, orphan manifests, uncommitted S3 data or incomplete
 multipart uploads left, the file outside the roots untouched.
 

@@ -1,4 +1,4 @@
-"""Disk faults (DESIGN §8.6): a full warm tier, and a corrupt or unreadable index.
+"""Disk faults (docs/design.md, safety invariant 6): a full warm tier, and a corrupt or unreadable index.
 
 * ENOSPC while copying to warm — on a real 2 MiB tmpfs when this machine lets us mount one (root),
   and always through a fault seam in the local writer: the copy rolls back (no staging left), the
@@ -228,7 +228,7 @@ def test_garbage_index_daemon_rebuilds_at_start_holds_one_pass_and_keeps_the_pin
     small: Template, tmp_path: Path, s3_bucket: str, s3_client: Any
 ) -> None:
     """Nothing of the damaged index reads, but the pins live in the tiers too (pin objects beside
-    the manifests, DESIGN §10): the daemon rebuilds, its first pass only copies, and once every
+    the manifests, docs/design.md, "Many nodes"): the daemon rebuilds, its first pass only copies, and once every
     tier was listed the policy applies again — except to what was pinned."""
     node = FaultNode(tmp_path, small, endpoint=s3_client.meta.endpoint_url, bucket=s3_bucket)
     assert node.cli("prune").returncode == 0

@@ -1,4 +1,4 @@
-"""A misbehaving object store (DESIGN §8.6): the cold tier sits behind :mod:`faultproxy`.
+"""A misbehaving object store (docs/design.md, safety invariant 6): the cold tier sits behind :mod:`faultproxy`.
 
 * 20 % of requests fail (503 SlowDown, connection reset before or after the server acted, a body
   cut short) or are slowed down, from a seeded RNG: every move completes through bounded retries

@@ -190,7 +190,7 @@ def test_orbax_394_copies_that_lack_a_marker_are_never_deleted(tmp_path: Path) -
     Here: a warm copy with no manifest beside it (put there by hand, or by another tool), an Orbax
     dir committed the older way (``commit_success.txt``, no ``_CHECKPOINT_METADATA``), an Orbax dir
     with no marker at all but fresh (still being written), and one with no marker at all that is
-    old. Only the last may ever be reaped (DESIGN §4), and not before ``partial_after``."""
+    old. Only the last may ever be reaped (docs/design.md, "Reaper"), and not before ``partial_after``."""
     warm = tmp_path / "warm"
     node = Node(tmp_path, {"keep_last": 1}, local_tier("warm", warm, keep_last=2))
     foreign = warm / "orbax-run" / "7"

@@ -1,4 +1,4 @@
-"""Adoption of a gone node's copies (DESIGN §10, issue #14): the fleet lease holder applies the
+"""Adoption of a gone node's copies (docs/design.md, "Many nodes", issue #14): the fleet lease holder applies the
 shared tier's rules to the runs a node silent for ``fleet.orphan_after`` left in that tier.
 
 The decision is pure (:func:`ckptkeeper.core.adoption.plan_adoption`); the rest runs real node
@@ -78,7 +78,7 @@ def test_pins_the_last_good_copy_parts_and_other_nodes_copies_are_kept() -> None
     reasons = {k.step: k.reasons for k in plan.keep}
     assert reasons[1] == ("pinned",)
     assert reasons[3] == ("owned by node node-c: not ours",)
-    assert reasons[4] == ("part 1 of 2 of job j1: parts expire together (issue #15)",)
+    assert reasons[4] == ("part 1 of 2 of job j1: parts expire together",)
     assert "newest complete checkpoint of run" in reasons[6]  # the last good one: 7 is damaged
     assert reasons[7] == ("incomplete: never touched",)
 

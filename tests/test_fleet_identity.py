@@ -1,4 +1,4 @@
-"""Node identity (DESIGN §10): the ``node`` key, and the node recorded in manifests and staging markers."""
+"""Node identity (docs/design.md, "Many nodes"): the ``node`` key, and the node recorded in manifests and staging markers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Collision-proof keys (DESIGN §10): in a ``shared`` tier each node writes under ``<root>/<node>/``,
+"""Collision-proof keys (docs/design.md, "Many nodes"): in a ``shared`` tier each node writes under ``<root>/<node>/``,
 so two nodes with one run name never write the same keys; restore by run name works from any node
 and asks for ``--node`` when several hold a run of that name; a losing writer deletes only its own
 keys; copies of the single-node layout stay readable."""

@@ -1,5 +1,5 @@
 """The fleet lease by S3 conditional writes, node heartbeats, cleanup by the lease holder and the
-``fleet`` command (DESIGN §10), against a real S3 endpoint (moto over HTTP)."""
+``fleet`` command (docs/design.md, "Many nodes"), against a real S3 endpoint (moto over HTTP)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ownership (DESIGN §10): a node's own rules never delete a copy another node wrote.
+"""Ownership (docs/design.md, "Many nodes"): a node's own rules never delete a copy another node wrote.
 
 The planner part is pure (``Snapshot.foreign`` in, keeps with "owned by node B: not ours" out); the
 end-to-end part runs two real node processes — each with its own config, hot dir, index and

@@ -1,4 +1,4 @@
-"""A shared hot filesystem (DESIGN §10, the second topology): several keepers — real node
+"""A shared hot filesystem (docs/design.md, "Many nodes", the second topology): several keepers — real node
 processes, each with its own config, index and ``node`` — see one hot directory (``shared = true``);
 exactly one, the holder of the tier's lease, acts on it; the others only catalog and say so.
 

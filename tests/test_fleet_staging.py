@@ -1,4 +1,4 @@
-"""Staging markers carry a heartbeat and a node (DESIGN §10): nobody reaps another node's copy in
+"""Staging markers carry a heartbeat and a node (docs/design.md, "Many nodes"): nobody reaps another node's copy in
 progress; uploads are matched to their marker by upload id, not by the store's start time (moto
 reports a fixed one); a node never clears keys another node is copying to."""
 

@@ -1,4 +1,4 @@
-"""Hostile documents, fuzzed through the real ``scan`` and ``prune`` (issue #13, items 2 and 3).
+"""Hostile documents, fuzzed through the real ``scan`` and ``prune``.
 
 One test per document type ckptkeeper reads — a manifest beside a copy in a slower tier, a manifest
 someone left in hot, ``run.json``, ``commits.jsonl``, the heartbeat, a framework marker — each

@@ -84,8 +84,8 @@ def _index_at(path: Path, version: int) -> None:
 
 @pytest.mark.parametrize("version", [1, 2, 3], ids=["release-1", "quarantine-2", "node-3"])
 def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: int) -> None:
-    """Migration 2 is the quarantine table, 3 the copies' owning node (DESIGN §10), 4 the scrub's
-    last re-hash time per copy and its totals (issue #19): an index at version 3 gets 4 only; one
+    """Migration 2 is the quarantine table, 3 the copies' owning node (docs/design.md, "Many nodes"), 4 the scrub's
+    last re-hash time per copy and its totals: an index at version 3 gets 4 only; one
     at 1 gets 2, 3 then 4. Rows survive; existing copies, damaged or not, are this node's ('': the
     single-node default), as they were before, and were never re-hashed (scrubbed first). 5 adds
     the trash table (undo window), empty after an upgrade. 6 adds a checkpoint's node part (issue

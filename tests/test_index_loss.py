@@ -1,4 +1,4 @@
-"""A lost index loses nothing (DESIGN §8.10, §10; issue #13 items 4 and 5).
+"""A lost index loses nothing (docs/design.md, safety invariant 10, §10; issue #13 items 4 and 5).
 
 * Item 5: pin r@1, prune (warm holds it), delete the index, plain ``prune``: the pin used to live
   only in the index, and the next prune expired r@1 with exit 0. Pins are now also pin objects

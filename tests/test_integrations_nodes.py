@@ -1,4 +1,4 @@
-"""Framework callbacks in a job spanning nodes (issue #15): each node's local rank 0 writes.
+"""Framework callbacks in a job spanning nodes: each node's local rank 0 writes.
 
 A real 4-process job (gloo, CPU) split across 2 simulated nodes, launched as torchrun launches it
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``,

@@ -1,4 +1,4 @@
-"""Recognizers of DESIGN §5 on checkpoints written by the real libraries (torch, DCP, safetensors)
+"""Recognizers of docs/design.md, "Completeness" on checkpoints written by the real libraries (torch, DCP, safetensors)
 or as faithful fixtures (HF, DeepSpeed, Megatron, NeMo, Orbax): complete and partial variants,
 plus the traps — symlinks, temp names, shared steps, multi-matches, odd names."""
 

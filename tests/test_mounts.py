@@ -1,4 +1,4 @@
-"""Mount points under a tier root are never crossed, bind mounts included (DESIGN §8.4; issue #13
+"""Mount points under a tier root are never crossed, bind mounts included (docs/design.md, safety invariant 4; issue #13
 item 6).
 
 ``mount --bind outside/data hot/r/checkpoint-1/nested`` shares ``st_dev`` with the hot tier, so the

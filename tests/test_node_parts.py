@@ -1,4 +1,4 @@
-"""Checkpoints spanning nodes (issue #15, first slice): a node's part is never reaped as partial.
+"""Checkpoints spanning nodes: a node's part is never reaped as partial.
 
 A real torch DCP save by a gloo process group of 4 processes split across 2 simulated nodes (2
 ranks each, env vars as torchrun sets them), every rank saving to its own node's hot dir: node 1

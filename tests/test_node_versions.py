@@ -1,4 +1,4 @@
-"""A checkpoint spanning nodes is one version in a shared slower tier (issue #15, second slice).
+"""A checkpoint spanning nodes is one version in a shared slower tier.
 
 The real 2-node torch DCP job of ``test_node_parts`` (4 gloo processes, 2 per simulated node, the
 hook on every rank): each node gets its own config, hot dir, index and ``node``, all sharing one

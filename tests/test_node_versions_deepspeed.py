@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO checkpoint spanning 2 nodes is one version in a shared cold tier (issue #15).
+"""A DeepSpeed ZeRO checkpoint spanning 2 nodes is one version in a shared cold tier.
 
 The committed fixture ``tests/fixtures/deepspeed_nodes`` is what the real engine wrote
 (``generate.py`` beside it: ``deepspeed.initialize`` with ZeRO stage 1 on 2 gloo CPU ranks, one per

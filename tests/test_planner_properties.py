@@ -1,4 +1,4 @@
-"""Hypothesis properties of the planner over random snapshots and policies (DESIGN §8, §9).
+"""Hypothesis properties of the planner over random snapshots and policies (docs/design.md, "Safety invariants", §9).
 
 The planner is pure, so "carrying out a plan" is simulated on values: a copy adds its target tier
 to the checkpoint, a delete removes the tier (the index forgets a checkpoint left in no tier), a

@@ -1,4 +1,4 @@
-"""Reaper: run-state truth table, reap planning golden cases, and safety properties (DESIGN §4, §8).
+"""Reaper: run-state truth table, reap planning golden cases, and safety properties (docs/design.md, "Reaper", §8).
 
 Everything here is values in, values out: the reaper is pure, so no files and no clock.
 """
@@ -253,7 +253,7 @@ def test_keep_last_of_failed_keeps_several() -> None:
 
 def test_keep_last_of_failed_zero_still_keeps_newest_complete() -> None:
     """keep_last_of_failed=0 would leave a failed run with nothing to resume from; the newest
-    complete checkpoint of every run is protected whatever the rules (DESIGN §3), so it stays."""
+    complete checkpoint of every run is protected whatever the rules (docs/design.md, "Retention"), so it stays."""
     snapshot = Snapshot(runs=(run("r", RunState.FAILED),), checkpoints=(ckpt("r", 100), ckpt("r", 200)))
     d = reap(snapshot, replace(POLICY, keep_last_of_failed=0))
     assert d.reaped == {("r", 100)}
@@ -620,7 +620,7 @@ def test_summarize_reclaim() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Properties (DESIGN §8): protections hold on arbitrary snapshots; output is deterministic
+# Properties (docs/design.md, "Safety invariants"): protections hold on arbitrary snapshots; output is deterministic
 # --------------------------------------------------------------------------------------------
 
 RUN_NAMES = ("r0", "r1", "r2", "r3")

@@ -1,4 +1,4 @@
-"""The scrub job (issue #19, "verified fallback"): slower-tier copies re-hashed a little at a time.
+"""The scrub job: slower-tier copies re-hashed a little at a time.
 
 End to end through the CLI (subprocesses, real files, moto over HTTP): a byte flipped in a warm
 copy, or an S3 object overwritten with other bytes of the same size, is found by ``scrub`` (exit

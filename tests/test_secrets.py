@@ -1,4 +1,4 @@
-"""No secret in any output (DESIGN §8.8): S3 credentials never reach logs, errors or JSON.
+"""No secret in any output (docs/design.md, safety invariant 8): S3 credentials never reach logs, errors or JSON.
 
 Distinctive fake credentials go in through ``storage_options`` or the AWS environment variables;
 then every command runs with ``log_level = "debug"`` **and** the stdlib loggers of botocore,

@@ -1,4 +1,4 @@
-"""Settling uses ctime as well as mtime (issue #13 item 7).
+"""Settling uses ctime as well as mtime.
 
 A checkpoint copied into hot with ``cp -a`` / ``rsync -a`` keeps its old mtimes, so by mtime it
 looked settled mid-copy and a prune moved it half-done. ``utime`` cannot set ctime back: a tree

@@ -1,4 +1,4 @@
-"""DESIGN §3's worked example end to end: hot and warm on local disk, cold on a moto S3 server.
+"""docs/design.md, "Retention"'s worked example end to end: hot and warm on local disk, cold on a moto S3 server.
 
 Everything goes through the real CLI (`scan`, `prune`, `ls`, `restore`) and the real tiers; the
 assertions are about what a user sees: files where they should be, byte-identical restores, exit

@@ -1,4 +1,4 @@
-"""``fleet`` and the fleet's part of every prune pass (DESIGN §10), for tiers with ``shared = true``.
+"""``fleet`` and the fleet's part of every prune pass (docs/design.md, "Many nodes"), for tiers with ``shared = true``.
 
 Before a pass acts (:func:`before_pass`): this node's heartbeat object, so a node back from a long
 silence is not gone to a lease holder adopting its copies while this pass runs (one GET for the

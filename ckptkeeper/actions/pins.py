@@ -1,4 +1,4 @@
-"""``pin`` / ``unpin``: in the index, and as pin objects in every slower tier (DESIGN §10).
+"""``pin`` / ``unpin``: in the index, and as pin objects in every slower tier (docs/design.md, "Many nodes").
 
 The index alone is not a safe home for a pin: deleting it (``rm index.db*``) or losing it to
 corruption used to lose every pin, and the next prune expired what the user protected. A pin

@@ -151,7 +151,7 @@ def make_plan(
     elif any(t.shared for t in settings.tiers):
         from ckptkeeper.actions.versions import hold_parts_in_plan  # only for shared tiers
 
-        # A node's part goes (or expires) only as the whole version allows (issue #15).
+        # A node's part goes (or expires) only as the whole version allows.
         result = hold_parts_in_plan(settings, result, snapshot)
     return result
 

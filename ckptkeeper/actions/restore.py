@@ -170,7 +170,7 @@ class Restored:
     skipped: tuple[tuple[int, str], ...] = ()
     """``latest`` only: newer checkpoints passed over, each with why no tier gave a verified copy."""
     parts: tuple[tuple[int, str, int], ...] | None = None
-    """A checkpoint spanning nodes (issue #15): (part index, node, bytes) of each part fetched;
+    """A checkpoint spanning nodes: (part index, node, bytes) of each part fetched;
     None for an ordinary checkpoint."""
     count: int | None = None
     """Its number of parts (all of them are in ``path`` unless ``--part`` chose one)."""
@@ -202,7 +202,7 @@ def restore_to(
 ) -> Restored:
     """Materialise a verified copy from the fastest tier that holds it.
 
-    A checkpoint spanning nodes (issue #15) is restored whole from the shared tiers, all its parts
+    A checkpoint spanning nodes is restored whole from the shared tiers, all its parts
     gathered into ``to/<name>`` (:mod:`ckptkeeper.actions.restore_parts`); ``part`` fetches only
     that part; ``own_part`` (the resume helpers, in place) keeps to this node's own part.
 
@@ -456,7 +456,7 @@ def restore(
     ``"best"``: by ``metric`` (``mode`` ``"min"``, the default, or ``"max"``) when given; else the
     framework's own record (HF ``best_model_checkpoint``, Lightning ``best_model_path``); else the
     first tier that names a metric; else LookupError saying which options there are.
-    ``node`` picks another node's run of that name from the shared tiers (DESIGN §10).
+    ``node`` picks another node's run of that name from the shared tiers (docs/design.md, "Many nodes").
 
     ``to`` defaults to the run's directory in the hot tier: when the checkpoint is still there, that
     copy is returned as is; otherwise it is fetched (verified) from the fastest tier holding it.

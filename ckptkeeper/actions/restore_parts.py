@@ -1,4 +1,4 @@
-"""Restore a checkpoint spanning nodes (issue #15): all N parts gathered into one directory, or
+"""Restore a checkpoint spanning nodes: all N parts gathered into one directory, or
 one part (``--part K``), from the shared tiers.
 
 Which copy is part k is what the version's part record says (:mod:`ckptkeeper.core.versions`):

@@ -1,4 +1,4 @@
-"""``scrub``: re-hash a slice of the slower tiers' copies against their manifests (issue #19).
+"""``scrub``: re-hash a slice of the slower tiers' copies against their manifests.
 
 One pass, the same for ``ckptkeeper scrub`` and the daemon's ``scrub`` job: pick the copies
 verified longest ago within a byte budget (:func:`ckptkeeper.core.scrub.select_for_scrub`), read
@@ -9,7 +9,7 @@ one mechanism every damaged copy goes through (``ls`` shows it, ``status`` count
 ``latest()`` skip it, no delete leans on it, and the next prune copies it again from a good copy).
 Nothing is deleted here. A bad copy that is the checkpoint's only one stays where it is and is
 reported on every pass (exit 1, a ``status`` warning) until someone fixes or removes it; a bad
-copy another node wrote is reported, and left to that node (DESIGN §10).
+copy another node wrote is reported, and left to that node (docs/design.md, "Many nodes").
 
 Runs beside prunes without the executor lock: an outcome is recorded only if the location is
 still the one that was read (see :mod:`ckptkeeper.index.scrub`), so a copy the executor rewrote or

@@ -37,7 +37,7 @@ def deleted(settings: Settings, index: Index, run: str | None = None) -> list[di
     out = []
     for e, _manifest in index.trash(run):
         if e.node and settings.node and e.node != settings.node:
-            continue  # another node's (DESIGN §10): not ours to bring back
+            continue  # another node's (docs/design.md, "Many nodes"): not ours to bring back
         window = windows.get(e.tier)
         out.append(
             {

@@ -1,4 +1,4 @@
-"""Versions of checkpoints spanning nodes in the shared tiers (issue #15): the I/O around
+"""Versions of checkpoints spanning nodes in the shared tiers: the I/O around
 :mod:`ckptkeeper.core.versions`.
 
 * :func:`sync_records` (after every pass, beside the heartbeat): for each of this node's parts

@@ -1,5 +1,5 @@
 """What every command module shares: the invocation's :class:`Context`, :func:`fail`, JSON output
-and the exit codes of DESIGN §7.
+and the exit codes of docs/design.md, "Contracts".
 
 Imported at start-up by every command module, so it imports click and the standard library only:
 the config (pydantic) and the index are loaded on first use, which keeps ``ckptkeeper --help`` fast.

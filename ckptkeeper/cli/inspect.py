@@ -115,7 +115,7 @@ def _layout_text(layout: str, part: dict[str, Any] | None) -> str:
 
 
 def _versions(settings: Settings, rows: Sequence[Any]) -> dict[tuple[str, int, str], Any]:
-    """Each of this node's parts' version in the shared tiers it is in (issue #15): one listing
+    """Each of this node's parts' version in the shared tiers it is in: one listing
     of part records per run and tier, plus each record's manifest."""
     if not any(t.shared for t in settings.tiers):
         return {}

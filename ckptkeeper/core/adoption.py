@@ -1,4 +1,4 @@
-"""Adopting a gone node's copies (DESIGN §10): what the shared tier's rules expire among the copies
+"""Adopting a gone node's copies (docs/design.md, "Many nodes"): what the shared tier's rules expire among the copies
 a node silent for ``fleet.orphan_after`` left in that tier.
 
 Pure: the copies (what one listing of the node's prefix says: manifests, damage, pin objects), the
@@ -18,7 +18,7 @@ And, for adoption only:
   by node C: not ours``): only the gone node's own copies are adopted;
 * a copy that is one node's part of a checkpoint spanning nodes (its manifest names part k of N,
   N > 1) is kept: the parts of one version expire together, decided from a view of every part
-  (issue #15), never part by part by whoever adopts one node;
+ , never part by part by whoever adopts one node;
 * two copies of one run at one step (two names) are kept, both: the planner keys by step;
 * the tier's ``undo_window`` does not apply (the trash lives in the gone node's prefix, and no one
   would purge it): an adopted delete frees the copy for good, which is why it is only ever a copy
@@ -96,7 +96,7 @@ def plan_adoption(
         (m,) = group
         part = m.part
         if part is not None and (part.count or 1) > 1:
-            why = f"part {part.index} of {part.count} of job {part.job}: parts expire together (issue #15)"
+            why = f"part {part.index} of {part.count} of job {part.job}: parts expire together"
             held.append(Keep(run, step, tier.name, (why,)))
             continue
         if m.node and m.node != node:

@@ -1,4 +1,4 @@
-"""Step 6 of a plan: actions and keeps from desired vs actual (DESIGN §3).
+"""Step 6 of a plan: actions and keeps from desired vs actual (docs/design.md, "Retention").
 
 Copies go where a checkpoint is desired and absent, from the fastest known tier holding a verified
 copy; deletes where it is present and not desired, unless it is held (an unknown tier is involved).

@@ -1,4 +1,4 @@
-"""Step 7 of a plan: guards against a plan that looks like a mistake (DESIGN §3)."""
+"""Step 7 of a plan: guards against a plan that looks like a mistake (docs/design.md, "Retention")."""
 
 from __future__ import annotations
 

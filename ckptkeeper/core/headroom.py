@@ -1,5 +1,5 @@
 """Headroom for the next save: how many bytes the active runs' next checkpoints will need in the
-hot tier, so the planner can make room before a save fails for lack of space (issue 19).
+hot tier, so the planner can make room before a save fails for lack of space.
 
 Only the first (hot) tier needs the room: active runs write there. Only ACTIVE runs need it: a
 run that ended (finished, failed, stale) will not save again, and a run known only from slower

@@ -1,4 +1,4 @@
-"""The domain model of DESIGN §2 as plain, immutable data.
+"""The domain model of docs/design.md, "Domain model" as plain, immutable data.
 
 Nothing here performs I/O: the planner consumes these values and the shell (catalog, executor)
 produces them. Times are POSIX seconds (float, UTC) so the planner can take ``now`` as an argument.
@@ -277,7 +277,7 @@ class Artifact:
     """For multipart uploads: the id to abort."""
     node: str = ""
     """The node that wrote it when known (a staging marker names it; an upload is matched to its
-    marker by upload id); "" = this node or unknown (DESIGN §10)."""
+    marker by upload id); "" = this node or unknown (docs/design.md, "Many nodes")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +329,7 @@ class TierSpec:
     policy: TierPolicy
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     node: str = ""
-    """This node's name (DESIGN §10): written into manifests and staging markers; "" = unnamed."""
+    """This node's name (docs/design.md, "Many nodes"): written into manifests and staging markers; "" = unnamed."""
     shared: bool = False
     """Several nodes write this tier: this node's copies live under ``<node>/`` in it."""
     marker_beat: float = 60.0
@@ -414,7 +414,7 @@ class Snapshot:
     """Tiers whose listing failed: never read as empty, no delete may depend on them."""
     foreign: Mapping[tuple[str, int, str], str] = field(default_factory=dict)
     """(run, step, tier) -> node, for copies another node wrote (its manifest names that node):
-    read-only to this node's rules (DESIGN §10, :mod:`ckptkeeper.core.ownership`)."""
+    read-only to this node's rules (docs/design.md, "Many nodes", :mod:`ckptkeeper.core.ownership`)."""
     node: str = ""
     """This node's name: an artifact another node wrote (``Artifact.node``) is not ours to reap."""
     trash: tuple[TrashEntry, ...] = ()

@@ -1,4 +1,4 @@
-"""Ownership of copies (DESIGN §10): a copy belongs to the node that wrote it.
+"""Ownership of copies (docs/design.md, "Many nodes"): a copy belongs to the node that wrote it.
 
 A node's own rules (retention, expiry, reaping) delete only what it owns. In a tier several nodes
 write, the index may hold copies another node wrote (an older single-node bucket layout shared by

@@ -1,4 +1,4 @@
-"""The planner: index snapshot + tier policies + usage + ``now`` -> :class:`Plan` (DESIGN §3).
+"""The planner: index snapshot + tier policies + usage + ``now`` -> :class:`Plan` (docs/design.md, "Retention").
 
 One pure function, :func:`plan`, in the spirit of restic's ``ApplyPolicy``: no I/O, no clock, the
 same input always gives the same plan (whatever the order of the input), and every action and
@@ -34,7 +34,7 @@ How a plan is made, in order:
    same two rounds demote until it would, before the high watermark and without one.
 6. **Actions** from desired vs actual: copies to desired tiers lacking a verified copy, from the
    fastest known tier holding one; deletes from tiers holding a copy that is not desired there.
-6b. **Ownership** (DESIGN §10): a delete or reap of a copy another node wrote
+6b. **Ownership** (docs/design.md, "Many nodes"): a delete or reap of a copy another node wrote
    (``Snapshot.foreign``) becomes a keep, "owned by node B: not ours" (:mod:`ckptkeeper.core.ownership`);
    a staging marker or upload another node wrote is not reaped (only the fleet lease holder cleans it).
 7. **Guards**: ``max_delete`` and the empty-policy trap drop every delete and reap and set
@@ -193,7 +193,7 @@ def plan(
 
     keeps: Sequence[Keep] = Keeps(keep_parts)  # built on first read: the daemon's pass never reads them
 
-    # 6b. Ownership (DESIGN §10): copies another node wrote are never deleted by our rules.
+    # 6b. Ownership (docs/design.md, "Many nodes"): copies another node wrote are never deleted by our rules.
     if snapshot.foreign:
         deletes, reap_actions, keeps = without_foreign(deletes, reap_actions, keeps, snapshot.foreign, pos)
     if reap_actions and snapshot.node:

@@ -1,4 +1,4 @@
-"""The reaper (DESIGN §4): what failed, stale and interrupted work leaves behind.
+"""The reaper (docs/design.md, "Reaper"): what failed, stale and interrupted work leaves behind.
 
 Two pure functions and a reporting helper; no I/O and no clock (``now`` is an argument), so every
 decision is reproducible from a :class:`~ckptkeeper.core.model.Snapshot` and testable with plain values:
@@ -11,7 +11,7 @@ decision is reproducible from a :class:`~ckptkeeper.core.model.Snapshot` and tes
   actions, the keys it reaped (the retention planner leaves those alone) and why it spared others.
 - :func:`summarize_reclaim` totals reclaimed bytes per rule and per run — the headline users want.
 
-Safety first (DESIGN §3, §8): pinned checkpoints, the newest complete checkpoint of every run and
+Safety first (docs/design.md, "Retention", §8): pinned checkpoints, the newest complete checkpoint of every run and
 the parent of an active run are never reaped; nothing that was written to within
 ``partial_after`` is reaped (invariant 3: a checkpoint being written is never reaped); no action
 ever targets a tier whose listing failed, a tier that is not configured, or a path that could
@@ -365,7 +365,7 @@ def _reap_tiers(c: Checkpoint, hot: str | None) -> set[str]:
 def plan_reaps(
     snapshot: Snapshot, tiers: Sequence[TierSpec], policy: ReaperPolicy, now: float
 ) -> ReapDecision:
-    """Plan the reaping of waste (DESIGN §4) as REAP actions; pure and deterministic.
+    """Plan the reaping of waste (docs/design.md, "Reaper") as REAP actions; pure and deterministic.
 
     Checkpoints:
 
@@ -510,7 +510,7 @@ def _artifact_action(
 
 @dataclass(frozen=True, slots=True)
 class ReclaimSummary:
-    """Bytes won back by reaping, per rule id and per run (DESIGN §4: the headline number)."""
+    """Bytes won back by reaping, per rule id and per run (docs/design.md, "Reaper": the headline number)."""
 
     by_reason: dict[str, int]
     """Rule id → bytes, largest first."""

@@ -1,4 +1,4 @@
-"""Retention rules of DESIGN §3: one tiny object per rule, composed by union.
+"""Retention rules of docs/design.md, "Retention": one tiny object per rule, composed by union.
 
 Each rule looks at the checkpoints of **one run**, sorted by step, and says which of them it keeps
 and why (a human string that ``prune --dry-run`` prints verbatim, as restic's ``forget`` does).
@@ -8,7 +8,7 @@ Shared conventions, so every rule behaves the same way:
 
 * Only ``complete`` checkpoints count. A partial or corrupt checkpoint neither is selected nor takes
   a slot (``keep_last 2`` keeps the two newest *complete* ones); the planner protects those anyway.
-* "Newest" means the highest step: steps order numerically, never by name or mtime (DESIGN §2).
+* "Newest" means the highest step: steps order numerically, never by name or mtime (docs/design.md, "Domain model").
   Time only enters through ``created_at`` for ``keep_within`` and the calendar buckets.
 * Selections are keyed by step (the input is one run) and map to the rule's reason.
 
@@ -147,7 +147,7 @@ class _SelectsFromHistory:
 
 @dataclass(frozen=True, slots=True)
 class KeepAll(_SelectsFromHistory):
-    """What a tier without rules does: keep everything (DESIGN §3 "No rule = keep all")."""
+    """What a tier without rules does: keep everything (docs/design.md, "Retention" "No rule = keep all")."""
 
     @property
     def reason(self) -> str:

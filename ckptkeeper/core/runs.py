@@ -1,5 +1,5 @@
 """The planner's inputs, run by run: checkpoints grouped per run and sorted by step, and what
-protects some of them whatever the rules say (DESIGN §3: pinned, the newest complete checkpoint
+protects some of them whatever the rules say (docs/design.md, "Retention": pinned, the newest complete checkpoint
 of every run, the parent of an active run)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the scrub job re-hashes next (issue #19): pure, no I/O, ``now`` passed in.
+"""What the scrub job re-hashes next: pure, no I/O, ``now`` passed in.
 
 The slower tiers' copies are re-hashed a little at a time, oldest verification first, so that over
 successive passes every copy is covered and the one checked longest ago is always next. Hot copies

@@ -108,7 +108,7 @@ def purges(
     run: str | None,
 ) -> list[Action]:
     """PURGE actions for trash entries whose time has come, each with why; in (tier position,
-    deleted_at, path) order. Never one of another node's entries (DESIGN §10), nor in a tier whose
+    deleted_at, path) order. Never one of another node's entries (docs/design.md, "Many nodes"), nor in a tier whose
     listing failed or that is not configured (no URL to act on)."""
     out: list[tuple[tuple[int, float, str], Action]] = []
     for e in entries:

@@ -1,4 +1,4 @@
-"""A checkpoint spanning nodes is one version in a shared slower tier (issue #15, README
+"""A checkpoint spanning nodes is one version in a shared slower tier (README
 "Checkpoints spanning nodes").
 
 Each node copies its own part under its own prefix (``<root>/<node>/<run>/<name>``, its manifest

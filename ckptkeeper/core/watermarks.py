@@ -1,4 +1,4 @@
-"""Step 5 of a plan: watermarks and headroom (DESIGN §3, issue 19).
+"""Step 5 of a plan: watermarks and headroom (docs/design.md, "Retention").
 
 Tier by tier, fastest first, when a tier's usage (now, or projected after this plan) exceeds
 ``high_watermark``, its unprotected residents are demoted to the next tier, oldest first

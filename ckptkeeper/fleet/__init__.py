@@ -1,4 +1,4 @@
-"""Many nodes, one bucket (DESIGN §10): finding any node's copies, node heartbeats, the fleet lease.
+"""Many nodes, one bucket (docs/design.md, "Many nodes"): finding any node's copies, node heartbeats, the fleet lease.
 
 A layer of its own above ``storage`` (and ``config``), below ``executor``/``actions``: it speaks to the
 object store only through :class:`~ckptkeeper.storage.S3TierStorage` and decides with pure

@@ -1,4 +1,4 @@
-"""Adoption of a gone node's copies by the fleet lease holder (DESIGN §10, issue #14).
+"""Adoption of a gone node's copies by the fleet lease holder (docs/design.md, "Many nodes").
 
 A node whose heartbeat is older than ``fleet.orphan_after`` is gone; its copies in a shared tier
 would otherwise stay forever. The lease holder, after cleaning the node's litter

@@ -1,4 +1,4 @@
-"""Per-item claims: exactly one fleet lease holder deletes each gone node's item (DESIGN §10).
+"""Per-item claims: exactly one fleet lease holder deletes each gone node's item (docs/design.md, "Many nodes").
 
 The lease says who may delete; it cannot fence the delete itself (S3 deletes carry no token): a
 holder stalled between its last renewal and its delete finishes that delete after another node

@@ -1,4 +1,4 @@
-"""Fleet-wide cleanup by the lease holder (DESIGN §10): the staging markers and multipart uploads
+"""Fleet-wide cleanup by the lease holder (docs/design.md, "Many nodes"): the staging markers and multipart uploads
 of nodes that are gone — their heartbeat object is older than ``fleet.orphan_after`` — and whose
 own marker heartbeat is older than ``fleet.heartbeat_ttl`` (never a live copy).
 

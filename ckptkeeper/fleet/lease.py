@@ -1,4 +1,4 @@
-"""The fleet lease (DESIGN §10): one object, ``<root>/.ckptkeeper/lease``, written only with
+"""The fleet lease (docs/design.md, "Many nodes"): one object, ``<root>/.ckptkeeper/lease``, written only with
 conditional PUTs, so at most one node holds it at any time without a server of ours.
 
 * created with ``If-None-Match: *`` (the second of two racing creators gets 412);

@@ -1,4 +1,4 @@
-"""Node heartbeats (DESIGN §10): ``<root>/.ckptkeeper/nodes/<node>.json`` per node of a shared
+"""Node heartbeats (docs/design.md, "Many nodes"): ``<root>/.ckptkeeper/nodes/<node>.json`` per node of a shared
 tier, rewritten after each pass: last pass, version, runs held, the newest verified copy in the
 tier (for the RPO), so ``ckptkeeper fleet`` shows every node without listing every node's copies.
 
@@ -40,7 +40,7 @@ class NodeBeat:
     """The machine that wrote it: two machines writing one node's heartbeat share a ``node`` name."""
     keeper: str = ""
     """``host:index`` of the keeper that wrote it (shared filesystem tiers): two keepers with one
-    ``node`` name on one shared tier, even on one machine, is a config error (DESIGN §10)."""
+    ``node`` name on one shared tier, even on one machine, is a config error (docs/design.md, "Many nodes")."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -94,7 +94,7 @@ def write_beat(
 
 def name_clash(previous: NodeBeat | None, host: str, now: float, orphan_after: float) -> str | None:
     """Another machine wrote this node's heartbeat recently: two machines use one ``node`` name
-    (DESIGN §10: a config error; their copies would share keys). The message, or None (pure)."""
+    (docs/design.md, "Many nodes": a config error; their copies would share keys). The message, or None (pure)."""
     if previous is None or not previous.host or previous.host == host:
         return None
     if now - previous.last_pass > orphan_after:

@@ -1,4 +1,4 @@
-"""A shared hot (or warm) filesystem — Lustre, NFS, Weka — seen by several nodes (DESIGN §10, the
+"""A shared hot (or warm) filesystem — Lustre, NFS, Weka — seen by several nodes (docs/design.md, "Many nodes", the
 second topology): exactly one keeper acts on it at a time, the holder of its lease; the others
 only catalog it (``ls``, ``status``, ``restore`` work everywhere).
 
@@ -65,7 +65,7 @@ def keeper_clash(
 ) -> str | None:
     """This node's heartbeat on a shared filesystem tier was written by another keeper (another
     machine or another index) within ``orphan_after``: two keepers share one ``node`` name, a
-    config error (DESIGN §10) — their leases would be one. The message (naming ``node``), or None."""
+    config error (docs/design.md, "Many nodes") — their leases would be one. The message (naming ``node``), or None."""
     if previous is None or not previous.keeper or previous.keeper == keeper:
         return None
     if now - previous.last_pass > orphan_after:

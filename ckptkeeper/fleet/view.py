@@ -1,4 +1,4 @@
-"""Who holds a run in the shared tiers: the read side of DESIGN §10.
+"""Who holds a run in the shared tiers: the read side of docs/design.md, "Many nodes".
 
 In a ``shared`` tier every node writes under ``<root>/<node>/``; copies written before the tier was
 shared (the single-node layout, ``<root>/<run>/``) stay readable at the root. ``restore`` by run

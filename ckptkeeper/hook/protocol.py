@@ -26,7 +26,7 @@ File protocol (version 1), all under ``<run_dir>/.ckptkeeper/``:
 
 Durability trade-off: commits are *not* fsynced by default. ``write()`` lands in the page cache, which
 survives the training process dying; only a kernel crash or power loss can lose the newest lines, and
-then the catalog still recognizes the checkpoint from the framework's own completion marker (DESIGN §5).
+then the catalog still recognizes the checkpoint from the framework's own completion marker (docs/design.md, "Completeness").
 A training step is worth more than that line, so ``commit()`` stays in the tens of microseconds; pass
 ``fsync_commits=True`` to ``track_run`` to trade that for durability. State changes of ``run.json`` are
 rare and always fsynced.

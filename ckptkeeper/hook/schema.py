@@ -1,7 +1,7 @@
 """The one schema of everything ckptkeeper reads: the bounds of every field, in one place.
 
 Every byte read from a run dir, a manifest or a tier is untrusted (another node, a bug, an attacker;
-DESIGN §8.9). Each reader — the hook protocol's (``run.json``, ``commits.jsonl``, ``heartbeat``),
+docs/design.md, safety invariant 9). Each reader — the hook protocol's (``run.json``, ``commits.jsonl``, ``heartbeat``),
 the manifest parser of the core, the layout recognizers' markers — checks each field it keeps with
 the functions below, so a step of ``1e400`` or ``10**30``, a size of ``2**70`` or a NaN time is a
 :class:`SchemaError` naming the field, never an ``OverflowError`` or an SQLite ``IntegrityError``

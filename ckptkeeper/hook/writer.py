@@ -114,7 +114,7 @@ def _step_from_name(name: str) -> int | None:
 
 def _find_run_dir(checkpoint: str) -> str:
     """Nearest ancestor holding ``.ckptkeeper/run.json``; else the checkpoint's directory (the
-    framework's checkpoint dir, which is what a run dir is by DESIGN §7)."""
+    framework's checkpoint dir, which is what a run dir is by docs/design.md, "Contracts")."""
     parent = os.path.dirname(checkpoint)
     here = parent
     for _ in range(8):
@@ -317,7 +317,7 @@ class TrackedRun:
         must be real numbers (``float()``-able: Python, numpy or 0-d torch scalars) — anything else is a
         bug and raises ``TypeError`` at the first commit — but NaN/inf are *dropped* with a warning: a
         diverged loss is a runtime fact that must not kill training, and a checkpoint without the metric
-        is never "best" yet never punished either (DESIGN §3).
+        is never "best" yet never punished either (docs/design.md, "Retention").
 
         Raises ``ValueError``/``TypeError`` on bad arguments and ``OSError`` if the line cannot be written
         (a full disk): the caller asked for a record and did not get one.
@@ -345,7 +345,7 @@ class TrackedRun:
 
     def fail(self, reason: str) -> None:
         """Mark the run failed with a human-readable ``reason`` (the reaper then keeps only its newest
-        complete checkpoints, DESIGN §4)."""
+        complete checkpoints, docs/design.md, "Reaper")."""
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         self._end(FAILED, reason)

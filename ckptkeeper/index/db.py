@@ -241,7 +241,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
         """Record that the copy in ``tier`` is damaged (see :data:`~ckptkeeper.index.rows.DAMAGED`).
 
         The copy keeps its owner: ``node`` when the manifest was just read, else the node already
-        recorded (a damaged copy another node wrote is still that node's: DESIGN §10).
+        recorded (a damaged copy another node wrote is still that node's: docs/design.md, "Many nodes").
         """
         self._exec(
             """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node) VALUES (?, ?, ?, ?, ?)
@@ -279,7 +279,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
 
     def tier_holdings(self, tier: str, node: str = "") -> tuple[int, int, float | None]:
         """(runs, checkpoints, newest ``created_at``) with a verified copy in ``tier`` written by this
-        node (location node '' or ``node``): what a node heartbeat reports (DESIGN §10)."""
+        node (location node '' or ``node``): what a node heartbeat reports (docs/design.md, "Many nodes")."""
         row = self._exec(
             """SELECT COUNT(DISTINCT c.run), COUNT(*), MAX(c.created_at) FROM locations l
                JOIN checkpoints c ON c.id = l.checkpoint_id
@@ -303,7 +303,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
 
         A tier whose last listing failed, or that was never listed, is unknown: the planner must
         not read its absence of copies as "empty". With ``node`` (this node's name), copies whose
-        manifest names another node are reported in ``Snapshot.foreign`` (DESIGN §10).
+        manifest names another node are reported in ``Snapshot.foreign`` (docs/design.md, "Many nodes").
         """
         with self._lock:
             self._db.execute("BEGIN")

@@ -109,12 +109,12 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX quarantine_run ON quarantine (tier, run);
     """,
     # 2 -> 3: the node that wrote each copy (its manifest's ``node``; '' = this node or unknown),
-    # so the planner never lets this node's rules delete another node's copy (DESIGN §10).
+    # so the planner never lets this node's rules delete another node's copy (docs/design.md, "Many nodes").
     """
     ALTER TABLE locations ADD COLUMN node TEXT NOT NULL DEFAULT '';
     ALTER TABLE artifacts ADD COLUMN node TEXT NOT NULL DEFAULT '';
     """,
-    # 3 -> 4: the scrub job (issue #19). ``scrubbed_at``: when the copy's bytes were last re-hashed
+    # 3 -> 4: the scrub job. ``scrubbed_at``: when the copy's bytes were last re-hashed
     # against its manifest (or written and hashed by a copy); NULL = never since it was recorded, so
     # such copies are scrubbed first. ``scrub_totals``: cumulative bytes re-hashed and bad copies
     # found per tier, the counters ``ckptkeeper_scrub_*_total`` (they survive daemon restarts).
@@ -145,7 +145,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX trash_run_step ON trash (run, step);
     """,
-    # 5 -> 6: a node's share of a checkpoint spanning nodes (issue #15): JSON of
+    # 5 -> 6: a node's share of a checkpoint spanning nodes: JSON of
     # ``core.model.NodePart`` (``{"note", "job", "index", "count"}``), NULL for a whole checkpoint.
     """
     ALTER TABLE checkpoints ADD COLUMN part TEXT;

@@ -1,4 +1,4 @@
-"""What the scrub job reads and records (issue #19): every slower-tier copy with the time its bytes
+"""What the scrub job reads and records: every slower-tier copy with the time its bytes
 were last re-hashed, the outcome of each re-hash, and the cumulative totals behind the metrics.
 
 A bad copy is recorded the way every damaged copy is (:data:`~ckptkeeper.index.rows.DAMAGED` in the

@@ -107,7 +107,7 @@ class SlowerTiers:
             )
             self.index.replace_quarantine(tier_name, held, kinds=["manifest"])
             report.quarantined += record_trash(self.index, tier_name, trash)
-            # Pins live in the tiers too (DESIGN §10): one stored here and missing from the index
+            # Pins live in the tiers too (docs/design.md, "Many nodes"): one stored here and missing from the index
             # (a lost or rebuilt index, another node's pin) is a pin. Never unpins.
             restored = self.index.pin_by_name(sorted(pins))
             if restored:
@@ -153,7 +153,7 @@ class SlowerTiers:
             cid = row.id
             if error is None and known.get(key, (0, ""))[1] == manifest.digest:
                 report.unchanged += 1
-        # the copy's owner (DESIGN §10) is recorded damaged or not: a damaged copy another node
+        # the copy's owner (docs/design.md, "Many nodes") is recorded damaged or not: a damaged copy another node
         # wrote is still that node's, never this node's to delete
         if error is None and _scrub_found_bad(known.get(key), manifest, row):
             # A listing checks sizes; the scrub re-hashed the bytes and found them wrong. Only a

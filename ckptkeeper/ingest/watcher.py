@@ -14,7 +14,7 @@ is disk-bound anyway):
 - other writes coalesce: the run is reconciled once it has been quiet for ``quiet`` seconds, or
   ``max_wait`` after the first unprocessed event while a long write keeps it busy;
 - a checkpoint whose framework marker is present but that was written less than
-  ``settle_seconds`` ago stays ``writing`` (DESIGN §5); the worker re-reconciles the run at
+  ``settle_seconds`` ago stays ``writing`` (docs/design.md, "Completeness"); the worker re-reconciles the run at
   ``last_write + settle_seconds`` so it turns complete without needing another event;
 - the hook's heartbeat, ``run.json`` temp files and our own ``*.ckptkeeper-tmp*`` staging are
   ignored: they change every few seconds or are written by us, and must never cause work storms.

@@ -6,7 +6,7 @@ Usage::
     trainer = Trainer(callbacks=[ModelCheckpoint(dirpath=..., save_top_k=-1), KeeperCallback()])
 
 Run dir: each ``ModelCheckpoint``'s resolved ``dirpath`` — the directory the ``.ckpt`` files land in
-(DESIGN §7: the run dir is the framework's checkpoint dir). For Lightning's default that is
+(docs/design.md, "Contracts": the run dir is the framework's checkpoint dir). For Lightning's default that is
 ``<default_root_dir>/lightning_logs/version_N/checkpoints``. Several ``ModelCheckpoint`` callbacks with
 different ``dirpath``s give one tracked run each. ``KeeperCallback(run_dir=...)`` overrides it.
 

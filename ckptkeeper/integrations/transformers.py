@@ -8,7 +8,7 @@ Usage::
     with keeper:                # optional: an exception in train() marks the run failed right away
         trainer.train()
 
-Run dir: ``args.output_dir``, where ``Trainer`` writes ``checkpoint-<global_step>/`` (DESIGN §7: the run dir
+Run dir: ``args.output_dir``, where ``Trainer`` writes ``checkpoint-<global_step>/`` (docs/design.md, "Contracts": the run dir
 is the framework's checkpoint dir); ``KeeperCallback(run_dir=...)`` overrides it. Hyper-parameter search
 trials save under ``<output_dir>/<trial>/checkpoint-N``; those stay inside the run dir and are found too.
 

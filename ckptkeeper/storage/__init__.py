@@ -3,7 +3,7 @@
 One interface (:class:`TierStorage`) over two backends, picked from the tier URL:
 
 * **local** paths (``/mnt/warm/ckpt`` or ``file:///…``) use plain ``os`` calls on directory file
-  descriptors rather than fsspec's LocalFileSystem, because the safety invariants of DESIGN §8 need
+  descriptors rather than fsspec's LocalFileSystem, because the safety invariants of docs/design.md, "Safety invariants" need
   ``O_NOFOLLOW`` walks, ``fsync`` of files *and* directories, ``rename`` inside one directory and
   ``st_dev`` checks that fsspec does not expose;
 * **S3** (``s3://bucket/prefix``) uses s3fs only for what it does well — a configured aiobotocore
@@ -11,7 +11,7 @@ One interface (:class:`TierStorage`) over two backends, picked from the tier URL
   memory stays bounded and every part carries a checksum computed in the same pass as the content
   hash.
 
-Layout of a slower tier (DESIGN §7): ``<root>/<run>/<name>`` (a directory or a single file; ``name``
+Layout of a slower tier (docs/design.md, "Contracts"): ``<root>/<run>/<name>`` (a directory or a single file; ``name``
 may contain ``/``) plus ``<root>/<run>/<name>.ckptkeeper-manifest.json`` beside it. The hot tier
 (``hot=True``) holds no manifests: the catalog hashes it itself.
 

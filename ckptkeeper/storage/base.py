@@ -1,5 +1,5 @@
 """The bottom of the storage package: errors, shared constants, checks of tier-relative paths and
-of manifests (a tier is untrusted input, DESIGN §8.9), and the protocols of readers, writers and sinks.
+of manifests (a tier is untrusted input, docs/design.md, safety invariant 9), and the protocols of readers, writers and sinks.
 
 Every other module of the package builds on this one; it imports none of them.
 """
@@ -24,7 +24,7 @@ log = logging.getLogger("ckptkeeper.storage")
 
 STAGING_KIND = "ckptkeeper-staging"
 PIN_SUFFIX = ".ckptkeeper-pin.json"
-"""A pin object beside a checkpoint's manifest, ``<run>/<name>.ckptkeeper-pin.json`` (DESIGN §10):
+"""A pin object beside a checkpoint's manifest, ``<run>/<name>.ckptkeeper-pin.json`` (docs/design.md, "Many nodes"):
 pins survive a lost index, and other nodes see them. Written to every slower tier on ``pin``
 (whether or not the tier holds a copy yet), removed on ``unpin``, read back by every listing."""
 _MAX_PIN_BYTES = 64 * 1024

@@ -423,7 +423,7 @@ class LocalTierStorage(TierStorage):
 
     def _drop_damaged(self, manifest: Manifest, known_bad: bool = False) -> bool:
         """Before a rename onto ``manifest``'s path, which exists: remove it if it is a damaged
-        copy of this very version (a committed manifest over missing or changed files, issue #13),
+        copy of this very version (a committed manifest over missing or changed files),
         as :meth:`copy_from` does; True if something else is there (the caller refuses)."""
         rel = _rel_of(manifest)
         existing = None if self.hot else self.read_manifest(rel)
@@ -569,7 +569,7 @@ class LocalTierStorage(TierStorage):
 
 def _damage_at(dir_fd: int, base: str, rel: str, manifest: Manifest) -> list[str]:
     """What of ``manifest`` is not under ``base`` in ``dir_fd``: one ``lstat`` per file, the cost
-    of keeping a listing from reporting a copy whose data is gone (issue #13). A vanished file
+    of keeping a listing from reporting a copy whose data is gone. A vanished file
     is damage; any other error makes the listing fail (unknown, not damaged)."""
     if manifest.is_dir and manifest.files:
         try:

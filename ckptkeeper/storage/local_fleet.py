@@ -1,5 +1,5 @@
 """The fleet's side of a shared *filesystem* tier (Lustre, NFS, Weka seen by several nodes;
-DESIGN §10): small objects under ``<root>/.ckptkeeper/`` — node heartbeats, and the lease when no
+docs/design.md, "Many nodes"): small objects under ``<root>/.ckptkeeper/`` — node heartbeats, and the lease when no
 shared S3 tier can hold it — with the same conditional-write contract as
 :class:`~ckptkeeper.storage.s3_fleet.FleetObjects`, built from the filesystem's own atomic steps:
 

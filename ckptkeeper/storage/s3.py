@@ -108,7 +108,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
         """The tier URL's prefix: the bucket-wide root every node of a shared tier shares."""
         self.prefix = self.root_prefix
         """Where this tier object reads and writes copies: the root, or ``<root><node>/`` in a
-        shared tier (DESIGN §10: one node's keys can never be another's)."""
+        shared tier (docs/design.md, "Many nodes": one node's keys can never be another's)."""
         self.read_only = False
         if spec.shared:
             if not spec.node:
@@ -247,7 +247,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
                 out.append((rel, None, str(exc)))
                 continue
             # The listing already holds every object's size: a manifest over missing data costs
-            # no request to catch, and must not be reported as a copy (issue #13).
+            # no request to catch, and must not be reported as a copy.
             base = key[: -len(MANIFEST_SUFFIX)]
             present: dict[str, int | None] = {
                 e.path: sizes.get(f"{base}/{e.path}" if e.path else base) for e in manifest.files
@@ -335,7 +335,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     def delete(self, rel_path: str, *, adopt: bool = False) -> int:
         """Marker, then manifest (de-commit), then data; the marker goes last.
 
-        A copy whose manifest names another node is refused (DESIGN §10: another node's copies
+        A copy whose manifest names another node is refused (docs/design.md, "Many nodes": another node's copies
         are read-only here) unless ``adopt`` (the fleet lease holder cleaning an orphan).
         """
         self._check_writable(f"delete of {rel_path}")

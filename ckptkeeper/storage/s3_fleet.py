@@ -1,4 +1,4 @@
-"""The fleet's side of a shared S3 tier (DESIGN §10): its own small objects, the lease and node
+"""The fleet's side of a shared S3 tier (docs/design.md, "Many nodes"): its own small objects, the lease and node
 heartbeats under ``<root>/.ckptkeeper/``, written with conditional PUTs (``If-None-Match`` /
 ``If-Match``); and views of the bucket beyond this node's prefix (other nodes' copies, the
 single-node layout at the root).
@@ -94,7 +94,7 @@ class FleetObjects(S3Objects):
         _split_rel(name, "fleet object name")
         return f"{self.root_prefix}{FLEET_DIR}/{name}"
 
-    # -- the fleet's view of a shared bucket (DESIGN §10) ---------------------------------------
+    # -- the fleet's view of a shared bucket (docs/design.md, "Many nodes") ---------------------------------------
 
     def view(self, node: str | None) -> Self:
         """A read-only view of ``node``'s copies (``<root><node>/``), or with None of the
@@ -109,7 +109,7 @@ class FleetObjects(S3Objects):
 
     def adopt(self, node: str) -> Self:
         """A writable view of ``node``'s prefix, for the fleet lease holder cleaning a gone node's
-        litter (DESIGN §10); its deletes are this node's, under the lease."""
+        litter (docs/design.md, "Many nodes"); its deletes are this node's, under the lease."""
         other = self.view(node)
         other.read_only = False
         return other

@@ -1,5 +1,5 @@
 """Staging in an S3 tier: staging markers, interrupted copies and abandoned multipart uploads,
-found by one listing and matched to their markers (DESIGN §10: each carries its node), for the
+found by one listing and matched to their markers (docs/design.md, "Many nodes": each carries its node), for the
 reaper to discard or abort.
 
 A mixin of :class:`~ckptkeeper.storage.s3.S3TierStorage` (kept apart so the backend module stays
@@ -65,7 +65,7 @@ class StagingObjects(S3Objects):
 
     def _other_writers(self, key: str) -> list[str]:
         """Other nodes with a staging marker on ``key`` (a copy in progress, or its litter):
-        their data and uploads there are not ours to clear (DESIGN §10)."""
+        their data and uploads there are not ours to clear (docs/design.md, "Many nodes")."""
         if not self.node:
             return []
         markers = [o["Key"] for o in self._list_objects(key + STAGING_MARK)]

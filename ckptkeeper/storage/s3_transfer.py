@@ -122,7 +122,7 @@ class _S3Reader:
 class _S3Sink:
     """Data at final keys, marker first, manifest last (the commit point).
 
-    The marker is a heartbeat (DESIGN §10): it is rewritten at least every :attr:`beat_every`
+    The marker is a heartbeat (docs/design.md, "Many nodes"): it is rewritten at least every :attr:`beat_every`
     seconds while the copy runs and whenever a multipart upload starts, recording the node and
     the ids of its uploads; its ``LastModified`` (the store's clock) is how old the copy looks to a
     reaper, and the ids tie each upload to it (a store's upload start time proves nothing: moto
@@ -298,7 +298,7 @@ class _S3Sink:
         try:
             # Only objects this copy stored and nobody replaced since (same ETag), and only its
             # own upload (the writer aborted it): a concurrent writer of the same key keeps its
-            # data and its uploads (DESIGN §10: a losing writer deletes only its own keys).
+            # data and its uploads (docs/design.md, "Many nodes": a losing writer deletes only its own keys).
             self.tier._delete_keys(self._still_ours())
             current = self.writer
             unknown = [k for k in self.uncertain if k not in self.landed]
@@ -356,7 +356,7 @@ class _GuardedWriter:
 
 
 def _marker_doc(op: str, rel: str, is_dir: bool | None, node: str) -> dict[str, Any]:
-    """A staging marker's body: who is copying what (``node``: DESIGN §10, so another node's
+    """A staging marker's body: who is copying what (``node``: docs/design.md, "Many nodes", so another node's
     reaper can tell whose marker it is)."""
     now = time.time()
     return {

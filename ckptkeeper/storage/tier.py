@@ -45,7 +45,7 @@ class TierStorage:
     is_local: bool
     hot: bool
     node: str
-    """This node's name (DESIGN §10): the writer recorded in the manifests of copies it makes."""
+    """This node's name (docs/design.md, "Many nodes"): the writer recorded in the manifests of copies it makes."""
 
     fetch_workers: ClassVar[int] = 1
     """Files of one checkpoint :meth:`fetch` copies at once. A backend whose reads wait on the
@@ -203,7 +203,7 @@ class TierStorage:
         """
         _check_manifest(manifest)
         if self.node and not self.hot and manifest.node != self.node:
-            # A copy belongs to the node that wrote it (DESIGN §10); the digest is content only.
+            # A copy belongs to the node that wrote it (docs/design.md, "Many nodes"); the digest is content only.
             manifest = dataclasses.replace(manifest, node=self.node)
         rel = _rel_of(manifest)
         if not self.hot:

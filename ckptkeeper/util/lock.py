@@ -1,6 +1,6 @@
 """Advisory ``flock`` locks beside the index: one daemon per index, one executor at a time.
 
-Two locks, because they protect different things (DESIGN §8.8):
+Two locks, because they protect different things (docs/design.md, safety invariant 8):
 
 - ``<index>.daemon.lock`` is held for the daemon's whole life. A second daemon on the same index
   would double every watcher reconcile and every scheduled prune, so it refuses to start.

@@ -1,4 +1,4 @@
-"""Mount points under a tier root, read from the kernel's mount table (DESIGN §8.4).
+"""Mount points under a tier root, read from the kernel's mount table (docs/design.md, safety invariant 4).
 
 ``st_dev`` checks stop a walk at another filesystem, but a bind mount of a directory of the *same*
 filesystem (``mount --bind outside/data hot/run/ckpt/nested``) has the same ``st_dev`` as its

@@ -1,4 +1,4 @@
-"""Recognizers of DESIGN §5: which paths under a run directory are checkpoints, and are they complete.
+"""Recognizers of docs/design.md, "Completeness": which paths under a run directory are checkpoints, and are they complete.
 
 Filesystem events fire on half-written files, so every framework's own completion marker is checked
 here; the catalog adds the ``settle_seconds`` rule on top (``Candidate.last_write``) and the hook's

@@ -376,7 +376,7 @@ def _numeric(items: Iterable[tuple[Any, Any]]) -> tuple[dict[str, float], list[s
 
 
 # --------------------------------------------------------------------------------------------------
-# Recognizers: one small class per layout of DESIGN §5
+# Recognizers: one small class per layout of docs/design.md, "Completeness"
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ def _artifact_kind(node: _Node) -> str | None:
 def _classify(node: _Node, run: str) -> _Outcome:
     mode = node.st.st_mode
     if stat.S_ISLNK(mode):
-        return "skip"  # never followed: a link may lead out of the tier (DESIGN §8.4)
+        return "skip"  # never followed: a link may lead out of the tier (docs/design.md, safety invariant 4)
     kind = _artifact_kind(node)
     if kind is not None:
         return _Art(kind)
