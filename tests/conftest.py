@@ -258,3 +258,111 @@ def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
         region_name="us-east-1",
     ).create_bucket(Bucket=bucket)  # fmt: skip
     return bucket, {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+
+
+# --------------------------------------------------------------------------------------------
+# Test kinds: every test module is one kind, marked so a subset can be chosen (`make fast` runs
+# `pytest -m unit`). A new module must be added here: an unclassified one fails the collection,
+# so the fast subset never silently loses or gains a slow module.
+#   unit         in-process: pure core, planner, config, index, layouts on temp files; no server,
+#                no subprocess (the fast subset: under 60 s on 2 cores)
+#   integration  real parts: the moto/SeaweedFS S3 servers, the CLI as a subprocess, the daemon,
+#                real inotify, several node processes
+#   e2e          whole stories: real frameworks training, crash and fault loops, stress, demos
+
+TEST_KINDS: dict[str, str] = {
+    # unit
+    "test_best_ranking": "unit",
+    "test_config": "unit",
+    "test_cost": "unit",
+    "test_framework_names": "unit",
+    "test_headroom": "unit",
+    "test_index": "unit",
+    "test_index_snapshot": "unit",
+    "test_keeps": "unit",
+    "test_layouts": "unit",
+    "test_planner": "unit",
+    "test_planner_properties": "unit",
+    "test_planner_reaper_view": "unit",
+    "test_planner_reference": "unit",
+    "test_reaper": "unit",
+    "test_retention_properties": "unit",
+    "test_s3_client": "unit",
+    "test_undo_window_plan": "unit",
+    "test_util_gc": "unit",
+    "test_versions_core": "unit",
+    # integration
+    "test_bad_input": "integration",
+    "test_concurrency": "integration",
+    "test_copy_paths": "integration",
+    "test_daemon": "integration",
+    "test_daemon_schedule": "integration",
+    "test_deploy": "integration",
+    "test_field_regressions": "integration",
+    "test_fleet_adopt": "integration",
+    "test_fleet_contract": "integration",
+    "test_fleet_identity": "integration",
+    "test_fleet_keys": "integration",
+    "test_fleet_lease": "integration",
+    "test_fleet_lease_reuse": "integration",
+    "test_fleet_ownership": "integration",
+    "test_fleet_sharedfs": "integration",
+    "test_fleet_staging": "integration",
+    "test_hook": "integration",
+    "test_hookless_schedule": "integration",
+    "test_hostile_docs": "integration",
+    "test_hostile_repros": "integration",
+    "test_index_loss": "integration",
+    "test_lineage": "integration",
+    "test_mounts": "integration",
+    "test_node_parts": "integration",
+    "test_operator_cli": "integration",
+    "test_operator_ops": "integration",
+    "test_policy_held": "integration",
+    "test_preflight": "integration",
+    "test_s3_concurrent_puts": "integration",
+    "test_s3_landed": "integration",
+    "test_scan_cli": "integration",
+    "test_scrub": "integration",
+    "test_secrets": "integration",
+    "test_settle_ctime": "integration",
+    "test_storage": "integration",
+    "test_survivor_recheck": "integration",
+    "test_undo_window": "integration",
+    "test_watcher": "integration",
+    # e2e
+    "test_bench_smoke": "e2e",
+    "test_daemon_e2e": "e2e",
+    "test_demo_output": "e2e",
+    "test_faults_crash": "e2e",
+    "test_faults_disk": "e2e",
+    "test_faults_s3": "e2e",
+    "test_fleet_cli_stores": "e2e",
+    "test_fleet_stress": "e2e",
+    "test_framework_fixtures": "e2e",
+    "test_integrations": "e2e",
+    "test_integrations_nodes": "e2e",
+    "test_node_versions": "e2e",
+    "test_node_versions_deepspeed": "e2e",
+    "test_reaper_campaign": "e2e",
+    "test_rename_crash": "e2e",
+    "test_tiering_e2e": "e2e",
+    "test_training_e2e": "e2e",
+    "test_watermark_e2e": "e2e",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unclassified: set[str] = set()
+    for item in items:
+        module = item.path.stem
+        kind = TEST_KINDS.get(module)
+        if kind is None:
+            unclassified.add(module)
+        else:
+            item.add_marker(getattr(pytest.mark, kind))
+    if unclassified:
+        raise pytest.UsageError(
+            "test modules missing from TEST_KINDS in tests/conftest.py (unit, integration or e2e): "
+            + ", ".join(sorted(unclassified))
+        )
