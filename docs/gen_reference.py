@@ -1,12 +1,14 @@
 """Generate the reference pages of the manual from the code: one source, never hand-copied.
 
-    python docs/gen_reference.py            # writes docs/reference/{configuration,cli,metrics}.md
+    python docs/gen_reference.py     # writes docs/reference/{configuration,cli,metrics,bench-table}.md
 
 - configuration: the pydantic settings models of :mod:`ckptkeeper.config` (every key, its type,
   default, environment variable and description: the attribute docstring under the field);
 - cli: the click commands registered on :data:`ckptkeeper.cli.app.main` (usage, help, options);
 - metrics: every metric family the daemon defines (read from the source of ``ckptkeeper/`` with
-  :mod:`ast`, so a metric added anywhere appears here and in the dashboard/alert checks).
+  :mod:`ast`, so a metric added anywhere appears here and in the dashboard/alert checks);
+- bench-table: the table of the latest full ``python -m bench`` run, from its ``--json`` document
+  ``docs/bench/latest.json``, included by ``docs/performance.md``.
 
 The generated pages are not committed (``.gitignore``); ``.ci/docs.sh`` runs this before
 ``mkdocs build --strict``. ``tests/test_docs.py`` imports the same functions.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import re
 import sys
 import types
@@ -213,7 +216,17 @@ def _param_type(param: Any) -> str:
 
     if isinstance(param, click.Option) and param.is_flag:
         return "flag"
-    return param.type.name.upper() if param.type.name else ""
+    return (param.type.name.upper() if param.type.name else "").replace("|", "\\|")
+
+
+def _option_default(opt: Any) -> str:
+    if opt.required:
+        return "required"
+    default = opt.default
+    # click 8.2+ marks "no default" with a sentinel object of its own
+    if opt.is_flag or default is None or default == () or type(default).__name__ == "Sentinel":
+        return ""
+    return f"`{default}`"
 
 
 def cli_page() -> str:
@@ -256,8 +269,9 @@ def cli_page() -> str:
             lines += ["| option | type | default | description |", "|---|---|---|---|"]
             for opt in opts:
                 names = ", ".join(f"`{n}`" for n in [*opt.opts, *opt.secondary_opts])
-                default = "" if opt.is_flag or opt.default in (None, ()) else f"`{opt.default}`"
-                lines.append(f"| {names} | {_param_type(opt)} | {default} | {_one_line(opt.help)} |")
+                lines.append(
+                    f"| {names} | {_param_type(opt)} | {_option_default(opt)} | {_one_line(opt.help)} |"
+                )
             lines.append("")
     lines += [
         "## Shell completion",
@@ -374,9 +388,39 @@ def metrics_page() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Benchmarks
+
+BENCH_JSON = ROOT / "docs" / "bench" / "latest.json"
+"""``python -m bench --json docs/bench/latest.json`` after a full run replaces it."""
+
+
+def bench_table(path: Path = BENCH_JSON) -> str:
+    """The table ``python -m bench`` prints, rendered from its ``--json`` document by the same
+    function (:func:`bench._harness.table`), with the run's machine on top."""
+    from bench._harness import Row
+    from bench._harness import table as render
+
+    doc = json.loads(path.read_text())
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in row.items() if k in fields}) for row in doc["rows"]]
+    m = doc["machine"]
+    minutes = f", {doc['seconds'] / 60:.0f} minutes" if doc.get("seconds") else ""
+    head = (
+        f"`python -m bench`, {doc['mode']} run{minutes}: {m['nproc']} x {m['cpu']}, Linux {m['kernel']}, "
+        f"Python {m['python']}, load {m['loadavg_at_start']}."
+    )
+    return head + "\n\n" + render(rows) + "\n"
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    pages = {"configuration.md": config_page(), "cli.md": cli_page(), "metrics.md": metrics_page()}
+    pages = {
+        "configuration.md": config_page(),
+        "cli.md": cli_page(),
+        "metrics.md": metrics_page(),
+        "bench-table.md": bench_table(),
+    }
     for name, text in pages.items():
         (OUT / name).write_text(text)
         print(f"wrote {OUT / name}")

@@ -90,6 +90,9 @@ def test_reference_pages_are_generated_from_the_code(tmp_path: Path, monkeypatch
     metrics = (tmp_path / "metrics.md").read_text()
     for fam in gen.metric_families():
         assert f"`{fam['series'][0]}`" in metrics
+    bench = (tmp_path / "bench-table.md").read_text()
+    for row in json.loads(gen.BENCH_JSON.read_text())["rows"]:
+        assert f"| {row['metric']} " in bench
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,3 +247,16 @@ def test_the_manual_builds_strictly(tmp_path: Path) -> None:
     )
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/concepts.md"])
+def test_the_configs_shown_are_valid(page: str) -> None:
+    """The minimal config of the README and the worked example's policy load as they are shown."""
+    import tomllib
+
+    from ckptkeeper.config import settings_from_mapping
+
+    block = re.search(r"```toml\n(.*?)```", (ROOT / page).read_text(), re.DOTALL)
+    assert block is not None
+    settings = settings_from_mapping(tomllib.loads(block.group(1)))
+    assert [t.name for t in settings.tiers] == ["hot", "warm", "cold"]
