@@ -102,7 +102,10 @@ def _default_text(name: str, field: Any) -> str:
     if kind.startswith("duration") and isinstance(field.default, float):
         return f'`"{format_duration(field.default)}"`' if field.default else "`0`"
     if kind == "size per second":
-        return f"`{field.default}` bytes/s"
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if field.default % size == 0:
+                return f'`"{field.default // size}{unit}"`'
+        return f"`{field.default}`"
     if isinstance(field.default, bool):
         return f"`{str(field.default).lower()}`"
     if isinstance(field.default, str):
