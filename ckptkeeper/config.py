@@ -147,26 +147,42 @@ is shorter (:attr:`ckptkeeper.core.model.TierSpec.marker_beat`)."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
 
 class TierConfig(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    """The tier's name in commands, output and metrics (letters, digits, ``_ . -``; unique)."""
     url: Annotated[str, Field(min_length=1)]
+    """A local directory or an ``s3://bucket/prefix`` URL. The first tier is the hot tier and must be local."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Options passed to s3fs for an object-store tier (e.g. ``endpoint_url``); never logged."""
     high_watermark: Fraction | None = None
+    """Filesystem usage (0..1) above which the tier demotes the checkpoints it keeps, oldest first."""
     low_watermark: Fraction | None = None
+    """Usage to demote down to once above ``high_watermark`` (default: ``high_watermark`` - 0.15)."""
     keep_last: Count | None = None
+    """Keep the newest N complete checkpoints of each run in this tier or a faster one."""
     keep_best: Count | None = None
+    """Keep the N best checkpoints of each run by ``metric`` (needs ``metric``)."""
     metric: str | None = None
+    """The metric ``keep_best`` ranks by (from the hook's commit or the framework's files)."""
     mode: Literal["min", "max"] = "min"
+    """Whether a lower (``min``) or higher (``max``) ``metric`` is better."""
     keep_every: Annotated[int, Field(ge=1, le=10**15)] | None = None
+    """Keep every checkpoint whose step is divisible by N."""
     keep_within: Duration | None = None
+    """Keep every checkpoint younger than this duration."""
     keep_hourly: Count | None = None
+    """Keep the newest complete checkpoint of each of the N most recent UTC hours that hold one."""
     keep_daily: Count | None = None
+    """Keep the newest complete checkpoint of each of the N most recent UTC days that hold one."""
     keep_weekly: Count | None = None
+    """Keep the newest complete checkpoint of each of the N most recent UTC weeks that hold one."""
     keep_monthly: Count | None = None
+    """Keep the newest complete checkpoint of each of the N most recent UTC months that hold one."""
     replicate: bool = False
+    """Every checkpoint this tier keeps also gets a copy here while it resides in a faster tier."""
     headroom: bool | None = None
     """First tier only (default on there): keep room for the next save of every active run,
     demoting early (before ``high_watermark``, or without one) when free space would not hold them
@@ -250,14 +266,18 @@ class TierConfig(_Strict):
 
 class DaemonConfig(_Strict):
     settle_seconds: Duration = 30.0
+    """A checkpoint with its framework marker is complete once nothing under it changed for this long."""
     trust_mtimes: bool = False
     """Judge when a checkpoint was last written by mtimes alone (settling, partial and run ages).
     Off (the default), ctime counts too: ``cp -a`` / ``rsync -a`` into the hot tier keep old mtimes,
     and a copy in progress would look settled (moved half-done) or abandoned (reaped). On only where
     nothing copies checkpoints into hot that way."""
     retention_interval: JobInterval = 300.0
+    """How often the daemon plans and applies retention."""
     reap_interval: JobInterval = 900.0
+    """How often the daemon reaps failed runs' checkpoints and temp artifacts."""
     rescan_interval: JobInterval = 3600.0
+    """How often the daemon fully reconciles every tier with the index."""
     scrub_interval: OptionalJobInterval = 6 * 3600.0
     """How often the scrub job re-hashes a slice of the slower tiers' copies (0 / "off": never)."""
     scrub_rate: ByteRate = 50 * 2**20
@@ -267,6 +287,7 @@ class DaemonConfig(_Strict):
     polling: bool = False
     """Use a polling observer (NFS/Lustre do not deliver inotify events)."""
     polling_interval: PollInterval = 5.0
+    """Seconds between polls of the hot tier when polling (``polling``, or inotify limits reached)."""
     textfile: str | None = None
     """Write Prometheus metrics to this ``.prom`` file after each one-shot ``prune``."""
 
@@ -295,8 +316,11 @@ class FleetConfig(_Strict):
 
 class ReaperConfig(_Strict):
     failed_after: Duration = 7200.0
+    """A run with no live writer and no write for this long is stale (treated like a failed run)."""
     partial_after: Duration = 3600.0
+    """A partial checkpoint, temp file or multipart upload untouched this long is reaped."""
     keep_last_of_failed: Count = 1
+    """Complete checkpoints kept of each failed or stale run (the newest ones)."""
 
     def to_policy(self) -> ReaperPolicy:
         return ReaperPolicy(
@@ -312,19 +336,28 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        use_attribute_docstrings=True,
     )
 
     index: str = "/var/lib/ckptkeeper/index.db"
+    """Path of the SQLite index: the catalog, pins and the executor's journal."""
     run_depth: Annotated[int, Field(ge=1, le=16)] = 1
+    """A run is a directory this many levels under the hot tier's root."""
     max_delete: Count = 100
+    """A plan deleting more checkpoints than this deletes nothing without ``prune --force``."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the JSON log lines on stderr."""
     node: str = Field(default_factory=lambda: _default_node())
     """This node's name in shared tiers (docs/design.md, "Many nodes"): recorded in every manifest and staging marker,
     and the key prefix of its copies in a ``shared`` tier."""
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    """Leases and node heartbeats of tiers shared by several nodes."""
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    """The daemon's jobs, watcher and metrics endpoint."""
     tiers: list[TierConfig] = Field(min_length=1)
+    """The tiers, fastest first; the first is the watched hot tier."""
     reaper: ReaperConfig = Field(default_factory=ReaperConfig)
+    """When runs count as stale and partial checkpoints are reaped."""
 
     @field_validator("node")
     @classmethod

@@ -494,7 +494,7 @@ class Executor(TrashSteps):
         return freed
 
     def _add_reclaimed(self, tier: str, reason: str, nbytes: int) -> None:
-        """Bytes freed in ``tier`` (README "Reclaimed bytes"): a demotion frees the faster tier
+        """Bytes freed in ``tier`` (docs/concepts.md, "Reclaimed bytes"): a demotion frees the faster tier
         (reason ``moved``) just as an expiry or a reap does. The index's cumulative total (status,
         metrics) and this pass's result (prune) are fed here only, with the same number."""
         self.index.add_reclaimed(reason, nbytes)

@@ -1,4 +1,4 @@
-"""The executor's trash steps (``undo_window``, README "Undo window"): move aside, purge, undelete.
+"""The executor's trash steps (``undo_window``, docs/undo-window.md): move aside, purge, undelete.
 
 A mixin of :class:`ckptkeeper.executor.Executor`, kept in its own module so the executor stays
 readable. Each step is journaled in the index before it touches storage, like every destructive

@@ -69,7 +69,7 @@ def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool)
     if any(t.shared for t in settings.tiers[1:]):
         from ckptkeeper.actions.versions import pin_version  # only for shared tiers
 
-        # A part's pin holds every node's part of the version (README "Checkpoints spanning nodes").
+        # A part's pin holds every node's part of the version (docs/spanning-nodes.md).
         for tier_name, error in pin_version(settings, index.checkpoints_at_step(run, step), pinned).items():
             outcome.failed.setdefault(tier_name, error)
     if not pinned and not outcome.failed:

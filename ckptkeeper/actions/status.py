@@ -224,7 +224,7 @@ def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[Tie
 
 def _unknown_parts(checkpoints: Iterable[CheckpointRow]) -> tuple[str, ...]:
     """One warning per run holding node-local parts no hook vouches for: they are kept forever
-    (README "Checkpoints spanning nodes"), so an operator must hear of them."""
+    (docs/spanning-nodes.md), so an operator must hear of them."""
     steps: dict[str, list[int]] = {}
     for c in checkpoints:
         if c.part is not None and not c.part.known and c.state is not CheckpointState.COMPLETE:

@@ -1,6 +1,6 @@
 """``ls --deleted`` and ``undelete``: what the undo window can bring back, and bringing it back.
 
-A tier with ``undo_window`` moves expired and reaped copies into its trash (README "Undo window");
+A tier with ``undo_window`` moves expired and reaped copies into its trash (docs/undo-window.md);
 the planner purges them when the window ends or the tier is above its high watermark. These
 actions read the trash the last listing recorded (every prune and scan lists it) and, for
 ``undelete``, take the executor lock, so a prune never purges an entry while it comes back.

@@ -9,7 +9,7 @@ from ckptkeeper.util.fmt import human_age, table
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def fleet(app: Context, as_json: bool) -> None:
     """Nodes sharing this node's shared tiers: last pass, RPO, runs held, the lease holder."""

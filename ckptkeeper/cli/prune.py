@@ -254,7 +254,7 @@ def prune(
 
 
 def _render_adopted(outcome: PruneOutcome, *, dry_run: bool) -> None:
-    """The fleet lease holder's adoption of gone nodes' copies (README "Many nodes, one bucket")."""
+    """The fleet lease holder's adoption of gone nodes' copies (docs/many-nodes.md)."""
     width = out_width()
     for a in outcome.adopted:
         verb = "would delete" if dry_run else "deleted"

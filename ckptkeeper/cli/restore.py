@@ -29,7 +29,13 @@ class _StepType(click.ParamType):
 
 @click.command()
 @click.argument("run")
-@click.option("--step", type=_StepType(), default="latest", show_default=True)
+@click.option(
+    "--step",
+    type=_StepType(),
+    default="latest",
+    show_default=True,
+    help="A step number, latest (the newest verified checkpoint) or best (see --metric).",
+)
 @click.option(
     "--to", "to", type=click.Path(file_okay=False), required=True, help="Directory to restore into."
 )
@@ -125,7 +131,7 @@ def restore(
 
 @click.command()
 @click.argument("run", required=False)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def verify(app: Context, run: str | None, as_json: bool) -> None:
     """Re-hash every copy against its manifest; exit 1 on any mismatch."""

@@ -1,4 +1,4 @@
-"""``undelete`` and ``ls --deleted``: the undo window's commands (README "Undo window")."""
+"""``undelete`` and ``ls --deleted``: the undo window's commands (docs/undo-window.md)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class NodePart:
-    """This node's share of a checkpoint spanning nodes (README "Checkpoints spanning nodes").
+    """This node's share of a checkpoint spanning nodes (docs/spanning-nodes.md).
 
     ``count`` is None when no hook said the run is a node's part: the files only look like one
     (the marker rank 0 writes, and rank 0's shards, are missing); such a checkpoint is kept, never

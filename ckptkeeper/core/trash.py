@@ -1,4 +1,4 @@
-"""The undo window of a plan (README "Undo window"): which deletes go to a tier's trash, and when
+"""The undo window of a plan (docs/undo-window.md): which deletes go to a tier's trash, and when
 the trash is purged for good.
 
 Pure: the planner passes the tiers, the watched tiers' usage, the trash entries (``Snapshot.trash``)

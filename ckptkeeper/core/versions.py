@@ -1,5 +1,4 @@
-"""A checkpoint spanning nodes is one version in a shared slower tier (README
-"Checkpoints spanning nodes").
+"""A checkpoint spanning nodes is one version in a shared slower tier (docs/spanning-nodes.md).
 
 Each node copies its own part under its own prefix (``<root>/<node>/<run>/<name>``, its manifest
 naming the job and part k of N). Once its copy is verified, the node writes a small **part record**

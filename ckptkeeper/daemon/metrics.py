@@ -148,6 +148,7 @@ class IndexCollector:
         up.add_metric([], 1)
         yield up
         yield from _summary_metrics(summary)
+        yield from _watermark_metrics(self._settings)
         yield from self._extra() if self._extra is not None else ()
 
 
@@ -277,6 +278,28 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         )
         room.add_metric([summary.headroom.tier], summary.headroom.free_bytes - summary.headroom.needed_bytes)
         yield from (saves, room)
+
+
+def _watermark_metrics(settings: Settings) -> Iterator[Any]:
+    """The configured watermarks, so dashboards and alerts compare ``ckptkeeper_tier_used_ratio``
+    with each tier's own threshold (a series only for tiers that set one)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    high = GaugeMetricFamily(
+        "ckptkeeper_tier_high_watermark_ratio",
+        "The tier's high_watermark: above this usage it demotes the checkpoints it keeps",
+        labels=["tier"],
+    )
+    low = GaugeMetricFamily(
+        "ckptkeeper_tier_low_watermark_ratio",
+        "The tier's low_watermark: the usage demotion brings it down to",
+        labels=["tier"],
+    )
+    for tier in settings.tiers:
+        if tier.high_watermark is not None and tier.low_watermark is not None:
+            high.add_metric([tier.name], tier.high_watermark)
+            low.add_metric([tier.name], tier.low_watermark)
+    yield from (high, low)
 
 
 def _scrub_metrics(summary: StatusSummary) -> Iterator[Any]:

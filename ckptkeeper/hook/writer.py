@@ -624,7 +624,7 @@ def track_run(
     ``SLURM_JOB_ID``), this node's 0-based ``part`` (else ``GROUP_RANK`` / ``NODE_RANK`` /
     ``SLURM_NODEID``) and the number of ``parts`` (else ``WORLD_SIZE / LOCAL_WORLD_SIZE`` /
     ``SLURM_NNODES``), so this node's daemon keeps its share of each checkpoint as a complete part
-    instead of reaping it as a partial save (README "Checkpoints spanning nodes"). Nodes that all
+    instead of reaping it as a partial save (docs/spanning-nodes.md). Nodes that all
     save into one shared run dir pass ``parts=1``: only global rank 0 writes then, as for one node.
     """
     return TrackedRun(

@@ -127,7 +127,7 @@ MIGRATIONS: tuple[str, ...] = (
         bad INTEGER NOT NULL DEFAULT 0
     );
     """,
-    # 4 -> 5: copies moved aside into a tier's trash by ``undo_window`` (README "Undo window"),
+    # 4 -> 5: copies moved aside into a tier's trash by ``undo_window`` (docs/undo-window.md),
     # as the last listing of each tier found them (the trash itself is the truth: each entry
     # carries its manifest, so this table is rebuilt from the tiers like the rest).
     """

@@ -1,4 +1,4 @@
-"""Trash entries of the index: copies moved aside by ``undo_window`` (README "Undo window").
+"""Trash entries of the index: copies moved aside by ``undo_window`` (docs/undo-window.md).
 
 Each tier listing replaces what the previous one recorded for its tier; the executor adds an entry
 when it moves a copy aside and removes it when it purges or undeletes it. The trash in the tier is

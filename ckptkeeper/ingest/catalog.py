@@ -124,7 +124,7 @@ class Catalog:
         return report
 
     def reconcile_hot_trash(self) -> ReconcileReport:
-        """Record the hot tier's trash (``<hot>/.ckptkeeper-trash``, README "Undo window"): a hidden
+        """Record the hot tier's trash (``<hot>/.ckptkeeper-trash``, docs/undo-window.md): a hidden
         directory, so never a run; listed here only. A failed listing keeps what was recorded."""
         from ckptkeeper.storage import LocalTierStorage, TierUnavailable
 
@@ -298,7 +298,7 @@ class Catalog:
     ) -> CheckpointState:
         """Settled means untouched for settle_seconds by mtime AND ctime (see _written). A node's
         part lacking only the marker rank 0 writes elsewhere is complete once settled when the
-        hook said the run is a node's part (README "Checkpoints spanning nodes")."""
+        hook said the run is a node's part (docs/spanning-nodes.md)."""
         changed = self._written(cand)
         settle = self.settings.daemon.settle_seconds
         if cand.corrupt and now - changed < settle:

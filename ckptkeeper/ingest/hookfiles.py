@@ -128,7 +128,7 @@ def node_part(
     The hook's word first: a commit naming its part, else ``run.json``'s ``job`` (every checkpoint
     of such a run is this node's part). Without it, a checkpoint the layouts find lacking only the
     marker rank 0 writes, with rank 0's shards absent too (``Candidate.node_part``), is a part
-    of an unknown job: kept, never reaped as partial (README "Checkpoints spanning nodes").
+    of an unknown job: kept, never reaped as partial (docs/spanning-nodes.md).
     """
     job = info.job if info is not None else None
     if commit is not None and commit.parts is not None and commit.part is not None:

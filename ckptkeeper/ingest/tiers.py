@@ -178,7 +178,7 @@ def _scrub_found_bad(known: tuple[int, str] | None, manifest: Manifest, row: Che
 def record_trash(
     index: Index, tier: str, listing: list[tuple[str, Manifest | None, float, str | None]]
 ) -> int:
-    """Record what a listing of ``tier``'s trash found (README "Undo window"); an entry that holds no
+    """Record what a listing of ``tier``'s trash found (docs/undo-window.md); an entry that holds no
     whole copy is quarantined with why (never purged or undeleted by guess). Returns how many."""
     entries: list[tuple[TrashEntry, Manifest]] = []
     held: list[Quarantined] = []

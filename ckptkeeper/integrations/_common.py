@@ -25,8 +25,7 @@ class CallbackBase:
     :func:`ckptkeeper.track_run`. A framework's callback class comes after this in the MRO, so
     ``super().__init__()`` reaches it.
 
-    ``job`` and ``parts`` are :func:`ckptkeeper.track_run`'s, for a job spanning nodes (README
-    "Checkpoints spanning nodes"): ``parts=1`` when the nodes save into one shared run dir, so that
+    ``job`` and ``parts`` are :func:`ckptkeeper.track_run`'s, for a job spanning nodes (docs/spanning-nodes.md): ``parts=1`` when the nodes save into one shared run dir, so that
     only global rank 0 writes, as on one node.
     """
 

@@ -27,8 +27,7 @@ Run state: ``finished`` at ``on_fit_end``, ``failed`` at ``on_exception`` (``"<T
 KeyboardInterrupt). Bookkeeping errors are logged, never raised into training.
 
 Writer: global rank zero on one node. In a job spanning nodes (``Trainer(num_nodes=N)``: DDP, FSDP,
-DeepSpeed) each node's local rank zero writes into its node's run dir, as the hook does (README
-"Checkpoints spanning nodes"), recording the job and the node's part (``trainer.node_rank`` of
+DeepSpeed) each node's local rank zero writes into its node's run dir, as the hook does (docs/spanning-nodes.md), recording the job and the node's part (``trainer.node_rank`` of
 ``trainer.num_nodes``): a strategy that shards its checkpoints (FSDP ``state_dict_type="sharded"``,
 DeepSpeed) leaves on each node only its ranks' files. ``KeeperCallback(parts=1)`` when the nodes save
 into one shared directory: global rank zero writes alone again.

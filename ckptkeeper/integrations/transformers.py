@@ -27,7 +27,7 @@ script died of one — the usual script/torchrun/SLURM case. In a long-lived pro
 Writer: on one node, the process that saves checkpoints, ``args.should_save`` (world process zero). In a
 job spanning nodes (``WORLD_SIZE / LOCAL_WORLD_SIZE``, Slurm's node count, or ``KeeperCallback(parts=N)``)
 each node's local process zero (``args.local_process_index``) writes into its node's ``output_dir``, as
-the hook does (README "Checkpoints spanning nodes"), recording the job and the node's part: with
+the hook does (docs/spanning-nodes.md), recording the job and the node's part: with
 DeepSpeed or FSDP each node holds only its ranks' files of ``checkpoint-N``, and even plain DDP leaves
 each process's ``rng_state_<rank>.pth`` there; with ``save_on_each_node`` each node holds a whole copy.
 ``KeeperCallback(parts=1)`` when the nodes save into one shared ``output_dir``: world process zero writes

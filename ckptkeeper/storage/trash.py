@@ -1,4 +1,4 @@
-"""The trash of a tier (``undo_window``, README "Undo window"): names, and the local backend's moves.
+"""The trash of a tier (``undo_window``, docs/undo-window.md): names, and the local backend's moves.
 
 An expired or reaped copy is moved aside, never copied byte for byte, into an *entry*
 ``<root>/.ckptkeeper-trash/<stamp>/<run>/<name>`` with its manifest beside it

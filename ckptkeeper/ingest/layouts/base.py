@@ -70,7 +70,7 @@ class Candidate:
     either (DCP ``__8_0.distcp … __15_0.distcp`` without ``.metadata``): the shape one node of a
     multi-node job leaves on its local disk. The evidence, in words; None otherwise. The catalog
     makes it a complete part when the hook says the run is a node's part, and keeps it otherwise
-    (README "Checkpoints spanning nodes")."""
+    (docs/spanning-nodes.md)."""
 
 
 @dataclass(frozen=True, slots=True)
