@@ -298,6 +298,7 @@ TEST_KINDS: dict[str, str] = {
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",
     "test_deploy": "integration",
+    "test_docs": "integration",
     "test_field_regressions": "integration",
     "test_fleet_adopt": "integration",
     "test_fleet_contract": "integration",
