@@ -66,6 +66,9 @@ class Fleet:
     cluster: SlurmCluster
     base: Path
     bucket: str
+    time_limit_job: str = ""
+    """Submitted when the cluster starts: Slurm's time limits have minutes' grain, checked every
+    half minute, so this job runs while the other tests do (its test comes last)."""
 
     def hot(self, node: str) -> Path:
         return self.base / "nodes" / node / "hot"
@@ -159,7 +162,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, s3_server: str) -> Iterator[
     with slurm_cluster(
         base / "slurm", prolog=deploy / "prolog", epilog=deploy / "epilog", env_file=env_file
     ) as cluster:
-        yield Fleet(cluster, base, bucket)
+        fleet = Fleet(cluster, base, bucket)
+        fleet.time_limit_job = fleet.submit("timeout-run", "wait", "-w", "n2", "--time=1")
+        yield fleet
 
 
 def _names(path: Path) -> set[str]:
@@ -245,4 +250,15 @@ def test_requeued_job_resumes_on_the_other_node_from_local_hot(fleet: Fleet) -> 
     assert start and start[-1]["prestaged"][0]["from_tier"] == "cold", start
     assert fleet.ls("n2", "requeue-run")["state"] == "finished"
     assert _names(fleet.hot("n2") / "requeue-run") >= {"ckpt-4.bin", "ckpt-5.bin", "ckpt-6.bin"}
+    fleet.assert_hooks_ok(job)
+
+
+def test_time_limit_fails_the_run_as_timed_out(fleet: Fleet) -> None:
+    job = fleet.time_limit_job
+    fleet.cluster.wait(job, "TIMEOUT", timeout=180)
+    fleet.wait_log("n2", job, "pass")
+    run = fleet.ls("n2", "timeout-run")
+    assert run["state"] == "failed"
+    assert f"slurm job {job} on n2: time limit reached" in run["state_reason"]
+    _assert_reaped(fleet, "n2", "timeout-run")
     fleet.assert_hooks_ok(job)

@@ -404,3 +404,45 @@ def _one_pass(
         return {"run": run, "exit": None}
     errors.extend(f"{run}: {f}" for f in result.failed)
     return {"run": run, "exit": result.exit_code, "reclaimed_bytes": result.reclaimed_bytes}
+
+
+# -- what ls and status show -------------------------------------------------------------------
+
+
+def last_job(settings: Settings, run: str) -> dict[str, Any] | None:
+    """The scheduler job a run in the hot tier last ran in, and how it ended (``ls``: one small
+    file read per run); None for a run without the hook or not in a job."""
+    info = protocol.read_run_dir(settings.hot.local_path / run)
+    if info is None or (info.scheduler_job is None and info.job_end is None):
+        return None
+    sched = info.scheduler_job
+    end = info.job_end or {}
+    same = sched is None or end.get("id") in (None, sched.id)
+    return {
+        "scheduler": sched.scheduler if sched else end.get("scheduler"),
+        "id": sched.id if sched else end.get("id"),
+        "node": sched.node if sched else end.get("node"),
+        "outcome": end.get("outcome") if same else None,
+        "reason": end.get("reason") if same else None,
+    }
+
+
+def job_summary(settings: Settings) -> dict[str, Any] | None:
+    """``status``: the node's hook calls (from the job log's tail): how many, how many with
+    errors, the last job end; None when no hook ever ran here."""
+    docs = recent(settings)
+    if not docs:
+        return None
+    ends = [d for d in docs if d.get("event") == "end"]
+    last = ends[-1] if ends else None
+    return {
+        "calls": len(docs),
+        "with_errors": sum(1 for d in docs if d.get("errors")),
+        "last_end": None
+        if last is None
+        else {k: last.get(k) for k in ("job", "node", "outcome", "reason", "time")},
+        "last_error": next(
+            (f"{d.get('event')} {d.get('job')}: {d['errors'][0]}" for d in reversed(docs) if d.get("errors")),
+            None,
+        ),
+    }
