@@ -37,6 +37,16 @@ base, run, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 node, job = os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
 restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 hot = base / "nodes" / node / "hot"
+os.environ["CKPTKEEPER_CONFIG"] = str(base / "nodes" / node / "config.toml")  # this task's node
+if mode == "span":  # one task per node, each saving its part of every checkpoint
+    part = int(os.environ["SLURM_NODEID"])
+    with ckptkeeper.track_run(hot / run) as tracked:
+        for step in (1, 2, 3):
+            (hot / run / f"step-{step}").mkdir(parents=True)
+            (hot / run / f"step-{step}" / "shard.bin").write_bytes(part.to_bytes(1, "big") * 4096)
+            tracked.commit(hot / run / f"step-{step}", step=step)
+        (hot / run / "step-4.bin.tmp").write_bytes(b"x" * 1000)
+        sys.exit(3)
 found = ckptkeeper.latest(run)  # before the first step: what a resuming script finds
 (base / f"seen-{job}-{restart}").write_text(str(found or ""))
 first = 1 if found is None else int(found.name.split("-")[1].split(".")[0]) + 1
@@ -76,12 +86,11 @@ class Fleet:
     def config(self, node: str) -> Path:
         return self.base / "nodes" / node / "config.toml"
 
-    def submit(self, run: str, mode: str, *options: str) -> str:
+    def submit(self, run: str, mode: str, *options: str, launcher: str = "") -> str:
         script = (
             "#!/bin/sh\n"
             f"export PYTHONPATH={REPO}\n"
-            f"export CKPTKEEPER_CONFIG={self.base}/nodes/$SLURMD_NODENAME/config.toml\n"
-            f"exec {sys.executable} {self.base / 'trainer.py'} {self.base} {run} {mode}\n"
+            f"exec {launcher}{sys.executable} {self.base / 'trainer.py'} {self.base} {run} {mode}\n"
         )
         return self.cluster.sbatch(script, "-J", run, *options)
 
@@ -227,6 +236,30 @@ def test_scancel_fails_the_run_as_cancelled(fleet: Fleet) -> None:
     assert f"slurm job {job} on n1: cancelled (SIGTERM)" in run["state_reason"]
     _assert_reaped(fleet, "n1", "cancel-run")
     fleet.assert_hooks_ok(job)
+
+
+def test_job_spanning_two_nodes_fails_on_both(fleet: Fleet) -> None:
+    job = fleet.submit("span-run", "span", "-N", "2", launcher="srun --ntasks-per-node=1 ")
+    fleet.cluster.wait(job, "FAILED")
+    for node, part in (("n1", 0), ("n2", 1)):
+        fleet.wait_log(node, job, "pass")
+        run = fleet.ls(node, "span-run")
+        assert run["state"] == "failed"
+        assert f"slurm job {job} on {node}: exit code 3" in run["state_reason"]
+        assert run["job"]["outcome"] == "failed"
+        # Each node keeps its own part of the newest checkpoint; the save cut short is gone.
+        assert (fleet.hot(node) / "span-run" / "step-3" / "shard.bin").read_bytes() == bytes([part]) * 4096
+        assert not (fleet.hot(node) / "span-run" / "step-1").exists()
+        assert not (fleet.hot(node) / "span-run" / "step-4.bin.tmp").exists()
+        newest = [c for c in run["checkpoints"] if c["step"] == 3]
+        assert newest and newest[0]["part"]["index"] == part, newest
+    fleet.assert_hooks_ok(job)
+    assert {(k, n) for k, _, n, _ in fleet.cluster.hook_exits(job)} == {
+        ("prolog", "n1"),
+        ("prolog", "n2"),
+        ("epilog", "n1"),
+        ("epilog", "n2"),
+    }
 
 
 def test_requeued_job_resumes_on_the_other_node_from_local_hot(fleet: Fleet) -> None:
