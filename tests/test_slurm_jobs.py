@@ -273,7 +273,12 @@ def test_requeued_job_resumes_on_the_other_node_from_local_hot(fleet: Fleet) -> 
     # Interrupted, not failed: nothing the run needs is reaped (its temp litter waits for the
     # usual partial_after), and its checkpoints went to the shared tier before the Epilog ended.
     assert _names(fleet.hot("n1") / "requeue-run") >= {"ckpt-3.bin", "ckpt-4.bin.tmp", "tmp-checkpoint-4"}
-    assert fleet.ls("n1", "requeue-run")["state"] == "active"
+    interrupted = fleet.ls("n1", "requeue-run")
+    assert interrupted["state"] == "active"
+    assert interrupted["state_reason"].startswith(
+        f"interrupted (slurm job {job} on n1: requeued (restart 1), will resume)"
+    )
+    assert interrupted["job"]["outcome"] == "requeued"
     fleet.cluster.run("scontrol", "update", f"JobId={job}", "NodeList=n2")
     fleet.cluster.run("scontrol", "release", job)
     fleet.cluster.wait(job, "COMPLETED")

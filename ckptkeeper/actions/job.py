@@ -10,6 +10,7 @@ detached process (``job end``) or under a deadline (``job start``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,7 @@ log = get_logger("ckptkeeper.actions.job")
 JOBS_LOG = "jobs.jsonl"
 """One JSON line per hook call and per follow-up pass, beside the index: what ``status`` counts."""
 _LOG_TAIL = 256 * 1024
+_LOG_KEEP = 1 << 20
 _SCONTROL_TIMEOUT = 2.0
 _FIND_BUDGET = 1.0
 """Seconds the walk of the hot tier for a job's runs may take in a hook (a huge tier is cut)."""
@@ -95,6 +97,9 @@ def record(settings: Settings, doc: Mapping[str, Any]) -> None:
     path = jobs_log(settings)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size > _LOG_KEEP:  # bounded: the previous MiB stays as jobs.jsonl.1
+                os.replace(path, path.with_name(JOBS_LOG + ".1"))
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.write(fd, (json.dumps(doc, separators=(",", ":"), default=str) + "\n").encode())
