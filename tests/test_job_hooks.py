@@ -200,3 +200,39 @@ def _wait_gone(pid: int) -> None:
         assert ready, f"the pass {pid} still runs"
     finally:
         os.close(fd)
+
+
+def test_prefetch_brings_the_latest_verified_checkpoint_back_to_hot(tmp_path: Path) -> None:
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "warm").mkdir()
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        node="n1",
+        tiers=[
+            local_tier("hot", tmp_path / "hot", keep_last=2),
+            local_tier("warm", tmp_path / "warm", keep_last=5, replicate=True),
+        ],
+    )
+    run = tmp_path / "hot" / "r"
+    trainer = (
+        "import os, ckptkeeper\n"
+        f"with ckptkeeper.track_run({str(run)!r}) as t:\n"
+        "    for s in (1, 2):\n"
+        f"        p = os.path.join({str(run)!r}, f'ckpt-{{s}}.bin'); open(p, 'wb').write(bytes([s]) * 100)\n"
+        "        t.commit(p, step=s)\n"
+    )
+    subprocess.run([sys.executable, "-c", trainer], env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert _hook(["--config", str(config), "prune"], {}).returncode == 0
+    for p in run.glob("ckpt-*.bin"):  # the node's NVMe lost them (or the job lands on another node)
+        p.unlink()
+    done = _hook(["--config", str(config), "prefetch", "r", "--json"], {})
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert (got["step"], got["from_tier"]) == (2, "warm")
+    assert (run / "ckpt-2.bin").read_bytes() == bytes([2]) * 100
+    again = json.loads(_hook(["--config", str(config), "prefetch", "r", "--json"], {}).stdout)
+    assert again["from_tier"] is None  # already in hot: nothing copied
+    missing = _hook(["--config", str(config), "prefetch", "nope"], {})
+    assert missing.returncode == 1
+    assert "nope" in missing.stderr
