@@ -159,6 +159,8 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
     for c in checkpoints:
         by_run.setdefault(c.run, []).append(c)
     versions = _versions(app.settings, checkpoints)
+    from ckptkeeper.actions.job import last_job  # the run's last scheduler job (docs/slurm.md)
+
     doc_runs: list[dict[str, Any]] = []
     for r in runs:
         doc_runs.append(
@@ -168,6 +170,7 @@ def ls_cmd(app: Context, run: str | None, as_json: bool, deleted: bool) -> None:
                 "state_reason": r.state_reason,
                 "last_seen": r.last_seen,
                 "parent": {"run": r.parent[0], "step": r.parent[1]} if r.parent else None,
+                "job": last_job(app.settings, r.name) if r.on_hot else None,
                 "checkpoints": [
                     {
                         "step": c.step,
@@ -470,13 +473,23 @@ def status(app: Context, as_json: bool) -> None:
     with app.index() as ix:
         summary = summarize(app.settings, ix)
     shared = _shared_fs(app)
+    from ckptkeeper.actions.job import job_summary  # scheduler hooks on this node (docs/slurm.md)
+
+    jobs = job_summary(app.settings)
     if as_json:
         doc = _status_doc(summary)
+        doc["jobs"] = jobs
         if shared is not None:
             doc["shared_fs"] = shared
         emit_json(doc)
     else:
         _render_status(summary)
+        if jobs is not None:
+            last = jobs["last_end"]
+            click.echo(
+                f"scheduler hooks: {jobs['calls']} calls, {jobs['with_errors']} with errors"
+                + (f"; last job end: {last['reason']}" if last else "")
+            )
         for t in shared or []:
             lease = t.get("lease")
             held = (

@@ -117,3 +117,19 @@ def detect(
     if parts is None or parts < 2 or part is None or part >= parts:
         return rank in (None, 0), None
     return local_rank in (None, 0), JobPart(job=job, part=part, parts=parts)
+
+
+def scheduler_job(env: Mapping[str, str]) -> dict[str, Any] | None:
+    """The scheduler job of this process, as ``run.json`` records it (``scheduler_job``):
+    ``{"scheduler": "slurm", "id": SLURM_JOB_ID, "restarts": SLURM_RESTART_COUNT}``; None outside
+    a job. ``ckptkeeper job end`` finds a job's runs by it, and tells a requeue (the job's restart
+    count grew since the run started) from a failure."""
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if not job or len(job) > 64 or not job.replace("_", "").isdigit():
+        return None
+    restarts = _env_int(env, "SLURM_RESTART_COUNT")
+    doc: dict[str, Any] = {"scheduler": "slurm", "id": job, "restarts": restarts or 0}
+    node = env.get("SLURMD_NODENAME", "").strip()
+    if node and len(node) <= 255 and "\0" not in node:
+        doc["node"] = node
+    return doc

@@ -55,6 +55,11 @@ STATE_DIR = ".ckptkeeper"
 RUN_FILE = "run.json"
 COMMITS_FILE = "commits.jsonl"
 HEARTBEAT_FILE = "heartbeat"
+SCHEDULER_JOB = "scheduler_job"
+"""``run.json`` key: the scheduler job the writer ran in, ``{"scheduler", "id", "restarts"[, "node"]}``."""
+JOB_END = "job_end"
+"""``run.json`` key written by ``ckptkeeper job end``: ``{"scheduler", "id", "outcome", "reason",
+"node", "time"}`` of the job that ended the run (or interrupted it: a requeue)."""
 DEFAULT_HEARTBEAT_INTERVAL = 10.0
 
 ACTIVE: Literal["active"] = "active"
@@ -124,6 +129,41 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerJob:
+    """``run.json``'s ``scheduler_job``: the job the writer ran in."""
+
+    scheduler: str
+    id: str
+    restarts: int
+    """The job's restart count when the run started (a requeue raises it)."""
+    node: str | None = None
+
+
+def _scheduler_job(raw: Any) -> SchedulerJob:
+    if not isinstance(raw, dict):
+        raise schema.SchemaError(SCHEDULER_JOB, "not an object")
+    node = raw.get("node")
+    return SchedulerJob(
+        scheduler=schema.text(raw.get("scheduler"), f"{SCHEDULER_JOB}.scheduler", max_len=32, empty=False),
+        id=schema.text(raw.get("id"), f"{SCHEDULER_JOB}.id", max_len=64, empty=False),
+        restarts=schema.integer(raw.get("restarts", 0), f"{SCHEDULER_JOB}.restarts", lo=0, hi=1_000_000),
+        node=None if node is None else schema.text(node, f"{SCHEDULER_JOB}.node", max_len=255),
+    )
+
+
+def _job_end(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise schema.SchemaError(JOB_END, "not an object")
+    out: dict[str, Any] = {}
+    for key in ("scheduler", "id", "outcome", "reason", "node"):
+        if raw.get(key) is not None:
+            out[key] = schema.text(raw[key], f"{JOB_END}.{key}", max_len=4096)
+    if raw.get("time") is not None:
+        out["time"] = schema.timestamp(raw["time"], f"{JOB_END}.time")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class RunInfo:
     """What ``run.json`` says, parsed tolerantly: unreadable fields are ``None`` and ``error`` says why."""
 
@@ -151,6 +191,10 @@ class RunInfo:
     job: JobPart | None = None
     """This node's part of a multi-node job, as the hook recorded it; None for a one-node run (or
     a ``job`` field that failed the schema: ``error`` says so)."""
+    scheduler_job: SchedulerJob | None = None
+    """The scheduler job the writer ran in (``scheduler_job``); None outside one."""
+    job_end: Mapping[str, Any] | None = None
+    """What ``ckptkeeper job end`` recorded of the job that ended (or interrupted) the run."""
 
     def writer_alive(self, *, hostname: str | None = None) -> bool | None:
         """Whether the process that wrote ``run.json`` still runs.
@@ -179,6 +223,8 @@ _KNOWN_RUN_KEYS = frozenset(
         "parent",
         "heartbeat_interval",
         "job",
+        SCHEDULER_JOB,
+        JOB_END,
     }
 )
 
@@ -277,6 +323,15 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
             job = schema.job_part(d["job"])
         except schema.SchemaError as exc:
             errors.append(str(exc))
+    sched: SchedulerJob | None = None
+    ended_by: dict[str, Any] | None = None
+    try:
+        if d.get(SCHEDULER_JOB) is not None:
+            sched = _scheduler_job(d[SCHEDULER_JOB])
+        if d.get(JOB_END) is not None:
+            ended_by = _job_end(d[JOB_END])
+    except schema.SchemaError as exc:
+        errors.append(str(exc))
     return RunInfo(
         run_dir=os.fspath(run_dir),
         name=pick("name", schema.text),
@@ -294,6 +349,8 @@ def read_run_dir(run_dir: StrPath) -> RunInfo | None:
         error="; ".join(schema.capped(errors)) or None,
         extra={k: v for k, v in list(d.items())[: schema.MAX_METRICS] if k not in _KNOWN_RUN_KEYS},
         job=job,
+        scheduler_job=sched,
+        job_end=ended_by,
     )
 
 

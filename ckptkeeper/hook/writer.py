@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from ckptkeeper.hook.parts import JobPart, detect
+from ckptkeeper.hook.parts import JobPart, detect, scheduler_job
 from ckptkeeper.hook.protocol import (
     ACTIVE,
     COMMITS_FILE,
@@ -40,6 +40,7 @@ from ckptkeeper.hook.protocol import (
     HEARTBEAT_FILE,
     PROTOCOL_VERSION,
     RUN_FILE,
+    SCHEDULER_JOB,
     STATE_DIR,
     ParentRef,
     ParentSpec,
@@ -247,6 +248,8 @@ class TrackedRun:
     ) -> None:
         text = _fspath(run_dir, "run_dir")
         writes, job_part = detect(os.environ, job=job, part=part, parts=parts)
+        self.scheduler_job: dict[str, Any] | None = scheduler_job(os.environ)
+        """The scheduler job this process runs in (``job end`` finds the runs of a job by it)."""
         self.job_part: JobPart | None = job_part
         """This node's part of a multi-node job, or None (one node)."""
         self._part_fields: dict[str, int] = (
@@ -543,6 +546,8 @@ class TrackedRun:
         }
         if self.job_part is not None:
             doc["job"] = self.job_part.to_json()
+        if self.scheduler_job is not None:
+            doc[SCHEDULER_JOB] = self.scheduler_job
         _atomic_write(os.path.join(self._state_dir, RUN_FILE), json.dumps(doc, indent=1).encode() + b"\n")
 
     def _touch_heartbeat(self) -> None:

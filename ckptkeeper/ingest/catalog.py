@@ -455,6 +455,15 @@ class Catalog:
         )
         failed_after = self.settings.reaper.failed_after
         state, reason = derive_run_state(facts, this_host=self.hostname, now=now, failed_after=failed_after)
+        if state is RunState.FAILED and info is not None and info.reason:
+            reason = f"{reason}: {info.reason[:500]}"  # the hook's or the scheduler's why (job end)
+        elif (
+            state is not RunState.FINISHED
+            and info
+            and info.job_end
+            and info.job_end.get("outcome") == "requeued"
+        ):
+            reason = f"interrupted ({info.job_end.get('reason')}); {reason}"  # it resumes (docs/slurm.md)
         changes = run_state_changes_at(facts, now=now, failed_after=failed_after)
         if hooked and state not in (RunState.FINISHED, RunState.FAILED):
             changes = now  # a hook dir may gain a heartbeat without raising an event: every pass

@@ -1,0 +1,54 @@
+"""``prefetch``: the latest verified checkpoint of a run (this node's part of one spanning nodes)
+into this node's hot tier, so the job that resumes it finds it locally (``ckptkeeper.latest``).
+
+Used by ``job start`` (a Slurm Prolog, under a deadline) and by job scripts on schedulers without
+hooks (``srun --ntasks-per-node=1 ckptkeeper prefetch RUN``). Reuses :mod:`.restore`: a copy
+already verified in hot is left as it is, else the fastest tier holding a verified copy gives it,
+else another node's copy in a shared tier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptkeeper.actions.restore import restore_to
+from ckptkeeper.config import Settings
+from ckptkeeper.index import Index
+from ckptkeeper.ingest.catalog import Catalog
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    run: str
+    step: int
+    path: Path
+    from_tier: str | None
+    """None: it was already in the hot tier."""
+    bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "run": self.run,
+            "step": self.step,
+            "path": str(self.path),
+            "from_tier": self.from_tier,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def prefetch(
+    settings: Settings, index: Index, run: str, *, step: str | int = "latest", part: int | None = None
+) -> Prefetched:
+    """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified."""
+    started = time.monotonic()
+    target = settings.hot.local_path / run
+    if target.is_dir():
+        Catalog(settings, index).reconcile_run(run)
+    got = restore_to(settings, index, run, step, target, part=part, own_part=part is None)
+    if got.tier is not None:
+        Catalog(settings, index).reconcile_run(run)  # the copy is now a hot checkpoint of the run
+    return Prefetched(run, got.step, got.path, got.tier, got.bytes, time.monotonic() - started)
