@@ -171,13 +171,9 @@ class Daemon(PruneJob):
             print(f"config error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         try:
-            # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
-            # every tier has been reconciled (actions.index.open_index).
-            self.index = open_index(settings, check=True, rebuild=True)
-        except Exception as exc:
-            print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
-            return EXIT_ACTION_FAILED
-        try:
+            # Served before the index is opened: a first start (or a lost index) rebuilds it from
+            # every tier, which takes a while, and a liveness probe must see a live daemon meanwhile
+            # (scrapes read the index file on their own and report ckptkeeper_index_up 0 until then).
             self.metrics = Metrics(
                 settings,
                 extra=self._daemon_metrics,
@@ -186,7 +182,14 @@ class Daemon(PruneJob):
             if not self._serve_metrics(settings.daemon.metrics_addr, fatal=True):
                 return EXIT_ACTION_FAILED
             notify(f"STATUS=initial scan of {settings.hot.local_path}", env=None)
-            self._start_pinger()
+            self._start_pinger()  # a rebuild is part of the start: EXTEND_TIMEOUT_USEC covers it too
+            try:
+                # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
+                # every tier has been reconciled (actions.index.open_index).
+                self.index = open_index(settings, check=True, rebuild=True)
+            except Exception as exc:
+                print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
+                return EXIT_ACTION_FAILED
             log.info(
                 "starting",
                 version=__version__,

@@ -3,7 +3,7 @@
 ``kubernetes-validate`` checks each object against the Kubernetes API schema; this checks that the
 objects fit together and fit the daemon: the ConfigMap is a config ckptkeeper accepts (loaded by
 ckptkeeper's own loader, from the environment alone, as in the pod), the probes ask the daemon's
-real endpoints on the port it binds, the node name comes from the downward API, every tier of the
+real endpoints on the port it binds, the node and machine names come from the downward API, every tier of the
 config that is a local path is mounted at that path, and a PodMonitor / ServiceMonitor (custom
 resources: no schema in kubernetes-validate) selects the pods and names their port.
 
@@ -70,9 +70,9 @@ def check(objects: list[dict[str, Any]]) -> list[str]:
     (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "ckptkeeper"]
     ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
     env = {e["name"]: e for e in container.get("env", [])}
-    node = env.get("CKPTKEEPER_NODE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-    if node != "spec.nodeName":
-        problems.append("DaemonSet: CKPTKEEPER_NODE does not come from spec.nodeName")
+    for name in ("CKPTKEEPER_NODE", "CKPTKEEPER_HOST"):
+        if env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
+            problems.append(f"DaemonSet: {name} does not come from spec.nodeName")
     for probe, path in PROBES.items():
         get = container.get(probe, {}).get("httpGet", {})
         if get.get("path") != path or get.get("port") not in ports:
@@ -124,7 +124,9 @@ def _monitor_problems(
         names = {p["name"]: p.get("targetPort") for p in svc["spec"]["ports"]}
         for ep in mon["spec"]["endpoints"]:
             if ep.get("port") not in names or names[ep["port"]] not in ports:
-                problems.append("ServiceMonitor: endpoint port is not a Service port aimed at a container port")
+                problems.append(
+                    "ServiceMonitor: endpoint port is not a Service port aimed at a container port"
+                )
     return problems
 
 
