@@ -34,6 +34,9 @@ from ckptkeeper.util.fmt import format_duration
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
 CONFIG_ENV = "CKPTKEEPER_CONFIG"
+TIERS_ENV = "CKPTKEEPER_TIERS"
+"""Set (a JSON list of tiers) with no config file named and none at the default path: the
+environment alone is the config (a container's way, see docs/kubernetes.md)."""
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.IGNORECASE)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -290,6 +293,10 @@ class DaemonConfig(_Strict):
     """Seconds between polls of the hot tier when polling (``polling``, or inotify limits reached)."""
     textfile: str | None = None
     """Write Prometheus metrics to this ``.prom`` file after each one-shot ``prune``."""
+    log_stream: Literal["stderr", "stdout"] = "stderr"
+    """Where the daemon's log lines go: stderr (systemd's journal, a terminal) or stdout (a
+    container, whose runtime keeps stdout as the pod's log). Other commands always log to stderr:
+    their stdout is their output."""
 
     @field_validator("metrics_addr")
     @classmethod
@@ -480,6 +487,8 @@ def load_settings(
 ) -> Settings:
     """Load and validate; raises ConfigError with one line per problem."""
     config_path = resolve_config_path(path)
+    if _environment_only(path, config_path):
+        return settings_from_mapping(dict(overrides or {}))
     try:
         check_permissions(config_path)
         with config_path.open("rb") as f:
@@ -495,6 +504,15 @@ def load_settings(
     if overrides:
         data.update(overrides)
     return settings_from_mapping(data)
+
+
+def _environment_only(explicit: str | os.PathLike[str] | None, config_path: Path) -> bool:
+    """No file named (``--config``, ``$CKPTKEEPER_CONFIG``), none at the default path, and the tiers
+    given in ``$CKPTKEEPER_TIERS``: the ``CKPTKEEPER_*`` environment is the whole config. A file
+    named but missing stays an error, and so does no file and no tiers."""
+    if explicit or os.environ.get(CONFIG_ENV) or not os.environ.get(TIERS_ENV):
+        return False
+    return not config_path.exists()
 
 
 def settings_from_mapping(data: Mapping[str, Any]) -> Settings:

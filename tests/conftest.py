@@ -311,6 +311,7 @@ TEST_KINDS: dict[str, str] = {
     "test_fleet_staging": "integration",
     "test_hook": "integration",
     "test_job_hooks": "integration",
+    "test_kubernetes": "integration",
     "test_hookless_schedule": "integration",
     "test_hostile_docs": "integration",
     "test_hostile_repros": "integration",

@@ -10,7 +10,6 @@ Without conditional writes there is no lease and no fleet-wide delete, with one 
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
 from ckptkeeper.storage.s3_fleet import FLEET_DIR
+from ckptkeeper.util.host import machine_name
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.fleet")
@@ -78,7 +78,7 @@ def before_pass(settings: Settings, index: Index, *, now: float | None = None) -
         try:
             runs, ckpts, newest = index.tier_holdings(tier.name, settings.node)
             clash = name_clash(
-                read_beat(tier, f"{settings.node}.json"), socket.gethostname(), t, settings.fleet.orphan_after
+                read_beat(tier, f"{settings.node}.json"), machine_name(), t, settings.fleet.orphan_after
             )
             if clash is not None:
                 log.error(clash, tier=tier.name)

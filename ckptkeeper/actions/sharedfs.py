@@ -19,7 +19,6 @@ it lives, and another takes over ``fleet.lease_ttl`` after it stops.
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
+from ckptkeeper.util.host import machine_name
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.sharedfs")
@@ -62,7 +62,7 @@ class _Tier:
 
 def _keeper(settings: Settings) -> str:
     """Who this keeper is, beyond its ``node`` name: its machine and its index."""
-    return f"{socket.gethostname()}:{Path(settings.index).expanduser().absolute()}"
+    return f"{machine_name()}:{Path(settings.index).expanduser().absolute()}"
 
 
 def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:

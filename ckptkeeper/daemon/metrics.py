@@ -11,16 +11,20 @@ Label values come from small fixed sets (tier names from the config, action kind
 closed list of reclaim reasons): no step or path labels, which would grow without bound; run labels
 only where the runs are bounded by what one node holds (per-run cost, the active runs' next saves).
 
+The daemon's endpoint also answers ``/healthz`` (alive: a liveness probe) and ``/readyz`` (the first
+catalog sync is done: a readiness probe) with ``200 ok`` or ``503`` and the reason, for Kubernetes.
+
 ``prometheus_client`` is imported inside functions: only the daemon and ``prune`` with
 ``daemon.textfile`` set pay for it.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +46,7 @@ __all__ = [
     "IndexCollector",
     "Metrics",
     "MetricsServer",
+    "Probe",
     "write_prune_textfile",
 ]
 
@@ -338,8 +343,55 @@ def _scrub_metrics(summary: StatusSummary) -> Iterator[Any]:
     yield from (scrubbed, copies, bad, oldest, lost)
 
 
+Probe = Callable[[], str | None]
+"""A health check behind ``/healthz`` or ``/readyz``: None when fine, else why not (the 503 body)."""
+
+
+def _probe_app(metrics_app: Any, probes: Mapping[str, Probe]) -> Any:
+    """A WSGI app: each probe's path answers ``200 ok`` or ``503 <reason>`` (plain text); every other
+    path is prometheus_client's app (``/metrics``, as before)."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        probe = probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return metrics_app(environ, start_response)
+        try:
+            problem = probe()
+        except Exception as exc:  # a probe that raises is a failing probe, not a dead server
+            problem = f"{type(exc).__name__}: {exc}"
+        body = ("ok" if problem is None else problem).encode("utf-8", "replace") + b"\n"
+        status = "200 OK" if problem is None else "503 Service Unavailable"
+        start_response(
+            status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        )
+        return [body]
+
+    return app
+
+
+def _serve_wsgi(host: str, port: int, app: Any) -> tuple[Any, threading.Thread]:
+    """A threaded WSGI server (stdlib) on ``host:port`` that logs no request lines."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # the stdlib logs every request
+            pass
+
+    httpd = make_server(host, port, app, Server, handler_class=QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="ckptkeeper-metrics", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 class MetricsServer:
-    """The ``/metrics`` HTTP endpoint; :meth:`stop` joins its thread (tests check for leaks)."""
+    """The ``/metrics`` (and probes) HTTP endpoint; :meth:`stop` joins its thread (tests check for leaks)."""
 
     def __init__(self, httpd: Any, thread: threading.Thread, host: str, port: int) -> None:
         self._httpd = httpd
@@ -356,10 +408,18 @@ class MetricsServer:
 class Metrics:
     """The daemon's registry: the index collector plus action / error counters."""
 
-    def __init__(self, settings: Settings, *, extra: Callable[[], Iterable[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        extra: Callable[[], Iterable[Any]] | None = None,
+        probes: Mapping[str, Probe] | None = None,
+    ) -> None:
         from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.index_path = Path(settings.index)
+        self.probes = dict(probes or {})
+        """Path -> health check served beside ``/metrics`` (the daemon's ``/healthz``, ``/readyz``)."""
         self._lock = threading.Lock()
         self._actions = {k.value: 0 for k in ActionKind}
         self._errors = dict.fromkeys(ERROR_KINDS, 0)
@@ -396,15 +456,15 @@ class Metrics:
             self._errors[key] += 1
 
     def serve(self, addr: str) -> MetricsServer | None:
-        """Serve ``/metrics`` on ``host:port`` (None when ``addr`` is empty); raises OSError on bind."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` and the probes on ``host:port`` (None when ``addr`` is empty); raises
+        OSError on bind."""
+        from prometheus_client import make_wsgi_app
 
         parsed = parse_addr(addr)
         if parsed is None:
             return None
         host, port = parsed
-        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
-        thread.name = "ckptkeeper-metrics"
+        httpd, thread = _serve_wsgi(host, port, _probe_app(make_wsgi_app(self.registry), self.probes))
         return MetricsServer(httpd, thread, host, httpd.server_port)
 
 

@@ -10,7 +10,8 @@ Threads, and why each exists:
   to reason about than a retention pass racing a reap pass. The ``scrub`` job (re-hashing
   slower-tier copies, rate-limited) has a worker of its own, so a long scrub never delays retention
   (:mod:`.schedule`);
-- the Prometheus endpoint and the systemd watchdog pinger;
+- the Prometheus endpoint (with ``/healthz`` and ``/readyz`` for Kubernetes probes) and the
+  systemd watchdog pinger;
 - the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
   :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
 
@@ -170,18 +171,25 @@ class Daemon(PruneJob):
             print(f"config error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         try:
-            # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
-            # every tier has been reconciled (actions.index.open_index).
-            self.index = open_index(settings, check=True, rebuild=True)
-        except Exception as exc:
-            print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
-            return EXIT_ACTION_FAILED
-        try:
-            self.metrics = Metrics(settings, extra=self._daemon_metrics)
+            # Served before the index is opened: a first start (or a lost index) rebuilds it from
+            # every tier, which takes a while, and a liveness probe must see a live daemon meanwhile
+            # (scrapes read the index file on their own and report ckptkeeper_index_up 0 until then).
+            self.metrics = Metrics(
+                settings,
+                extra=self._daemon_metrics,
+                probes={"/healthz": self.liveness_problem, "/readyz": self.readiness_problem},
+            )
             if not self._serve_metrics(settings.daemon.metrics_addr, fatal=True):
                 return EXIT_ACTION_FAILED
             notify(f"STATUS=initial scan of {settings.hot.local_path}", env=None)
-            self._start_pinger()
+            self._start_pinger()  # a rebuild is part of the start: EXTEND_TIMEOUT_USEC covers it too
+            try:
+                # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
+                # every tier has been reconciled (actions.index.open_index).
+                self.index = open_index(settings, check=True, rebuild=True)
+            except Exception as exc:
+                print(f"ckptkeeper: cannot open index {settings.index}: {exc}", file=sys.stderr)
+                return EXIT_ACTION_FAILED
             log.info(
                 "starting",
                 version=__version__,
@@ -278,14 +286,29 @@ class Daemon(PruneJob):
         self.pinger.start()
 
     def _healthy(self) -> bool:
+        return self.liveness_problem() is None
+
+    def liveness_problem(self) -> str | None:
+        """Why the daemon is not working (None: it is): the systemd watchdog's condition, and
+        ``/healthz`` for a Kubernetes liveness probe. Starting (the first scan runs in the main
+        thread; EXTEND_TIMEOUT_USEC rides along) and stopping (the drain) count as alive."""
+        if self._starting or self.stopping.is_set():
+            return None
+        watcher, scheduler = self.watcher, self.scheduler
+        if watcher is None or not watcher.is_alive():
+            return "the hot-tier watcher is not running"
+        if scheduler is None or not scheduler.running:
+            return "the job scheduler is not running"
+        return None
+
+    def readiness_problem(self) -> str | None:
+        """``/readyz``: ready once the first catalog sync of every tier is done and the jobs are
+        scheduled, until SIGTERM (a DaemonSet rollout waits for it before the next node)."""
+        if self.stopping.is_set():
+            return "stopping"
         if self._starting:
-            return True  # the first scan runs in the main thread; EXTEND_TIMEOUT_USEC rides along
-        return bool(
-            self.watcher is not None
-            and self.watcher.is_alive()
-            and self.scheduler is not None
-            and self.scheduler.running
-        )
+            return f"initial scan of {self.settings.hot.local_path} in progress"
+        return self.liveness_problem()
 
     def _startup_extension(self) -> str | None:
         if not self._starting or self.pinger is None:
@@ -474,7 +497,7 @@ class Daemon(PruneJob):
                 log.info("config reloaded: nothing changed")
                 return True
             self.settings = new
-            logs.configure(new.log_level)
+            logs.configure(new.log_level, stream=new.daemon.log_stream)
             assert self.index is not None
             if watch_keys_changed(old, new) or self.watcher is None:
                 self._restart_watcher(new)

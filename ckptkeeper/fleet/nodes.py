@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 from ckptkeeper import __version__
 from ckptkeeper.fleet.lease import FleetStore, LeaseInfo
+from ckptkeeper.util.host import machine_name
 
 __all__ = ["NODES_DIR", "NodeBeat", "fleet_view", "read_beat", "read_beats", "write_beat"]
 
@@ -85,7 +85,7 @@ def write_beat(
         runs_held=runs_held,
         checkpoints_held=checkpoints_held,
         newest_verified=newest_verified,
-        host=socket.gethostname(),
+        host=machine_name(),
         keeper=keeper,
     )
     tier.put_fleet_object(f"{NODES_DIR}/{node}.json", beat.to_json())

@@ -1,4 +1,8 @@
-"""structlog, configured once: a console renderer for people, JSON lines for journald and machines."""
+"""structlog, configured once: a console renderer for people, JSON lines for journald and machines.
+
+Log lines go to stderr (systemd and a terminal) or, with ``log_stream = "stdout"``, to stdout (a
+container, whose runtime collects stdout as the pod's log); the commands' own output (tables,
+``--json``) and error messages stay where they were."""
 
 from __future__ import annotations
 
@@ -49,17 +53,23 @@ def _structlog() -> Any:
     return structlog
 
 
-def configure(level: str = "info", *, json: bool | None = None) -> None:
-    """Idempotent. ``json=None`` picks JSON unless stderr is a terminal (systemd captures stderr)."""
+LOG_STREAMS = ("stderr", "stdout")
+"""Where log lines may go (the ``log_stream`` setting)."""
+
+
+def configure(level: str = "info", *, json: bool | None = None, stream: str = "stderr") -> None:
+    """Idempotent. ``json=None`` picks JSON unless the stream is a terminal (systemd captures stderr,
+    a container runtime stdout)."""
     global _configured
     structlog = _structlog()
 
+    out = sys.stdout if stream == "stdout" else sys.stderr
     if json is None:
-        json = not sys.stderr.isatty()
+        json = not out.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
     renderer: Any = _Redacting(
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
-        journal=json and stderr_is_journal(),
+        journal=json and stream_is_journal(out),
     )
     structlog.configure(
         processors=[
@@ -70,7 +80,7 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
     _configured = True
@@ -139,21 +149,26 @@ SYSLOG_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "
 
 
 def stderr_is_journal() -> bool:
-    """Whether stderr is connected to journald: systemd sets ``$JOURNAL_STREAM`` to the stream's
+    """Whether stderr is connected to journald (see :func:`stream_is_journal`)."""
+    return stream_is_journal(sys.stderr)
+
+
+def stream_is_journal(stream: Any) -> bool:
+    """Whether ``stream`` is connected to journald: systemd sets ``$JOURNAL_STREAM`` to the stream's
     ``device:inode``, and only a match counts (a child whose stderr was redirected inherits the
     variable but not the stream)."""
     dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
     if not (dev.isdigit() and ino.isdigit()):
         return False
     try:
-        st = os.fstat(sys.stderr.fileno())
+        st = os.fstat(stream.fileno())
     except (OSError, ValueError, AttributeError):
         return False
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
 class _Redacting:
-    """Wraps the final structlog renderer: what reaches stderr/journald has no registered secret.
+    """Wraps the final structlog renderer: what reaches the log stream/journald has no registered secret.
 
     With ``journal``, each line starts with its syslog priority (``<4>{"event": ...}``): journald
     strips the prefix and stores the line at that level (``journalctl -p warning`` then works),
