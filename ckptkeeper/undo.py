@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from ckptkeeper.core.history import ACTION_EVENT, HistoryEvent
+from ckptkeeper.core.history import UNDELETE as HISTORY_UNDELETE
 from ckptkeeper.core.model import Action, Manifest, TrashEntry
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import StorageError, TierStorage
@@ -29,7 +31,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.executor")
 
-UNDELETE = "undelete"
+UNDELETE = HISTORY_UNDELETE
 """The journal's name for an undelete (not a plan action: the ``undelete`` command runs it)."""
 
 
@@ -118,9 +120,24 @@ class TrashSteps:
         self._crash.hit("undelete-journaled")
         storage.undelete(manifest, entry.path)
         self._crash.hit("undelete-done")
+        event = HistoryEvent(
+            self.clock(),
+            UNDELETE,
+            entry.run,
+            entry.step,
+            entry.tier,
+            path=entry.rel_path,
+            bytes=entry.bytes,
+            rule=UNDELETE,
+            reason=f"undeleted from the trash ({entry.path})",
+            node=storage.node,
+            trash=entry.path,
+        )
         with self.index.transaction():
             self.index.remove_trash(entry.tier, entry.path)
+            self.index.add_history([event])
             self.index.journal_done(journal)
+        log.info(ACTION_EVENT, **{k: v for k, v in event.to_dict().items() if k not in ("time", "source")})
 
     # -- recovery --------------------------------------------------------------------------
 
