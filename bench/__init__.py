@@ -14,5 +14,6 @@ BENCHMARKS = (
     "trainer_slowdown",
     "campaign",
     "fleet",
+    "history",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

@@ -45,9 +45,12 @@ class HistoryView:
 def trash_events(settings: Settings, index: Index, run: str | None, step: int | None) -> list[HistoryEvent]:
     """One event per trash entry of this node with no index row naming it: the index that knew
     why was lost (rebuilt from the tiers); the entry itself still says when and where."""
+    entries = index.trash(run, step)
+    if not entries:
+        return []
     known = {e.trash for e in index.history(run, step) if e.trash}
     out = []
-    for entry, _manifest in index.trash(run, step):
+    for entry, _manifest in entries:
         if entry.path in known or (entry.node and settings.node and entry.node != settings.node):
             continue
         out.append(
@@ -98,14 +101,15 @@ def read_history(
     *,
     node: str | None = None,
 ) -> HistoryView:
-    """The history of ``node``'s checkpoints (default: this node's), optionally of one run/step
-    and since a time. Another node's: its records in the shared tiers, and what this node did
-    to its copies (adopted them as lease holder)."""
+    """The history of this node (default): every action it carried out, its copies in a trash
+    with no recorded event, and what lease holders recorded about its copies. With ``node``,
+    another node's checkpoints: its records in the shared tiers, and what this node did to its
+    copies as lease holder. Optionally of one run (and step) and since a time."""
     owner = node or settings.node
     own = owner == settings.node
     rows = index.history(run, step, since)
-    events = [e for e in rows if (not e.owner or e.owner == settings.node)] if own else []
-    events += [e for e in rows if e.owner == owner and not own]
+    # this node's own view: everything it did (its adopted deletes of gone nodes' copies too)
+    events = rows if own else [e for e in rows if e.owner == owner]
     if own:
         events += [e for e in trash_events(settings, index, run, step) if e.matches(run, step, since)]
     remote, notes = fleet_events(settings, owner, run, step, since)

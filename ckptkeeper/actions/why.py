@@ -69,7 +69,7 @@ def _when(t: float) -> str:
 
 
 def _copies(index: Index, run: str, step: int, node: str, own: bool) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for row in index.checkpoints_at_step(run, step):
         damaged = row.damaged
         seen = index.listed_at(row.id)
@@ -111,7 +111,9 @@ def why(settings: Settings, index: Index, run: str, step: int, *, node: str | No
     story = Story(run, step, owner)
     story.copies = _copies(index, run, step, owner, own)
     view = read_history(settings, index, run, step, node=owner)
-    story.events, story.notes = view.events, view.notes
+    # another node's copies of a run of the same name (adopted by this node) are not this story
+    story.events = [e for e in view.events if e.owner == owner or (not e.owner and e.node in (owner, ""))]
+    story.notes = view.notes
     story.copies = _drop_deleted_since(story.copies, story.events, story.notes)
     if own:
         plan = _plan(settings, index, run)
