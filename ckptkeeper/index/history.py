@@ -35,6 +35,9 @@ _COLUMNS = (
     "duration",
     "trash",
 )
+PRUNE_CHUNK = 20_000
+"""Rows :meth:`HistoryMixin.prune_history` drops at most per bound and call."""
+
 _INSERT = f"INSERT INTO history ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 
 
@@ -160,13 +163,21 @@ class HistoryMixin(Connection):
         except sqlite3.OperationalError:
             return 0
 
-    def prune_history(self, before: float, max_rows: int) -> int:
-        """Drop events older than ``before`` and all but the newest ``max_rows``; how many went.
-        Two range deletes on indexed columns: cheap at every pass."""
+    def prune_history(self, before: float, max_rows: int, *, chunk: int = PRUNE_CHUNK) -> int:
+        """Drop events older than ``before`` and all but the newest ``max_rows``, at most ``chunk``
+        rows for each bound per call (a pass's cost stays bounded after ``history.max_rows`` is
+        lowered: the rest goes with the next passes); how many went. Range deletes on the
+        primary key: ids follow time, so the oldest go first."""
         with self.transaction(durable=False):
-            gone = self._exec("DELETE FROM history WHERE at < ?", (before,)).rowcount
+            gone = self._exec(
+                """DELETE FROM history WHERE id IN
+                   (SELECT id FROM history WHERE at < ? ORDER BY id LIMIT ?)""",
+                (before, chunk),
+            ).rowcount
             gone += self._exec(
-                "DELETE FROM history WHERE id <= (SELECT MAX(id) FROM history) - ?", (max(0, max_rows),)
+                """DELETE FROM history WHERE id <= MIN(
+                     (SELECT MAX(id) FROM history) - ?, (SELECT MIN(id) FROM history) + ? - 1)""",
+                (max(0, max_rows), chunk),
             ).rowcount
         return max(0, gone)
 
