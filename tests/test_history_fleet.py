@@ -146,3 +146,25 @@ def test_the_record_store_is_bounded_and_skips_what_it_cannot_trust(
         tier, "node-b", "node-a", [HistoryEvent(t, ADOPTED, "exp", 99, "cold")], t, keep=0.0
     )
     assert len(tier.list_fleet_objects("history/node-a")) <= 3
+
+
+def test_a_gone_nodes_litter_cleanup_and_adoption_become_events_with_reasons() -> None:
+    from ckptkeeper.core.history import CLEANUP
+    from ckptkeeper.core.model import Action, ActionKind
+
+    delete = Action(ActionKind.DELETE, "adopted from node-a (silent 8d): not kept", "exp", 3, "cold", None,
+                    "exp/checkpoint-3", 300, "adopted")  # fmt: skip
+    events = fleet_history.gone_node_events(
+        "node-c", "cold", "node-a", 8 * 86400 + 5, 1000.0,
+        discarded=["node-a/exp/checkpoint-9.ckptkeeper-staging"], aborted=["node-a/exp/checkpoint-9/model.bin"],
+        deleted=[delete],
+    )  # fmt: skip
+    assert [(e.action, e.run, e.path, e.rule, e.node, e.owner) for e in events] == [
+        (CLEANUP, "exp", "exp/checkpoint-9.ckptkeeper-staging", "gone-node-staging", "node-c", "node-a"),
+        (CLEANUP, "exp", "exp/checkpoint-9/model.bin", "gone-node-upload", "node-c", "node-a"),
+        (ADOPTED, "exp", "exp/checkpoint-3", "adopted", "node-c", "node-a"),
+    ]
+    assert events[0].reason == "node-a gone (silent 8d5s): its abandoned copy in progress discarded"
+    assert events[2].reason == delete.reason and events[2].bytes == 300 and events[2].step == 3
+    again = HistoryEvent.from_dict(json.loads(json.dumps(events[2].to_dict())), source="fleet")
+    assert again == events[2].with_source("fleet")
