@@ -276,21 +276,7 @@ class Executor(TrashSteps):
         except Exception as exc:  # the trace must never fail the action it records
             log.warning("cannot record the action in the history", error=str(exc))
         if not error:
-            log.info(
-                ACTION_EVENT,
-                action=action.action.value,
-                run=action.run,
-                step=action.step,
-                tier=action.tier,
-                to_tier=action.to_tier,
-                path=action.path,
-                bytes=action.bytes,
-                rule=action.rule,
-                reason=action.reason,
-                node=node,
-                duration_s=round(duration, 3),
-                **({"trash": trash} if trash else {}),
-            )
+            log.info(ACTION_EVENT, **event.log_fields())
 
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
         """(path, source tier) pairs where a copy and a delete of the source form a same-fs move."""

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckptkeeper.core.history import ACTION_EVENT, HistoryEvent
-from ckptkeeper.core.history import UNDELETE as HISTORY_UNDELETE
 from ckptkeeper.core.model import Action, Manifest, TrashEntry
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import StorageError, TierStorage
@@ -31,7 +30,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.executor")
 
-UNDELETE = HISTORY_UNDELETE
+UNDELETE = "undelete"
 """The journal's name for an undelete (not a plan action: the ``undelete`` command runs it)."""
 
 
@@ -137,7 +136,7 @@ class TrashSteps:
             self.index.remove_trash(entry.tier, entry.path)
             self.index.add_history([event])
             self.index.journal_done(journal)
-        log.info(ACTION_EVENT, **{k: v for k, v in event.to_dict().items() if k not in ("time", "source")})
+        log.info(ACTION_EVENT, **event.log_fields())
 
     # -- recovery --------------------------------------------------------------------------
 

@@ -134,6 +134,25 @@ class HistoryEvent:
             "source": self.source,
         }
 
+    def log_fields(self) -> dict[str, Any]:
+        """The fields of its :data:`ACTION_EVENT` log line."""
+        doc = {
+            "action": self.action,
+            "run": self.run,
+            "step": self.step,
+            "tier": self.tier,
+            "to_tier": self.to_tier,
+            "path": self.path,
+            "bytes": self.bytes,
+            "rule": self.rule,
+            "reason": self.reason,
+            "node": self.node,
+            "duration_s": round(self.duration, 3),
+        }
+        if self.trash:
+            doc["trash"] = self.trash
+        return doc
+
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], *, source: str) -> HistoryEvent:
         """Parse an event read back from a tier (untrusted): bad fields raise ValueError."""
