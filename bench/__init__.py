@@ -15,5 +15,6 @@ BENCHMARKS = (
     "campaign",
     "fleet",
     "job_end",
+    "history",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

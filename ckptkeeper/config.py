@@ -321,6 +321,16 @@ class FleetConfig(_Strict):
     """A staging marker whose heartbeat is younger than this is a live copy: nobody reaps it."""
 
 
+class HistoryConfig(_Strict):
+    """What happened to checkpoints (``history``, ``why``): one index row per executed action."""
+
+    keep: Annotated[float, BeforeValidator(parse_duration), Field(gt=0.0)] = 120 * 86400.0
+    """Events older than this are dropped at the end of each prune pass (default: 120 days, long
+    enough to answer last quarter's question)."""
+    max_rows: Annotated[int, Field(ge=100, le=100_000_000)] = 200_000
+    """At most this many events are kept (the newest): the index stays bounded whatever the churn."""
+
+
 class ReaperConfig(_Strict):
     failed_after: Duration = 7200.0
     """A run with no live writer and no write for this long is stale (treated like a failed run)."""
@@ -365,6 +375,8 @@ class Settings(BaseSettings):
     """The tiers, fastest first; the first is the watched hot tier."""
     reaper: ReaperConfig = Field(default_factory=ReaperConfig)
     """When runs count as stale and partial checkpoints are reaped."""
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
+    """How long and how many executed actions the index keeps for `history` and `why`."""
 
     @field_validator("node")
     @classmethod

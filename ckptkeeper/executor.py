@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkeeper.core.history import ACTION_EVENT, DONE, FAILED, HistoryEvent
 from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState, Plan, TierSpec
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
@@ -218,7 +219,9 @@ class Executor(TrashSteps):
                 and (path, action.tier) in copied_ok
             ):
                 result.done.append(action)  # the rename already removed the source
+                self._trace(action, time.monotonic())
                 continue
+            started = time.monotonic()
             try:
                 skipped = self._apply_one(
                     action, rename=(path, action.tier) in moves and action.action is ActionKind.COPY
@@ -233,6 +236,7 @@ class Executor(TrashSteps):
                     error=str(exc),
                 )
                 result.failed.append((action, str(exc)))
+                self._trace(action, started, error=str(exc))
                 if action.action is ActionKind.COPY:
                     failed_keys.add(path)
                 continue
@@ -243,9 +247,36 @@ class Executor(TrashSteps):
                     failed_keys.add(path)
                 continue
             result.done.append(action)
+            self._trace(action, started)
             if action.action is ActionKind.COPY:
                 copied_ok.add((path, action.tier or ""))
         return result
+
+    def _trace(self, action: Action, started: float, *, error: str = "") -> None:
+        """Every action carried out or failed leaves a trace (``history``, ``why``): a row in the
+        index's history and, when done, one log event with its rule and reason (a failure is
+        logged where it is caught)."""
+        duration = time.monotonic() - started
+        node = self.tiers[0].node
+        trash = ""
+        if action.trash and not error and action.run is not None and action.step is not None:
+            entries = [e for e, _ in self.index.trash(action.run, action.step) if e.tier == action.tier]
+            trash = entries[0].path if entries else ""
+        event = HistoryEvent.of(
+            action,
+            self.clock(),
+            node=node,
+            outcome=FAILED if error else DONE,
+            duration=duration,
+            error=error,
+            trash=trash,
+        )
+        try:
+            self.index.add_history([event])
+        except Exception as exc:  # the trace must never fail the action it records
+            log.warning("cannot record the action in the history", error=str(exc))
+        if not error:
+            log.info(ACTION_EVENT, **event.log_fields())
 
     def _local_moves(self, actions: Sequence[Action]) -> set[tuple[str, str | None]]:
         """(path, source tier) pairs where a copy and a delete of the source form a same-fs move."""

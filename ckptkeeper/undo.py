@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from ckptkeeper.core.history import ACTION_EVENT, HistoryEvent
 from ckptkeeper.core.model import Action, Manifest, TrashEntry
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import StorageError, TierStorage
@@ -118,9 +119,24 @@ class TrashSteps:
         self._crash.hit("undelete-journaled")
         storage.undelete(manifest, entry.path)
         self._crash.hit("undelete-done")
+        event = HistoryEvent(
+            self.clock(),
+            UNDELETE,
+            entry.run,
+            entry.step,
+            entry.tier,
+            path=entry.rel_path,
+            bytes=entry.bytes,
+            rule=UNDELETE,
+            reason=f"undeleted from the trash ({entry.path})",
+            node=storage.node,
+            trash=entry.path,
+        )
         with self.index.transaction():
             self.index.remove_trash(entry.tier, entry.path)
+            self.index.add_history([event])
             self.index.journal_done(journal)
+        log.info(ACTION_EVENT, **event.log_fields())
 
     # -- recovery --------------------------------------------------------------------------
 

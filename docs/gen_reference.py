@@ -167,19 +167,16 @@ def config_page() -> str:
         "A complete example with every key is [`config.example.toml`](#example).",
         "",
     ]
+    fields = list(settings_fields())
+    named = {section for section, _, _ in fields if section}  # every table of the settings model
     sections: dict[str, list[tuple[str, Any]]] = {}
-    for section, key, field in settings_fields():
-        if section == "" and key in ("fleet", "daemon", "tiers", "reaper"):
+    for section, key, field in fields:
+        if section == "" and key in named:
             continue
         sections.setdefault(section, []).append((key, field))
-    titles = {
-        "": "Top level",
-        "daemon": "`[daemon]`",
-        "tiers": "`[[tiers]]`",
-        "reaper": "`[reaper]`",
-        "fleet": "`[fleet]`",
-    }
-    for section in ("", "tiers", "reaper", "daemon", "fleet"):
+    titles = {name: f"`[{name}]`" for name in named} | {"": "Top level", "tiers": "`[[tiers]]`"}
+    first = ["", "tiers", "reaper", "daemon", "fleet"]
+    for section in [s for s in first if s in sections] + sorted(set(sections) - set(first)):
         lines += [f"## {titles[section]}", ""]
         if section:
             lines += [_one_line(Settings.model_fields[section].description), ""]

@@ -309,6 +309,8 @@ TEST_KINDS: dict[str, str] = {
     "test_fleet_ownership": "integration",
     "test_fleet_sharedfs": "integration",
     "test_fleet_staging": "integration",
+    "test_history": "integration",
+    "test_history_fleet": "integration",
     "test_hook": "integration",
     "test_job_hooks": "integration",
     "test_kubernetes": "integration",

@@ -89,12 +89,14 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
     at 1 gets 2, 3 then 4. Rows survive; existing copies, damaged or not, are this node's ('': the
     single-node default), as they were before, and were never re-hashed (scrubbed first). 5 adds
     the trash table (undo window), empty after an upgrade. 6 adds a checkpoint's node part (issue
-    #15): NULL, a whole checkpoint, for every row that was there."""
-    assert SCHEMA_VERSION == 6
+    #15): NULL, a whole checkpoint, for every row that was there. 7 adds the history of executed
+    actions (``history``, ``why``), empty after an upgrade."""
+    assert SCHEMA_VERSION == 7
     path = tmp_path / "i.db"
     _index_at(path, version)
     with Index(path) as ix:
-        assert ix.schema_version == 6
+        assert ix.schema_version == 7
+        assert ix.history() == [] and ix.history_count() == 0
         assert [
             tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
         ] == [
@@ -129,7 +131,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "cold", "v1", node="node-b")
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
     with Index(path) as ix:  # reopened: not migrated again
-        assert ix.schema_version == 6
+        assert ix.schema_version == 7
 
 
 def test_corrupt_file_detected(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
-from ckptkeeper.index import Index, IndexCorrupt
+from ckptkeeper.index import Index, IndexCorrupt, salvage_history
 from ckptkeeper.ingest.catalog import Catalog
 from ckptkeeper.ingest.report import ReconcileReport
 from ckptkeeper.util.lock import ExecutorLock, LockHeld
@@ -173,6 +173,7 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     )
     pins = _salvage_pins(aside)
     ix = Index(path)
+    ix.add_history(salvage_history(aside), durable=True)  # `history` and `why` survive the rebuild
     report = Catalog(settings, ix).reconcile()
     wanted = sorted(set(pins or ()))
     restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
@@ -360,12 +361,17 @@ def reopen_after_loss(settings: Settings, index: Index, problem: str) -> bool:
             salvaged = index.pinned_names()
         except Exception:
             salvaged = set()
+        try:
+            events = index.history()  # and its history, for `history` and `why`
+        except Exception:
+            events = []
         log.error(
             "index deleted or replaced while open: reopening it and rebuilding from the tiers, deletes held",
             index=str(settings.index),
             problem=problem,
         )
         index.reopen()
+        index.add_history(events, durable=True)
         catalog = Catalog(settings, index)
         report = catalog.reconcile()
         restored = index.pin_by_name(sorted(salvaged))

@@ -286,6 +286,10 @@ def run_prune(
             plan = dataclasses.replace(plan, notes=(*plan.notes, *fleet_notes))
         if beat_notes:
             plan = dataclasses.replace(plan, notes=(*plan.notes, *beat_notes))
+        # history participant: the lease holder's adopted deletes, and the bounds of the history
+        from ckptkeeper.actions.history import after_pass as history_after_pass
+
+        history_after_pass(settings, index, adopted)
         if "retention" in kinds and run is None and not result.stopped:
             try:
                 record_policy_held(settings, held)

@@ -10,7 +10,20 @@ from __future__ import annotations
 import click
 
 from ckptkeeper import __version__
-from ckptkeeper.cli import daemon, demo, fleet, inspect, job, preflight, prune, restore, scrub, undo
+from ckptkeeper.cli import (
+    daemon,
+    demo,
+    fleet,
+    history,
+    inspect,
+    job,
+    preflight,
+    prune,
+    restore,
+    scrub,
+    undo,
+    why,
+)
 from ckptkeeper.cli.context import Context
 
 
@@ -29,6 +42,6 @@ def main(ctx: click.Context, config_path: str | None) -> None:
     ctx.obj = Context(config_path)
 
 
-for _module in (inspect, prune, preflight, restore, scrub, undo, fleet, daemon, demo, job):
+for _module in (inspect, prune, history, why, preflight, restore, scrub, undo, fleet, daemon, demo, job):
     for _command in _module.COMMANDS:
         main.add_command(_command)

@@ -30,15 +30,18 @@ pass looks again. Litter cleanup follows the same schedule.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.adoption import plan_adoption
+from ckptkeeper.core.history import ADOPTED
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Plan
 from ckptkeeper.fleet.claims import claim, sweep
-from ckptkeeper.fleet.cleanup import clean_gone_nodes
+from ckptkeeper.fleet.cleanup import CleanReport, clean_gone_nodes
+from ckptkeeper.fleet.history import gone_node_events, write_record
 from ckptkeeper.fleet.lease import Lease, Step, decide, read_lease
 from ckptkeeper.fleet.nodes import NODES_DIR, NodeBeat, read_beat
 from ckptkeeper.storage import S3TierStorage, StorageError
@@ -169,6 +172,7 @@ def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: f
         if not lease.renew():
             adoption.stopped, adoption.lost_lease = "the fleet lease was lost", True
             return
+        started = time.monotonic()
         try:
             if not claim(tier, lease.node, adoption.node, path, now, orphan_after):
                 adoption.claimed.append(path)  # another holder deletes it (it claimed it first)
@@ -181,13 +185,17 @@ def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: f
         late = not lease.held
         log.info(
             ADOPTED_EVENT,
+            action=ADOPTED,
             gone=adoption.node,
             tier=tier.name,
             path=path,
             run=action.run,
             step=action.step,
             bytes=freed,
+            rule=action.rule,
             reason=action.reason,
+            node=lease.node,
+            duration_s=round(time.monotonic() - started, 3),
             late=late,
         )
         if late:
@@ -299,12 +307,43 @@ def clean_and_adopt(
         adopt(tier, lease, adoption, settings.fleet.orphan_after, t)
         adopted.append(adoption)
         notes += adoption_notes(adoption)
+        notes += _leave_record(settings, tier, lease.node, beat, report, adoption, t)
         if adoption.lost_lease:
             break
         if adoption.complete:
             record(tier, adoption, t)
             notes += _sweep_claims(tier, lease, adoption, t, settings.fleet.orphan_after)
     return notes
+
+
+def _leave_record(
+    settings: Settings,
+    tier: S3TierStorage,
+    holder: str,
+    beat: NodeBeat,
+    report: CleanReport,
+    adoption: Adoption,
+    t: float,
+) -> list[str]:
+    """The record of what this holder did to ``beat.node``'s copies, for that node's ``history``
+    and ``why`` (:mod:`ckptkeeper.fleet.history`); a note if it could not be written."""
+    done = set(adoption.deleted)
+    events = gone_node_events(
+        holder,
+        tier.name,
+        beat.node,
+        t - beat.last_pass,
+        t,
+        discarded=report.discarded,
+        aborted=report.aborted,
+        deleted=[a for a in adoption.plan.actions if (a.path or "") in done],
+    )
+    try:
+        write_record(tier, holder, beat.node, events, t, settings.history.keep)
+    except StorageError as exc:
+        log.warning("cannot write the fleet history record", gone=beat.node, tier=tier.name, error=str(exc))
+        return [f"{tier.name}: history record of {beat.node} not written: {exc}"]
+    return []
 
 
 def _sweep_claims(

@@ -5,10 +5,12 @@ SQLite in WAL mode with ``synchronous=FULL``: the index and the executor's journ
 ``schema`` holds the migrations, ``rows`` the typed rows it returns and their conversion from
 sqlite rows, ``connection`` the connection and its transactions, and the queries are split by
 concept: ``db`` (:class:`Index`: runs, checkpoints, locations), ``artifacts`` (artifacts,
-quarantine, tier status), ``journal`` (journal, reclaimed, job runs), ``snapshot`` (the planner's view).
+quarantine, tier status), ``journal`` (journal, reclaimed, job runs), ``snapshot`` (the planner's view), ``history``
+(what happened to checkpoints: ``history`` and ``why``).
 """
 
 from ckptkeeper.index.db import Index, IndexReplaced
+from ckptkeeper.index.history import salvage_history
 from ckptkeeper.index.rows import (
     DAMAGED,
     CheckpointRow,
@@ -35,4 +37,5 @@ __all__ = [
     "Quarantined",
     "RunRow",
     "TierStatus",
+    "salvage_history",
 ]

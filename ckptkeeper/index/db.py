@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ckptkeeper.core.model import CheckpointState, NodePart, RunState, Snapshot
 from ckptkeeper.index.artifacts import ArtifactsMixin
 from ckptkeeper.index.connection import IndexReplaced
+from ckptkeeper.index.history import HistoryMixin
 from ckptkeeper.index.journal import JournalMixin
 from ckptkeeper.index.rows import DAMAGED, CheckpointRow, RunRow, checkpoint_row, run_row
 from ckptkeeper.index.scrub import ScrubMixin
@@ -28,7 +29,7 @@ from ckptkeeper.index.trash import TrashMixin
 __all__ = ["Index", "IndexReplaced"]
 
 
-class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin):
+class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
     """A connection to the catalog. Thread-safe by serialising access (one writer anyway).
 
     Opening, migrating and transactions come from :class:`~ckptkeeper.index.connection.Connection`

@@ -150,6 +150,32 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE checkpoints ADD COLUMN part TEXT;
     """,
+    # 6 -> 7: what happened to checkpoints (``history`` and ``why``): one row per executed action,
+    # kept for ``history.keep`` and at most ``history.max_rows`` rows (pruned by ``at`` and by id,
+    # both indexed: a prune is two range deletes).
+    """
+    CREATE TABLE history (
+        id INTEGER PRIMARY KEY,
+        at REAL NOT NULL,
+        action TEXT NOT NULL,
+        run TEXT,
+        step INTEGER,
+        tier TEXT,
+        to_tier TEXT,
+        path TEXT,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        rule TEXT NOT NULL DEFAULT '',
+        reason TEXT NOT NULL DEFAULT '',
+        outcome TEXT NOT NULL,
+        error TEXT NOT NULL DEFAULT '',
+        node TEXT NOT NULL DEFAULT '',
+        owner TEXT NOT NULL DEFAULT '',
+        duration REAL NOT NULL DEFAULT 0,
+        trash TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX history_run_step ON history (run, step);
+    CREATE INDEX history_at ON history (at);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
