@@ -593,3 +593,39 @@ def test_no_message_advises_removing_a_copy() -> None:
         if advice.search(line)
     ]
     assert found == []
+
+
+def test_only_another_version_blocks_undelete(tmp_path: Path) -> None:
+    """A copy of the trashed version itself elsewhere (whole, or found damaged) is no newer
+    version: undelete may bring a whole one back beside it. Another version blocks it."""
+    from builders import index_checkpoint, manifest
+
+    from ckptkeeper.actions.undo import UndeleteRefused, refuse_beside_newer
+    from ckptkeeper.core.model import CheckpointState, FileEntry, TrashEntry
+
+    old = manifest("r", 200, [FileEntry("model.bin", 10, "a" * 16)])
+    new = manifest("r", 200, [FileEntry("model.bin", 11, "b" * 16)])
+    entry = TrashEntry("warm", ".ckptkeeper-trash/x", "r", 200, "checkpoint-200", 10, 0.0)
+    with Index(tmp_path / "i.db") as ix:
+        cid = index_checkpoint(ix, "r", 200, version=old.digest)
+        ix.set_location(cid, "cold", old.digest)
+        ix.mark_damaged(cid, "cold", "data missing")
+        refuse_beside_newer(ix, entry, old, 3600.0)  # the same version, damaged: no refusal
+        ix.upsert_checkpoint(
+            run="r",
+            name="checkpoint-200",
+            step=200,
+            layout="hf",
+            state=CheckpointState.COMPLETE,
+            created_at=0.0,
+            last_write=0.0,
+            bytes=11,
+            metrics={},
+            committed=False,
+            version=new.digest,
+            manifest_json=None,
+            problem=None,
+        )
+        ix.set_location(cid, "hot", new.digest)
+        with pytest.raises(UndeleteRefused, match=f"hot \\(version {new.digest[:12]}\\)"):
+            refuse_beside_newer(ix, entry, old, 3600.0)

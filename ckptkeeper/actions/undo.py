@@ -82,12 +82,14 @@ def refuse_beside_newer(index: Index, entry: TrashEntry, manifest: Manifest, win
     for row in index.checkpoints_at_step(entry.run, entry.step):
         if row.name != entry.name:
             continue  # another file at the same step (``-v1``): no key of it is the entry's
-        others = {t: v for t, v in row.locations.items() if v != manifest.digest}
+        # a damaged copy records its problem, not its version: it is of the row's current version
+        versions = {t: row.version if v.startswith(DAMAGED) else v for t, v in row.locations.items()}
+        others = {t: v or "unknown" for t, v in versions.items() if v != manifest.digest}
         writing = row.state is CheckpointState.WRITING and row.version != manifest.digest
         if not others and not writing:
             continue
         where = (
-            ", ".join(f"{t} (version {v.removeprefix(DAMAGED)[:12]})" for t, v in sorted(others.items()))
+            ", ".join(f"{t} (version {v[:12]})" for t, v in sorted(others.items()))
             or "the hot tier (a save in progress)"
         )
         until = (
