@@ -47,6 +47,11 @@ NOT_SETTINGS = frozenset(
     {
         "CKPTKEEPER_CONFIG",  # selects the config file (resolve_config_path)
         "CKPTKEEPER_TEST_CRASH_AFTER",  # the executor's crash points, for the crash tests
+        # the Slurm hooks (deploy/slurm/) and a training job's environment
+        "CKPTKEEPER_DEFAULTS",
+        "CKPTKEEPER_HOOK_LOG",
+        "CKPTKEEPER_PRESTAGE_TIMEOUT",
+        "CKPTKEEPER_RESUME",
         # knobs of the test suite, which runs commands in-process with them set
         "CKPTKEEPER_UPDATE_GOLDEN",
         "CKPTKEEPER_STRESS_TRIALS",

@@ -105,3 +105,13 @@ def test_environment_names_come_from_the_model() -> None:
     ]
     for name in Settings.model_fields:  # a new setting is allowed without touching the checks
         assert env_problems({f"CKPTKEEPER_{name.upper()}": "[]"}, Settings) == []
+
+
+def test_the_slurm_hooks_and_a_jobs_variables_are_not_settings_but_allowed() -> None:
+    env = {
+        "CKPTKEEPER_DEFAULTS": "/etc/default/ckptkeeper",
+        "CKPTKEEPER_HOOK_LOG": "/var/log/x",
+        "CKPTKEEPER_PRESTAGE_TIMEOUT": "120",
+        "CKPTKEEPER_RESUME": "exp",
+    }
+    assert env_problems(env, Settings) == []
