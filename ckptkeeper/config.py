@@ -27,8 +27,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from ckptkeeper.config_checks import ENV_PREFIX, env_problems, env_variables, tier_problems
 from ckptkeeper.core.model import ReaperPolicy, TierPolicy, TierSpec
 from ckptkeeper.util.fmt import format_duration
 
@@ -349,7 +350,7 @@ class ReaperConfig(_Strict):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="CKPTKEEPER_",
+        env_prefix=ENV_PREFIX,
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
@@ -471,13 +472,16 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return out or "(config)"
 
 
-def _format_errors(exc: ValidationError) -> list[str]:
+def _format_errors(exc: ValidationError, env: Mapping[str, list[str]] | None = None) -> list[str]:
+    """One line per error; ``env``: top-level key -> the variables that set it (named too)."""
     lines = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if p not in ("function-after[_check(), TierConfig]",))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see config.example.toml)"
+        if env and loc and isinstance(loc[0], str) and loc[0] in env:
+            msg += f" (set by {', '.join(env[loc[0]])})"
         lines.append(f"{_format_loc(loc)}: {msg}")
     return lines
 
@@ -528,12 +532,24 @@ def _environment_only(explicit: str | os.PathLike[str] | None, config_path: Path
 
 
 def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
+    """Validate the file's ``data`` with the environment over it; then the checks no single key
+    can make (:mod:`ckptkeeper.config_checks`: overlapping tiers, relative paths)."""
+    problems = env_problems(os.environ, Settings)
+    if problems:
+        raise ConfigError(problems)
     # Our own CKPTKEEPER_CONFIG env var selects the file; it is not a setting.
     saved = os.environ.pop(CONFIG_ENV, None)
     try:
-        return Settings(**dict(data))
+        settings = Settings(**dict(data))
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc)) from None
+        raise ConfigError(_format_errors(exc, env_variables(os.environ))) from None
+    except SettingsError as exc:  # a value the environment source could not parse (env_problems misses it)
+        names = ", ".join(n for names in env_variables(os.environ).values() for n in names)
+        raise ConfigError([f"environment ({names}): {exc}"]) from None
     finally:
         if saved is not None:
             os.environ[CONFIG_ENV] = saved
+    problems = tier_problems([(t.url, t.storage_options) for t in settings.tiers], settings.index)
+    if problems:
+        raise ConfigError(problems)
+    return settings

@@ -185,7 +185,9 @@ def test_without_the_hook_node1_keeps_its_parts_with_the_reason(job: Path, tmp_p
     warnings = cli(config, "status", "--json")["warnings"]
     assert [w for w in warnings if w.startswith("bare:")] == [
         "bare: 2 node-local part(s) of a multi-node checkpoint (steps 100, 200) kept, never reaped: no hook says "
-        "which job they belong to (track_run on every rank; or delete them by hand once the job is gone)"
+        "which job they belong to (track_run on every rank). They are this node's share of those checkpoints: "
+        "without them no node can restore them whole, so remove them only once the job and its checkpoints "
+        "are no longer needed"
     ]
 
     cli(config, "prune", "--json")  # the real pass deletes nothing of them either

@@ -533,3 +533,90 @@ def test_a_dead_preflights_copy_is_no_proof_of_a_lost_index(tmp_path: Path) -> N
     assert not list(tmp_path.glob("index.db*.deletes-held"))
     assert _scratch_on_disk(node.hot, cold) == []
     node.assert_untouched()
+
+
+# --------------------------------------------------------------------------------------------
+# room: the sample never takes the active runs' headroom
+
+
+@pytest.mark.parametrize(
+    ("sample", "free", "headroom", "copies", "status"),
+    [
+        (10 << 20, 100 << 20, 30 << 20, 2, "pass"),  # 2 x 10 + 4 slack <= 100 - 30
+        (40 << 20, 100 << 20, 30 << 20, 2, "fail"),  # 80 + 4 > 70
+        (10 << 20, 40 << 20, 0, 3, "pass"),  # 30 + 4 <= 40
+        (13 << 20, 40 << 20, 0, 3, "fail"),  # 39 + 4 > 40
+        (1, 0, 0, 2, "fail"),
+        (1, None, 0, 2, "fail"),
+    ],
+)
+def test_sample_room_decision(sample: int, free: int | None, headroom: int, copies: int, status: str) -> None:
+    check = pf.check_sample_room(sample, free, headroom, 1, copies)
+    assert check.status == status, check
+    room = pf.sample_room(free, headroom, copies)
+    if free is not None:
+        assert (sample <= (room or 0)) == (status == "pass")
+        assert copies * (room or 0) + headroom + pf.SAMPLE_SLACK <= max(free, headroom + pf.SAMPLE_SLACK)
+
+
+def test_refused_sample_names_the_room_and_a_fitting_alternative() -> None:
+    check = pf.check_sample_room(1 << 30, 1 << 30, 100 << 20, 2, 2)
+    assert check.status == "fail"
+    assert "refused, no synthetic save written" in check.detail
+    assert "kept free for the next save of 2 active run(s)" in check.detail
+    assert "--quick" in check.detail
+
+
+@pytest.fixture
+def small_hot(tmp_path: Path) -> Iterator[Path]:
+    """A 40 MiB tmpfs as the hot tier: a real filesystem that fills up."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(hot)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield hot
+    finally:
+        subprocess.run(["umount", "-l", str(hot)], check=False)
+
+
+def test_preflight_leaves_the_active_runs_next_save_its_room(tmp_path: Path, small_hot: Path) -> None:
+    """An active run's 8 MiB saves on a 40 MiB hot tmpfs: a 12 MiB sample (and its restore) would
+    leave less than the next save needs, and a training save failed with ENOSPC while preflight
+    ran. Refused before any byte is written; a sample that fits runs."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        daemon={"settle_seconds": "0s", "polling": True},
+        tiers=[local_tier("hot", small_hot, keep_last=2), local_tier("warm", warm, keep_last=4)],
+    )
+    ckpt = small_hot / "train" / "checkpoint-100"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(os.urandom(8 << 20))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 100, "log_history": []}))
+    assert _cli(config, "scan").returncode == 0
+    before = _tree(small_hot / "train")
+
+    refused = _cli(config, "preflight", "--json", "--quick", "--size", "12MiB")
+    doc = json.loads(refused.stdout)
+    assert doc["rounds"] == [] and doc["throughput"]["hot_write"] is None  # not a byte written
+    assert refused.returncode == 6, refused.stderr
+    room = _checks(doc)["sample_room"]
+    assert room["status"] == "fail" and "refused, no synthetic save written" in room["detail"], room
+    assert "8.0 MiB kept free for the next save of 1 active run(s)" in room["detail"], room
+    assert _checks(doc)["pipeline"]["status"] == "fail"
+    assert _scratch_on_disk(small_hot, warm) == []
+    assert _tree(small_hot / "train") == before
+
+    fits = _cli(config, "preflight", "--json", "--quick", "--size", "4MiB")
+    doc = json.loads(fits.stdout)
+    assert _checks(doc)["sample_room"]["status"] == "pass", doc
+    assert _checks(doc)["pipeline"]["status"] == "pass", doc
+    assert doc["throughput"]["hot_write"] is not None
+    assert _scratch_on_disk(small_hot, warm) == []
+    assert _tree(small_hot / "train") == before

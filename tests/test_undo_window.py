@@ -519,3 +519,113 @@ def test_s3_kill_between_the_server_side_copies_and_the_manifest_loses_nothing(
     restored = tmp_path / "restored"
     assert node.cli("restore", "r", "--step", "200", "--to", str(restored))[0] == 0
     assert digest(restored / "checkpoint-200") == node.originals[200]
+
+
+def test_undelete_refuses_beside_a_newer_version_written_since(tmp_path: Path) -> None:
+    """The run wrote step 200 again after its old copy expired into warm's trash, and the new one
+    moved on to cold. Bringing the old one back put two versions of one checkpoint side by side
+    (exit 0), after which every prune failed; now it is refused, and nothing changes."""
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    warm.mkdir()
+    cold.mkdir()
+    tiers = [
+        local_tier("hot", tmp_path / "hot", keep_last=1),
+        local_tier("warm", warm, keep_last=2, undo_window="1h"),
+        local_tier("cold", cold, keep_every=400),
+    ]
+    node = Node(tmp_path, tiers, [100, 200, 300])
+    assert node.cli("prune")[0] == 0  # 200 to warm
+    node.add([400])
+    assert node.cli("prune")[0] == 0  # 200 expires from warm: into its trash
+    assert set(node.trash_entries(warm)) == {200}
+    old = node.originals[200]
+    node.add([200])  # written again (a job re-run from step 100): a new version at the same place
+    node.tiers[2] = local_tier("cold", cold, keep_every=200)  # ... that cold keeps
+    node.write_config()
+    code, out = node.cli("prune")
+    assert code == 0, out
+    assert digest(cold / "r" / "checkpoint-200") == node.originals[200] != old
+
+    code, text = node.cli("undelete", "r", "200")
+    assert code == 1, text
+    assert "r@200 was written again since this copy was deleted" in text
+    assert "another version of r/checkpoint-200 is in cold" in text
+    assert "stays in the trash of warm" in text
+    assert digest(node.trash_entries(warm)[200]) == old  # nothing lost, nothing moved
+    assert not (warm / "r" / "checkpoint-200").exists()
+    assert digest(cold / "r" / "checkpoint-200") == node.originals[200]
+    code, out = node.cli("prune")
+    assert code == 0, out
+
+
+def test_undelete_refuses_while_hot_holds_a_newer_version(tmp_path: Path) -> None:
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    node = Node(
+        tmp_path,
+        [
+            local_tier("hot", tmp_path / "hot", keep_last=1),
+            local_tier("warm", warm, keep_last=2, undo_window="1h"),
+        ],
+        [100, 200, 300],
+    )
+    assert node.cli("prune")[0] == 0
+    node.add([400])
+    assert node.cli("prune")[0] == 0
+    node.add([200])
+    assert node.cli("scan")[0] == 0
+    code, text = node.cli("undelete", "r", "200")
+    assert code == 1 and "another version of r/checkpoint-200 is in hot" in text, text
+    assert set(node.trash_entries(warm)) == {200}
+
+
+def test_no_message_advises_removing_a_copy() -> None:
+    """ "… delete it first", followed, deleted the only copy of a version: no message says to
+    remove a copy by hand (they say whose copy it is and what removing it loses instead)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "ckptkeeper"
+    advice = re.compile(r"delete it first|(delete|remove) (it|them) by hand|rm -r", re.IGNORECASE)
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for p in root.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if advice.search(line)
+    ]
+    assert found == []
+
+
+def test_only_another_version_blocks_undelete(tmp_path: Path) -> None:
+    """A copy of the trashed version itself elsewhere (whole, or found damaged) is no newer
+    version: undelete may bring a whole one back beside it. Another version blocks it."""
+    from builders import index_checkpoint, manifest
+
+    from ckptkeeper.actions.undo import UndeleteRefused, refuse_beside_newer
+    from ckptkeeper.core.model import CheckpointState, FileEntry, TrashEntry
+
+    old = manifest("r", 200, [FileEntry("model.bin", 10, "a" * 16)])
+    new = manifest("r", 200, [FileEntry("model.bin", 11, "b" * 16)])
+    entry = TrashEntry("warm", ".ckptkeeper-trash/x", "r", 200, "checkpoint-200", 10, 0.0)
+    with Index(tmp_path / "i.db") as ix:
+        cid = index_checkpoint(ix, "r", 200, version=old.digest)
+        ix.set_location(cid, "cold", old.digest)
+        ix.mark_damaged(cid, "cold", "data missing")
+        refuse_beside_newer(ix, entry, old, 3600.0)  # the same version, damaged: no refusal
+        ix.upsert_checkpoint(
+            run="r",
+            name="checkpoint-200",
+            step=200,
+            layout="hf",
+            state=CheckpointState.COMPLETE,
+            created_at=0.0,
+            last_write=0.0,
+            bytes=11,
+            metrics={},
+            committed=False,
+            version=new.digest,
+            manifest_json=None,
+            problem=None,
+        )
+        ix.set_location(cid, "hot", new.digest)
+        with pytest.raises(UndeleteRefused, match=f"hot \\(version {new.digest[:12]}\\)"):
+            refuse_beside_newer(ix, entry, old, 3600.0)

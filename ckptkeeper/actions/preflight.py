@@ -29,6 +29,7 @@ from ckptkeeper.actions.errors import EXIT_OK, EXIT_PREFLIGHT_FAILED, EXIT_PREFL
 from ckptkeeper.actions.index import executor_lock
 from ckptkeeper.config import Settings, TierConfig
 from ckptkeeper.core import preflight as pf
+from ckptkeeper.core.headroom import Headroom
 from ckptkeeper.core.model import Action, ActionKind, CheckpointState, FileEntry, Manifest, Plan
 from ckptkeeper.index import Index
 from ckptkeeper.util import hashing
@@ -488,6 +489,35 @@ def _hot_checkpoint_bytes(index: Index, hot: str) -> int:
 # the action
 
 
+def _copies_on_hot(settings: Settings) -> int:
+    """How many copies of a synthetic save a round holds at once on the hot tier's filesystem: the
+    save and its restore, plus the slower tiers it uses (warm, cold) on that same filesystem."""
+    tiers = settings.tiers
+    used = {tiers[-1].name, tiers[1].name} if len(tiers) > 2 else {t.name for t in tiers[1:]}
+
+    def device(path: Path) -> int | None:
+        for p in (path, *path.parents):  # a tier directory not made yet lives where its parent is
+            with contextlib.suppress(OSError):
+                return os.stat(p).st_dev
+        return None
+
+    hot = device(settings.hot.local_path)
+    return 2 + sum(1 for t in tiers[1:] if t.name in used and t.is_local and device(t.local_path) == hot)
+
+
+def _sample_room(settings: Settings, index: Index, sample: int) -> pf.Check:
+    """Is there room on the hot tier for a round, leaving the active runs' next saves their room?"""
+    hot = settings.hot
+    try:
+        free: int | None = shutil.disk_usage(hot.local_path).free
+    except OSError:
+        free = None
+    runs = [r for r in index.runs() if not pf.is_scratch_run(r.name)]
+    room = Headroom.of(hot.name, free or 0, runs, ((c.run, c.step, c) for c in index.checkpoints()))
+    active = sum(1 for b in room.runs.values() if b)
+    return pf.check_sample_room(sample, free, room.needed_bytes, active, _copies_on_hot(settings))
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     mid = len(s) // 2
@@ -501,6 +531,50 @@ def _scratch(settings: Settings, scratch: str) -> Iterator[None]:
         yield
     finally:
         _purge(settings, lambda run: run == scratch)
+
+
+def _rounds(
+    settings: Settings,
+    index: Index,
+    scratch: str,
+    sample: int,
+    series: dict[str, list[float]],
+    rounds: list[dict[str, float | None]],
+    *,
+    quick: bool,
+    duration: float | None,
+) -> list[pf.Check]:
+    """Drive synthetic saves through the pipeline (one, or rounds for ``duration``), each only
+    while the hot tier has room for it beside the active runs' next saves; appends to ``series``
+    and ``rounds``, returns the ``sample_room`` and ``pipeline`` checks."""
+    room = _sample_room(settings, index, sample)
+    if room.status != "pass":
+        return [room, pf.Check("pipeline", "fail", "not run: no room for a synthetic save (see sample_room)")]
+    pipeline = _Pipeline(settings, scratch)
+    try:
+        deadline = time.monotonic() + (duration or 0.0)
+        n = 0
+        while True:
+            n += 1
+            if n > 1 and (again := _sample_room(settings, index, sample)).status != "pass":
+                # the runs' saves grew meanwhile: stop here, never into their headroom
+                room = pf.Check("sample_room", "warn", f"stopped after {n - 1} round(s): {again.detail}")
+                break
+            try:
+                rates = pipeline.round(n, sample)
+            except Exception as exc:
+                log.error("preflight pipeline failed", round=n, error=str(exc))
+                return [room, pf.Check("pipeline", "fail", f"round {n}: {exc}"[:400])]
+            rounds.append(rates)
+            for stage, rate in rates.items():
+                if rate is not None:
+                    series[stage].append(rate)
+            if quick or duration is None or time.monotonic() >= deadline:
+                break
+    finally:
+        pipeline.close()
+    done = f"{len(rounds)} synthetic save(s) of {_fmt_bytes(sample)} written, moved, uploaded, restored and verified"
+    return [room, pf.Check("pipeline", "pass", done)]
 
 
 def run_preflight(
@@ -526,34 +600,9 @@ def run_preflight(
     with executor_lock(settings, lock_timeout):
         swept = sweep_scratch(settings)
         with _scratch(settings, scratch):
-            pipeline = _Pipeline(settings, scratch)
-            try:
-                deadline = time.monotonic() + (duration or 0.0)
-                n = 0
-                while True:
-                    n += 1
-                    try:
-                        rates = pipeline.round(n, sample)
-                    except Exception as exc:
-                        log.error("preflight pipeline failed", round=n, error=str(exc))
-                        checks.append(pf.Check("pipeline", "fail", f"round {n}: {exc}"[:400]))
-                        break
-                    rounds.append(rates)
-                    for stage, rate in rates.items():
-                        if rate is not None:
-                            series[stage].append(rate)
-                    if quick or duration is None or time.monotonic() >= deadline:
-                        break
-                if not checks:
-                    checks.append(
-                        pf.Check(
-                            "pipeline",
-                            "pass",
-                            f"{n} synthetic save(s) of {_fmt_bytes(sample)} written, moved, uploaded, restored and verified",
-                        )
-                    )
-            finally:
-                pipeline.close()
+            checks += _rounds(
+                settings, index, scratch, sample, series, rounds, quick=quick, duration=duration
+            )
             for i, tier in enumerate(settings.tiers):
                 if not tier.is_local:
                     probe = probe_store(tier, scratch)

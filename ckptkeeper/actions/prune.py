@@ -33,6 +33,7 @@ from ckptkeeper.actions.pins import store_missing_pins
 from ckptkeeper.actions.preflight import sweep_scratch
 from ckptkeeper.actions.sharedfs import SharedFs, open_shared
 from ckptkeeper.actions.status import tier_usage
+from ckptkeeper.actions.tier_sharing import refuse_unshared_writers
 from ckptkeeper.config import Settings
 from ckptkeeper.core import planner
 from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot
@@ -196,6 +197,7 @@ def run_prune(
                 report = catalog.reconcile()
                 damaged = report.damaged
                 lost = hold_after_loss(settings, catalog, report)
+            refuse_unshared_writers(settings, scratch)  # TierNotShared: a config error, before planning
             plan = make_plan(settings, scratch, now=observed, force=force, run=run, kinds=kinds)
             if shared is not None:
                 shared.acquire(dry_run=True, now=observed)
@@ -249,6 +251,7 @@ def run_prune(
             catalog = Catalog(settings, index)
             damaged = catalog.reconcile().damaged
             store_missing_pins(settings, index, catalog.tier_pins)
+        refuse_unshared_writers(settings, index)  # TierNotShared: a config error, before planning
         plan = make_plan(settings, index, now=observed, force=force, run=run, kinds=kinds)
         if shared is not None:
             plan = shared.restrict(plan)

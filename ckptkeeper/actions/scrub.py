@@ -243,7 +243,10 @@ def _bad_copy(settings: Settings, c: ScrubCandidate, row: CheckpointRow, problem
     elif good:
         nxt = f"copied again from {good[0]} by the next prune"
     else:
-        nxt = "no good copy left: kept (never deleted); restore it from elsewhere or remove it by hand"
+        nxt = (
+            "no good copy left: kept (never deleted); restore it from elsewhere. It is this node's last "
+            "copy of that checkpoint: removing it loses whatever of it is still readable"
+        )
     return BadCopy(c.run, c.step, c.name, c.tier, problem, owner, nxt)
 
 

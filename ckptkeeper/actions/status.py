@@ -161,7 +161,8 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         + tuple(
             f"{run}: step {step} ({name}) has no good copy left: "
             + "; ".join(f"{t}: {p}" for t, p in sorted(damaged.items()))
-            + " (kept, never deleted; restore it from elsewhere or remove it by hand)"
+            + " (kept, never deleted; restore it from elsewhere: these damaged copies are this node's "
+            "last of that checkpoint, and removing them loses whatever of it is still readable)"
             for run, step, name, damaged in lost
         )
         + _unknown_parts(checkpoints),
@@ -232,6 +233,8 @@ def _unknown_parts(checkpoints: Iterable[CheckpointRow]) -> tuple[str, ...]:
     return tuple(
         f"{run}: {len(found)} node-local part(s) of a multi-node checkpoint (steps "
         f"{', '.join(map(str, sorted(found)[:5]))}{', …' if len(found) > 5 else ''}) kept, never reaped: "
-        "no hook says which job they belong to (track_run on every rank; or delete them by hand once the job is gone)"
+        "no hook says which job they belong to (track_run on every rank). They are this node's share of "
+        "those checkpoints: without them no node can restore them whole, so remove them only once the job "
+        "and its checkpoints are no longer needed"
         for run, found in sorted(steps.items())
     )

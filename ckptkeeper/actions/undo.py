@@ -8,13 +8,14 @@ actions read the trash the last listing recorded (every prune and scan lists it)
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ckptkeeper.actions.index import executor_lock
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import TrashEntry
-from ckptkeeper.index import Index
+from ckptkeeper.core.model import CheckpointState, Manifest, TrashEntry
+from ckptkeeper.index import DAMAGED, Index
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.undo")
@@ -72,6 +73,39 @@ class Undeleted:
         }
 
 
+def refuse_beside_newer(index: Index, entry: TrashEntry, manifest: Manifest, window: float | None) -> None:
+    """Raise :class:`UndeleteRefused` when the run wrote this checkpoint again since it was
+    deleted: a copy of another version of it in any tier (or a save of it in progress).
+
+    Brought back, the old version would sit beside the new one under one name: the next prune
+    could no longer copy the new version to the tier holding the old one, on every pass."""
+    for row in index.checkpoints_at_step(entry.run, entry.step):
+        if row.name != entry.name:
+            continue  # another file at the same step (``-v1``): no key of it is the entry's
+        # a damaged copy records its problem, not its version: it is of the row's current version
+        versions = {t: row.version if v.startswith(DAMAGED) else v for t, v in row.locations.items()}
+        others = {t: v or "unknown" for t, v in versions.items() if v != manifest.digest}
+        writing = row.state is CheckpointState.WRITING and row.version != manifest.digest
+        if not others and not writing:
+            continue
+        where = (
+            ", ".join(f"{t} (version {v[:12]})" for t, v in sorted(others.items()))
+            or "the hot tier (a save in progress)"
+        )
+        until = (
+            f" until {time.strftime('%Y-%m-%d %H:%M', time.localtime(entry.deleted_at + window))}"
+            if window is not None
+            else ""
+        )
+        raise UndeleteRefused(
+            f"{entry.run}@{entry.step} was written again since this copy was deleted: another version of "
+            f"{entry.rel_path} is in {where}. Bringing back the deleted one (version {manifest.digest[:12]}) "
+            "would put two versions of one checkpoint side by side, and no later prune could move the newer "
+            f"one. Nothing was changed: the deleted version stays in the trash of {entry.tier} "
+            f"(entry {entry.path}){until}; to keep it too, copy it out of that entry to another place"
+        )
+
+
 def undelete(
     settings: Settings, index: Index, run: str, step: int, tier: str | None = None, lock_timeout: float = 5.0
 ) -> Undeleted:
@@ -115,6 +149,8 @@ def undelete(
                     f"{run}@{step} already has a live copy in {entry.tier} ({entry.rel_path}): "
                     "not undeleting over it"
                 )
+        window = next((t.undo_window for t in settings.tiers if t.name == entry.tier), None)
+        refuse_beside_newer(index, entry, manifest, window)
         try:
             executor.undelete_entry(entry, manifest)
         except StorageError as exc:

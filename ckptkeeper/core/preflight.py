@@ -450,3 +450,42 @@ def check_service(unit: dict[str, float | None], installed: bool, longest_step: 
             f"over); raise TimeoutStopSec= in the unit above {_fmt_s(longest_step)}",
         )
     return Check("systemd", "pass", found)
+
+
+SAMPLE_SLACK = 4 << 20
+"""Bytes besides the sample's copies a round may write on the hot tier (its private index, a
+manifest, directory entries)."""
+
+
+def sample_room(free: int | None, headroom: int, copies: int) -> int | None:
+    """The largest synthetic save a round may write: ``copies`` of it at once on the hot tier's
+    filesystem must leave the active runs' next saves (``headroom`` bytes) free. None: unknown."""
+    if free is None:
+        return None
+    return max(0, (free - headroom - SAMPLE_SLACK) // max(1, copies))
+
+
+def check_sample_room(sample: int, free: int | None, headroom: int, runs: int, copies: int) -> Check:
+    """May a round write a synthetic save of ``sample`` bytes? It writes up to ``copies`` of it on
+    the hot tier's filesystem at once (the save and its restore, plus each slower tier it uses on
+    that filesystem); what is left must hold the next save of every active run (their
+    ``headroom``, :mod:`ckptkeeper.core.headroom`), or a training save could fail for lack of space
+    while the preflight runs."""
+    if free is None:
+        return Check("sample_room", "fail", "hot tier free space unreadable: no synthetic save written")
+    room = sample_room(free, headroom, copies) or 0
+    need = f"{copies} x {_fmt_bytes(sample)} = {_fmt_bytes(copies * sample)}"
+    keep = (
+        f"{_fmt_bytes(headroom)} kept free for the next save of {runs} active run(s)"
+        if runs
+        else "no active run"
+    )
+    found = f"a synthetic save writes up to {need} on the hot tier; {_fmt_bytes(free)} free, {keep}"
+    if sample <= room:
+        return Check("sample_room", "pass", found)
+    hint = (
+        f"--quick (saves of {_fmt_bytes(QUICK_SAMPLE)}) fits"
+        if sample > QUICK_SAMPLE and room >= QUICK_SAMPLE
+        else f"at most {_fmt_bytes(room)} per save fits: free space on tiers[0] or wait for the runs to end"
+    )
+    return Check("sample_room", "fail", f"{found}: refused, no synthetic save written ({hint})")

@@ -289,6 +289,19 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
         ).fetchone()
         return int(row[0] or 0), int(row[1] or 0), None if row[2] is None else float(row[2])
 
+    def other_writers(self, tier: str, node: str) -> dict[str, list[str]]:
+        """Node -> paths (``run/name``, sorted) of the copies in ``tier`` whose manifest names a node
+        other than ``node`` (whatever their version): who else writes this tier."""
+        rows = self._exec(
+            """SELECT l.node, c.run || '/' || c.name FROM locations l JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.tier = ? AND l.node != '' AND l.node != ? ORDER BY l.node, c.run, c.step, c.name""",
+            (tier, node),
+        ).fetchall()
+        out: dict[str, list[str]] = {}
+        for writer, path in rows:
+            out.setdefault(writer, []).append(path)
+        return out
+
     def prune_orphans(self) -> int:
         """Drop checkpoints with no location that are not in the hot tier's working set (gone everywhere)."""
         cur = self._exec(

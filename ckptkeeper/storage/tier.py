@@ -227,10 +227,7 @@ class TierStorage:
                 self.delete(rel)
                 existing = None
             if existing is not None:
-                raise StorageError(
-                    f"tier {self.name!r} already holds a different version of {rel} "
-                    f"({existing.digest}, not {manifest.digest}); delete it first"
-                )
+                raise StorageError(_other_version(self.name, rel, existing, manifest))
         sink = self._begin_write(rel, manifest)
         try:
             _stream_checkpoint(src, rel, manifest, sink, progress)
@@ -482,3 +479,18 @@ def _stream_file(
         writer.finish()
     finally:
         reader.close()
+
+
+def _other_version(tier: str, rel: str, existing: Manifest, manifest: Manifest) -> str:
+    """Why a copy is not made over another version: whose that version is, and that it stays (it
+    may be its only copy: nothing here advises removing it)."""
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(existing.created_at))
+    whose = f"node {existing.node}'s" if existing.node else "a"
+    return (
+        f"tier {tier!r} already holds another version of {rel}: {whose} version {existing.digest[:12]} "
+        f"(saved {when}), not this one ({manifest.digest[:12]}). Both are kept (that copy may be the only "
+        "one of its version) and this one stays where it is. Several nodes writing one tier need "
+        "shared = true on it, on every node (docs/configuration-safety.md)"
+    )
