@@ -274,6 +274,7 @@ TEST_KINDS: dict[str, str] = {
     # unit
     "test_best_ranking": "unit",
     "test_config": "unit",
+    "test_config_places": "unit",
     "test_cost": "unit",
     "test_framework_names": "unit",
     "test_headroom": "unit",
@@ -294,6 +295,7 @@ TEST_KINDS: dict[str, str] = {
     # integration
     "test_bad_input": "integration",
     "test_concurrency": "integration",
+    "test_config_safety": "integration",
     "test_copy_paths": "integration",
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",
@@ -302,6 +304,7 @@ TEST_KINDS: dict[str, str] = {
     "test_field_regressions": "integration",
     "test_fleet_adopt": "integration",
     "test_fleet_contract": "integration",
+    "test_fleet_half_config": "integration",
     "test_fleet_identity": "integration",
     "test_fleet_keys": "integration",
     "test_fleet_lease": "integration",
