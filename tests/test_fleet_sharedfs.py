@@ -24,7 +24,8 @@ from ckptkeeper.config import load_settings
 from ckptkeeper.core.model import MANIFEST_SUFFIX
 from ckptkeeper.fleet.lease import Lease, LeaseInfo, read_lease
 from ckptkeeper.fleet.nodes import NodeBeat
-from ckptkeeper.fleet.sharedfs import catalog_only_note, keeper_clash, owned_by_the_tier
+from ckptkeeper.fleet.nodes import name_clash
+from ckptkeeper.fleet.sharedfs import catalog_only_note, owned_by_the_tier
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
 
 STEPS = [100, 200, 300, 400]
@@ -340,11 +341,11 @@ def test_catalog_only_note_and_keeper_clash() -> None:
     assert catalog_only_note("hot", lease, 100.0) == (
         "hot is shared: node-b holds the lease (expires in 42s); this node only catalogs"
     )
-    beat = NodeBeat(node="n1", last_pass=100.0, keeper="h1:/a/index.db")
-    assert keeper_clash(beat, "h1:/a/index.db", "hot", 110.0, 3600.0) is None
-    msg = keeper_clash(beat, "h2:/a/index.db", "hot", 110.0, 3600.0)
+    beat = NodeBeat(node="n1", last_pass=100.0, keeper="h1:/a/index.db", stored_at=100.0)
+    assert name_clash(beat, "h1:/a/index.db", "hot", 110.0, 3600.0) is None
+    msg = name_clash(beat, "h2:/a/index.db", "hot", 110.0, 3600.0)
     assert msg is not None and msg.startswith("node: node name 'n1' is also used by another keeper")
-    assert keeper_clash(beat, "h2:/a/index.db", "hot", 100.0 + 3601.0, 3600.0) is None  # moved long ago
+    assert name_clash(beat, "h2:/a/index.db", "hot", 100.0 + 3601.0, 3600.0) is None  # moved long ago
 
 
 @pytest.mark.parametrize("tier", ["warm", "cold"])

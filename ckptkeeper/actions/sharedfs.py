@@ -27,22 +27,19 @@ from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import Action, Plan
-from ckptkeeper.fleet.lease import FleetStore, Lease, read_lease
-from ckptkeeper.fleet.nodes import fleet_view, read_beat, read_beats, write_beat
-from ckptkeeper.fleet.sharedfs import catalog_only_note, keeper_clash, lease_name, touches, without_tiers
+from ckptkeeper.fleet.lease import FleetStore, Lease, LeaseInfo, read_lease
+from ckptkeeper.fleet.nodes import NodeClash, fleet_view, name_clash, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.sharedfs import catalog_only_note, lease_name, touches, without_tiers
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
+from ckptkeeper.storage.s3_fleet import ConditionalWritesUnsupported
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.sharedfs")
 
 __all__ = ["NodeClash", "SharedFs", "check_node_name", "open_shared", "shared_fs_status", "take_shared"]
-
-
-class NodeClash(Exception):
-    """Two keepers use one ``node`` name on one shared tier (a config error: exit 2)."""
 
 
 @dataclass
@@ -60,7 +57,7 @@ class _Tier:
     """Why this node does not act on the tier this pass."""
 
 
-def _keeper(settings: Settings) -> str:
+def keeper_id(settings: Settings) -> str:
     """Who this keeper is, beyond its ``node`` name: its machine and its index."""
     return f"{socket.gethostname()}:{Path(settings.index).expanduser().absolute()}"
 
@@ -88,6 +85,18 @@ def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:
     return out
 
 
+def _no_conditional_writes(t: _Tier, exc: StorageError) -> None:
+    """A conditional PUT of the lease got 501: remember it for the process (every later pass, and
+    the fleet lease, skip the bucket) and move this tier's lease to its filesystem."""
+    from ckptkeeper.actions.fleet import _CONDITIONAL, NO_CONDITIONAL_WRITES
+
+    bucket = t.store
+    if isinstance(bucket, S3TierStorage):
+        _CONDITIONAL[f"{bucket.bucket}/{bucket.root_prefix}"] = False
+    log.warning(NO_CONDITIONAL_WRITES, tier=t.name, error=str(exc))
+    t.store, t.where = t.fs, f"file {t.fs.base / t.lease_name}"
+
+
 def _conditional(bucket: S3TierStorage, node: str, probe: bool) -> bool:
     from ckptkeeper.actions.fleet import _CONDITIONAL, conditional_writes
 
@@ -111,16 +120,18 @@ class SharedFs:
     def names(self) -> set[str]:
         return {t.name for t in self.tiers}
 
-    def check_identity(self, now: float) -> None:
-        """Raise :class:`NodeClash` when another keeper wrote this node's heartbeat recently."""
-        me = _keeper(self.settings)
+    def check_identity(self, now: float | None = None) -> None:
+        """Raise :class:`NodeClash` when another keeper wrote this node's heartbeat recently (by
+        the filesystem's clock: ``now`` is not used, kept for callers)."""
+        me = keeper_id(self.settings)
         for t in self.tiers:
             try:
                 beat = read_beat(t.fs, f"{self.settings.node}.json")
+                store_now = t.fs.store_now() if beat is not None else 0.0
             except StorageError as exc:
                 log.warning("cannot read this node's heartbeat on a shared tier", tier=t.name, error=str(exc))
                 continue
-            clash = keeper_clash(beat, me, t.name, now, self.settings.fleet.orphan_after)
+            clash = name_clash(beat, me, t.name, store_now, self.settings.fleet.orphan_after)
             if clash is not None:
                 raise NodeClash(clash)
 
@@ -130,15 +141,13 @@ class SharedFs:
         for t in self.tiers:
             t.acting, t.note = False, None
             try:
-                if dry_run:
-                    info, _etag = read_lease(t.store, t.lease_name)
-                    mine = info is None or info.node == self.settings.node or info.expires <= now
-                else:
-                    t.lease = Lease(
-                        t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name
-                    )
-                    mine = t.lease.acquire()
-                    info = None if mine else read_lease(t.store, t.lease_name)[0]
+                try:
+                    mine, info, store_now = self._take(t, dry_run=dry_run)
+                except ConditionalWritesUnsupported as exc:
+                    # The bucket stopped honouring conditional writes: no lease can live there. Every
+                    # node finds the same (its probe, or this answer) and falls back to the filesystem.
+                    _no_conditional_writes(t, exc)
+                    mine, info, store_now = self._take(t, dry_run=dry_run)
             except StorageError as exc:
                 # No lease, no proof nobody else acts: this node only catalogs this pass.
                 log.warning("shared tier lease unavailable: not acting on it", tier=t.name, error=str(exc))
@@ -149,10 +158,26 @@ class SharedFs:
             if mine:
                 continue
             t.lease = None
-            if info is not None and info.expires > now:
-                t.note = catalog_only_note(t.name, info, now)
+            if info is not None and info.expires > store_now:
+                t.note = catalog_only_note(t.name, info, store_now)
             else:  # lost a race for it just now
                 t.note = f"{t.name} is shared: another node took its lease just now; this node only catalogs"
+
+    def _take(self, t: _Tier, *, dry_run: bool) -> tuple[bool, LeaseInfo | None, float]:
+        """(this node holds or may take the lease, what the lease says when not, the store's clock)."""
+        if dry_run:
+            info, _etag = read_lease(t.store, t.lease_name)
+            store_now = t.store.store_now()
+            return (
+                info is None or info.node == self.settings.node or info.expires <= store_now,
+                info,
+                store_now,
+            )
+        t.lease = Lease(t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name)
+        if t.lease.acquire():
+            return True, None, 0.0
+        info = read_lease(t.store, t.lease_name)[0]
+        return False, info, t.store.store_now()
 
     def restrict(self, plan: Plan) -> Plan:
         """Drop the actions on tiers this node does not hold the lease of, with the note why."""
@@ -200,7 +225,7 @@ class SharedFs:
                     checkpoints_held=ckpts if t.acting else 0,
                     newest_verified=newest,
                     now=now,
-                    keeper=_keeper(self.settings),
+                    keeper=keeper_id(self.settings),
                 )
             except (StorageError, OSError) as exc:
                 notes.append(f"{t.name}: cannot write this node's heartbeat: {exc}")
@@ -216,11 +241,15 @@ def open_shared(settings: Settings, *, probe: bool = False) -> SharedFs | None:
 
 def check_node_name(settings: Settings, now: float) -> None:
     """At a keeper's start (the daemon's): refuse to run when another keeper wrote this node's
-    heartbeat on a shared tier recently, before anything is done (raises :class:`NodeClash`: a
-    config error, exit 2). No I/O without a shared local tier."""
+    heartbeat on a shared tier (a filesystem or a bucket) recently, before anything is done
+    (raises :class:`NodeClash`: a config error, exit 2). No I/O without a shared tier."""
     shared = open_shared(settings)
     if shared is not None:
         shared.check_identity(now)
+    if any(t.shared and not t.is_local for t in settings.tiers):
+        from ckptkeeper.actions.fleet import check_names  # only for shared buckets
+
+        check_names(settings)
 
 
 def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None:

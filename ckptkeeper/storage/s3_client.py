@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkeeper.core.model import TierSpec
 from ckptkeeper.storage.base import StorageError, _describe, _split_rel, log
+from ckptkeeper.storage.store_clock import StoreClock, clock_for
 
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
@@ -34,6 +35,21 @@ _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TO
 
 _DEGRADED: set[tuple[str, str]] = set()
 """(tier URL, feature) pairs already warned about in this process: one warning per missing feature."""
+
+
+def _date_of(exc: BaseException) -> str | None:
+    """The ``Date`` header of the error answer behind ``exc`` (s3fs wraps botocore's), if any."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, Mapping):
+            date = ((response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}).get("date")
+            if date:
+                return str(date)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _not_implemented(exc: BaseException) -> bool:
@@ -187,7 +203,24 @@ class S3Objects:
             raise exc_type(self._redact(f"tier {self.name!r}: {what}: {_describe(exc)}")) from exc
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self.fs.call_s3(method, **kwargs)
+        try:
+            resp = self.fs.call_s3(method, **kwargs)
+        except Exception as exc:  # an error answer (404, 412) carries the store's clock too
+            self.store_clock.note(_date_of(exc))
+            raise
+        if isinstance(resp, dict):  # the store's clock rides on every answer (its Date header)
+            headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+            self.store_clock.note(headers.get("date"))
+        return resp
+
+    @property
+    def store_clock(self) -> StoreClock:
+        """This store's clock (:mod:`ckptkeeper.storage.store_clock`): one per endpoint and bucket."""
+        opts = self.spec.storage_options
+        endpoint = str(
+            opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
+        )
+        return clock_for(f"{endpoint}|{self.bucket}")
 
     def _key(self, rel: str) -> str:
         _split_rel(rel)
