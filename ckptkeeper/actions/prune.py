@@ -209,7 +209,7 @@ def run_prune(
         if any(t.shared for t in settings.tiers):  # as the real pass: after_pass, whatever the run
             from ckptkeeper.actions.fleet import preview_adoption  # only for shared tiers
 
-            adopted, said = preview_adoption(settings, now=observed, force=force)
+            adopted, said = preview_adoption(settings, force=force)  # by the store's clock
             plan = dataclasses.replace(plan, notes=(*plan.notes, *said))
         code = _exit_code([], held, plan)
         return PruneOutcome(
