@@ -27,7 +27,7 @@ from ckptkeeper.fleet.nodes import NodeClash, fleet_view, name_clash, read_beat,
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
-from ckptkeeper.storage.s3_fleet import FLEET_DIR
+from ckptkeeper.storage.s3_fleet import FLEET_DIR, ConditionalWritesUnsupported
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.fleet")
@@ -166,6 +166,10 @@ def after_pass(
                 )  # due checked again
             finally:
                 lease.release()
+        except ConditionalWritesUnsupported as exc:  # it stopped honouring them since the probe
+            _CONDITIONAL[f"{tier.bucket}/{tier.root_prefix}"] = False
+            log.warning(NO_CONDITIONAL_WRITES, tier=tier.name, error=str(exc))
+            notes.append(f"{tier.name}: {NO_CONDITIONAL_WRITES}")
         except StorageError as exc:
             log.warning(
                 "fleet step failed; the node's own pass is unaffected", tier=tier.name, error=str(exc)

@@ -1,0 +1,110 @@
+"""Cluster reality on a shared bucket (docs/design.md, "Cluster reality"; docs/many-nodes-clocks.md):
+one ``node`` name used by two keepers, and a bucket that stops honouring conditional writes.
+
+Real node processes (their own config, hot dir and index) against one moto bucket, some through
+the fault-injecting proxy; counted from the bucket's own listing, exit codes and ``prune --json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from builders import fleet_node, hf_checkpoint, local_tier, run_cli, s3_tier, write_config
+from faultproxy import FaultProxy, Request
+
+from ckptkeeper.core.model import MANIFEST_SUFFIX
+
+
+def _keys(client: Any, bucket: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        out.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+    return out
+
+
+def test_one_node_name_on_two_keepers_of_a_bucket_is_a_config_error(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """Keeper Y (``node = "gpu-7"``) keeps every copy in the shared bucket; keeper X, another
+    machine (here: another index) configured with the same ``node``, keeps 2. X must refuse,
+    naming ``node``, before it acts: it would take Y's copies for its own and delete three."""
+    y = fleet_node(tmp_path / "y", "gpu-7", s3_bucket, s3_reset, cold_keep_last=None)
+    for step in range(1, 6):
+        hf_checkpoint(tmp_path / "y" / "gpu-7" / "hot" / "exp", step, f"y-{step}".encode() * 100)
+    done = run_cli(y, "prune")
+    assert done.returncode == 0, done.stderr
+    before = _keys(s3_client, s3_bucket)
+    assert len([k for k in before if k.startswith("ckpt/gpu-7/exp/") and k.endswith(MANIFEST_SUFFIX)]) == 5
+
+    x = fleet_node(tmp_path / "x", "gpu-7", s3_bucket, s3_reset, cold_keep_last=2)
+    hf_checkpoint(tmp_path / "x" / "gpu-7" / "hot" / "other", 7, b"x" * 100)
+    for args in (("prune", "--dry-run"), ("prune",), ("prune", "--json")):
+        refused = run_cli(x, *args)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert (
+            "node: node name 'gpu-7' is also used by another keeper on shared tier 'cold'" in refused.stderr
+        )
+        assert "Traceback" not in refused.stderr
+    assert _keys(s3_client, s3_bucket) == before  # nothing of Y's touched, nothing of X's written
+    assert (tmp_path / "x" / "gpu-7" / "hot" / "other" / "checkpoint-7").is_dir()
+    again = run_cli(y, "prune")  # Y itself is not refused: its own heartbeat
+    assert again.returncode == 0, again.stderr
+
+
+def _shared_hot_node(base: Path, name: str, hot: Path, bucket: str, endpoint: str) -> Path:
+    own = base / name
+    own.mkdir(parents=True, exist_ok=True)
+    return write_config(
+        own / "config.toml",
+        index=own / "index.db",
+        node=name,
+        fleet={"lease_ttl": "10m"},
+        daemon={"settle_seconds": "1s", "trust_mtimes": True, "metrics_addr": "", "retention_interval": "2s"},
+        tiers=[
+            local_tier("hot", hot, keep_last=1, shared=True),
+            s3_tier("cold", bucket, endpoint, replicate=True, shared=True),
+        ],
+    )
+
+
+def test_a_bucket_that_starts_answering_501_to_conditional_puts_moves_the_lease_to_the_filesystem(
+    tmp_path: Path, s3_bucket: str, s3_reset: str
+) -> None:
+    """The shared hot dir's lease lives in the bucket while it honours conditional writes. Mid-run
+    the bucket starts answering 501 to every conditional PUT: the lease falls back to the
+    filesystem (as when the probe finds no conditional writes), and exactly one keeper acts again —
+    not none, each saying the lease is unavailable."""
+    refuse = {"on": False}
+
+    def conditional_501(request: Request) -> str | None:
+        conditional = any(k.lower() in ("if-none-match", "if-match") for k, _ in request.headers)
+        return "not_implemented" if refuse["on"] and request.method == "PUT" and conditional else None
+
+    hot = tmp_path / "shared-hot"
+    for step in (100, 200):
+        hf_checkpoint(hot / "exp", step, os.urandom(5000))
+    with FaultProxy(s3_reset, rate=0.0, rules=[conditional_501]) as proxy:
+        a = _shared_hot_node(tmp_path, "node-a", hot, s3_bucket, proxy.url)
+        b = _shared_hot_node(tmp_path, "node-b", hot, s3_bucket, proxy.url)
+        first = run_cli(a, "prune", "--json")
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout)["result"]["done"]  # A holds the lease, in the bucket
+
+        refuse["on"] = True
+        hf_checkpoint(hot / "exp", 300, os.urandom(5000))
+        docs = {}
+        for name, cfg in (("node-a", a), ("node-b", b)):
+            done = run_cli(cfg, "prune", "--json")
+            assert done.returncode == 0, (name, done.stderr)
+            docs[name] = json.loads(done.stdout)
+    actors = [n for n, d in docs.items() if d["result"]["done"]]
+    assert actors == ["node-a"], {n: d["notes"] for n, d in docs.items()}
+    assert "does not enforce conditional writes" in done.stderr
+    assert not any("lease" in n and "unavailable" in n for d in docs.values() for n in d["notes"])
+    note = next(n for n in docs["node-b"]["notes"] if n.startswith("hot is shared:"))
+    assert note.startswith("hot is shared: node-a holds the lease"), note
+    assert (hot / ".ckptkeeper").is_dir()
+    assert sorted(p.name for p in (hot / "exp").iterdir() if not p.name.startswith(".")) == ["checkpoint-300"]
