@@ -108,3 +108,36 @@ def test_a_bucket_that_starts_answering_501_to_conditional_puts_moves_the_lease_
     assert note.startswith("hot is shared: node-a holds the lease"), note
     assert (hot / ".ckptkeeper").is_dir()
     assert sorted(p.name for p in (hot / "exp").iterdir() if not p.name.startswith(".")) == ["checkpoint-300"]
+
+
+def test_a_black_holed_request_ends_the_pass_with_exit_1_naming_it_and_the_next_pass_runs(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """The store never answers the GET of this node's heartbeat. The pass does not wait forever:
+    past ``request_timeout`` the request is cancelled, the pass stops cleanly and exits 1 naming
+    it; with the store answering again, the next pass does the work."""
+    hold = {"on": True}
+
+    def black_hole(request: Request) -> str | None:
+        beat = request.method == "GET" and request.path.endswith("/.ckptkeeper/nodes/node-a.json")
+        return "hold" if hold["on"] and beat else None
+
+    with FaultProxy(s3_reset, rate=0.0, rules=[black_hole], timeout=120.0) as proxy:
+        cfg = fleet_node(tmp_path, "node-a", s3_bucket, proxy.url, cold_keep_last=None)
+        cfg.write_text('request_timeout = "3s"\n' + cfg.read_text())
+        for step in (1, 2):
+            hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", step, f"a-{step}".encode() * 100)
+        stuck = run_cli(cfg, "prune", "--json", timeout=120)
+        assert stuck.returncode == 1, (stuck.stdout, stuck.stderr)
+        doc = json.loads(stuck.stdout)
+        (first,) = doc["result"]["failed"][:1]
+        assert "get_object ckpt/.ckptkeeper/nodes/node-a.json" in first, doc["result"]
+        assert "no answer within request_timeout (3s)" in first
+        assert "Traceback" not in stuck.stderr
+        hold["on"] = False
+        again = run_cli(cfg, "prune", "--json")
+        assert again.returncode == 0, again.stderr
+    keys = _keys(s3_client, s3_bucket)
+    assert sorted(k for k in keys if k.startswith("ckpt/node-a/exp/") and k.endswith(MANIFEST_SUFFIX)) == [
+        f"ckpt/node-a/exp/checkpoint-{s}{MANIFEST_SUFFIX}" for s in (1, 2)
+    ]

@@ -23,7 +23,15 @@ from ckptkeeper.actions.versions import sync_records
 from ckptkeeper.config import Settings
 from ckptkeeper.fleet.adopt import Adoption, clean_and_adopt, due, gone_beats, preview
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
-from ckptkeeper.fleet.nodes import NodeClash, fleet_view, name_clash, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.nodes import (
+    NodeClash,
+    fleet_view,
+    keeper_id,
+    name_clash,
+    read_beat,
+    read_beats,
+    write_beat,
+)
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
@@ -69,9 +77,7 @@ def conditional_writes(tier: S3TierStorage, node: str) -> bool:
 
 
 def _keeper(settings: Settings) -> str:
-    from ckptkeeper.actions.sharedfs import keeper_id
-
-    return keeper_id(settings)
+    return keeper_id(settings.index)
 
 
 def check_names(settings: Settings) -> None:

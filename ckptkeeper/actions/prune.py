@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptkeeper.actions.deadlines import bounded_pass
 from ckptkeeper.actions.errors import (
     EXIT_ACTION_FAILED,
     EXIT_OK,
@@ -156,6 +157,7 @@ def make_plan(
     return result
 
 
+@bounded_pass  # request_timeout and pass_timeout (actions/deadlines.py)
 def run_prune(
     settings: Settings,
     index: Index,

@@ -19,16 +19,22 @@ it lives, and another takes over ``fleet.lease_ttl`` after it stops.
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import Action, Plan
 from ckptkeeper.fleet.lease import FleetStore, Lease, LeaseInfo, read_lease
-from ckptkeeper.fleet.nodes import NodeClash, fleet_view, name_clash, read_beat, read_beats, write_beat
+from ckptkeeper.fleet.nodes import (
+    NodeClash,
+    fleet_view,
+    keeper_id,
+    name_clash,
+    read_beat,
+    read_beats,
+    write_beat,
+)
 from ckptkeeper.fleet.sharedfs import catalog_only_note, lease_name, touches, without_tiers
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
@@ -57,9 +63,8 @@ class _Tier:
     """Why this node does not act on the tier this pass."""
 
 
-def keeper_id(settings: Settings) -> str:
-    """Who this keeper is, beyond its ``node`` name: its machine and its index."""
-    return f"{socket.gethostname()}:{Path(settings.index).expanduser().absolute()}"
+def _keeper(settings: Settings) -> str:
+    return keeper_id(settings.index)
 
 
 def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:
@@ -123,7 +128,7 @@ class SharedFs:
     def check_identity(self, now: float | None = None) -> None:
         """Raise :class:`NodeClash` when another keeper wrote this node's heartbeat recently (by
         the filesystem's clock: ``now`` is not used, kept for callers)."""
-        me = keeper_id(self.settings)
+        me = _keeper(self.settings)
         for t in self.tiers:
             try:
                 beat = read_beat(t.fs, f"{self.settings.node}.json")
@@ -225,7 +230,7 @@ class SharedFs:
                     checkpoints_held=ckpts if t.acting else 0,
                     newest_verified=newest,
                     now=now,
-                    keeper=keeper_id(self.settings),
+                    keeper=_keeper(self.settings),
                 )
             except (StorageError, OSError) as exc:
                 notes.append(f"{t.name}: cannot write this node's heartbeat: {exc}")

@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ckptkeeper import __version__
@@ -114,6 +115,12 @@ def write_beat(
     )
     tier.put_fleet_object(f"{NODES_DIR}/{node}.json", beat.to_json())
     return beat
+
+
+def keeper_id(index: str) -> str:
+    """Who a keeper is, beyond its ``node`` name: its machine and its index (two keepers on one
+    machine with one name but two indexes clash too)."""
+    return f"{socket.gethostname()}:{Path(index).expanduser().absolute()}"
 
 
 def name_clash(

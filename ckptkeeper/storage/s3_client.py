@@ -18,6 +18,7 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkeeper.core.model import TierSpec
+from ckptkeeper.storage import deadline
 from ckptkeeper.storage.base import StorageError, _describe, _split_rel, log
 from ckptkeeper.storage.store_clock import StoreClock, clock_for
 
@@ -203,8 +204,9 @@ class S3Objects:
             raise exc_type(self._redact(f"tier {self.name!r}: {what}: {_describe(exc)}")) from exc
 
     def _call(self, method: str, **kwargs: Any) -> Any:
+        what = f"{method} {kwargs.get('Key') or kwargs.get('Prefix') or kwargs.get('Bucket') or ''}".rstrip()
         try:
-            resp = self.fs.call_s3(method, **kwargs)
+            resp = self._bounded(what, self.fs._call_s3, method, **kwargs)
         except Exception as exc:  # an error answer (404, 412) carries the store's clock too
             self.store_clock.note(_date_of(exc))
             raise
@@ -212,6 +214,22 @@ class S3Objects:
             headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
             self.store_clock.note(headers.get("date"))
         return resp
+
+    def _bounded(self, what: str, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func`` (a coroutine function of the client) on fsspec's loop, for at most the
+        request deadline (:mod:`ckptkeeper.storage.deadline`): past it, it is cancelled and a
+        :class:`StorageError` names the request."""
+        from fsspec.asyn import sync
+        from fsspec.exceptions import FSTimeoutError
+
+        try:
+            timeout = deadline.remaining(what, self.name)
+        except TimeoutError as exc:
+            raise StorageError(self._redact(str(exc))) from None
+        try:
+            return sync(self.fs.loop, func, *args, timeout=timeout, **kwargs)
+        except FSTimeoutError:
+            raise StorageError(self._redact(deadline.hung(self.name, what, timeout))) from None
 
     @property
     def store_clock(self) -> StoreClock:
@@ -247,11 +265,9 @@ class S3Objects:
             resp = self._call("get_object", Bucket=self.bucket, Key=key)
         except FileNotFoundError:
             return None
-        from fsspec.asyn import sync
-
         body = resp["Body"]
         try:
-            data: bytes = sync(self.fs.loop, body.read)
+            data: bytes = self._bounded(f"reading the body of {key}", body.read)
         finally:
             body.close()
         return data

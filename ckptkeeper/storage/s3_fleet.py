@@ -58,11 +58,9 @@ class FleetObjects(S3Objects):
                 resp = self._call("get_object", Bucket=self.bucket, Key=key)
             except FileNotFoundError:
                 return None
-            from fsspec.asyn import sync
-
             body = resp["Body"]
             try:
-                data: bytes = sync(self.fs.loop, body.read)
+                data: bytes = self._bounded(f"reading the body of {key}", body.read)
             finally:
                 body.close()
         modified = resp.get("LastModified")
