@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,38 @@ def test_a_black_holed_request_ends_the_pass_with_exit_1_naming_it_and_the_next_
     assert sorted(k for k in keys if k.startswith("ckpt/node-a/exp/") and k.endswith(MANIFEST_SUFFIX)) == [
         f"ckpt/node-a/exp/checkpoint-{s}{MANIFEST_SUFFIX}" for s in (1, 2)
     ]
+
+
+def test_an_s3_delete_leaves_no_object_behind_when_the_listing_lags(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """Cold keeps 1: step 1's copy expires. The store's listing of that copy lags (it omits the
+    weights, as an eventually consistent listing may): the delete still removes every object the
+    copy's manifest names, and checks that nothing is left."""
+
+    def lagging(request: Request) -> Any:
+        if not (request.is_listing and "checkpoint-1%2F" in request.query):
+            return None
+
+        def omit_weights(body: bytes) -> bytes:
+            return re.sub(
+                rb"<Contents><Key>[^<]*checkpoint-1/model\.bin</Key>.*?</Contents>", b"", body, flags=re.S
+            )
+
+        return omit_weights
+
+    cfg = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset, cold_keep_last=None, shared=False)
+    for step in (1, 2):
+        hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", step, f"a-{step}".encode() * 100)
+    first = run_cli(cfg, "prune")
+    assert first.returncode == 0, first.stderr
+    assert "ckpt/exp/checkpoint-1/model.bin" in _keys(s3_client, s3_bucket)
+    with FaultProxy(s3_reset, rate=0.0, rules=[lagging]) as proxy:
+        text = cfg.read_text().replace(s3_reset, proxy.url)
+        cfg.write_text(text.replace('name = "cold"', 'name = "cold"\nkeep_last = 1', 1))
+        done = run_cli(cfg, "prune", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [(a["action"], a["step"], a["tier"]) for a in doc["actions"]] == [("delete", 1, "cold")], doc
+    left = [k for k in _keys(s3_client, s3_bucket) if "checkpoint-1" in k]
+    assert left == [], left
