@@ -323,7 +323,7 @@ def test_lease_rules_over_a_file() -> None:
 
     with tempfile.TemporaryDirectory(prefix="sharedhot-") as d:
         store = LocalFleetObjects(Path(d), "hot")
-        clock = [1000.0]
+        clock = [time.time()]  # the filesystem's clock (it dates the lease file), moved on by hand
         a = Lease(store, "node-a", 30.0, clock=lambda: clock[0], name="leases/hot-1")
         b = Lease(store, "node-b", 30.0, clock=lambda: clock[0], name="leases/hot-1")
         assert a.acquire() and not b.acquire()
@@ -520,7 +520,9 @@ def test_daemon_takes_the_lease_before_it_catalogs(tmp_path: Path, monkeypatch: 
     assert shared is not None
     (tier,) = shared.tiers
     old = Lease(tier.store, "node-a", 30.0, clock=lambda: time.time() - 3600, name=tier.lease_name)
-    assert old.acquire()  # node-a's lease, expired an hour ago: node-b takes it over this pass
+    assert old.acquire()  # node-a's lease, written an hour ago by the filesystem's clock: expired
+    then = time.time() - 3600
+    os.utime(tier.fs.base / tier.lease_name, (then, then))  # node-b takes it over this pass
     a_warm = tmp_path / "node-a" / "warm" / "exp"
     real_acquire = Lease.acquire
 
