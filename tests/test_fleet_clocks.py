@@ -159,3 +159,15 @@ def test_a_live_lease_holder_whose_clock_runs_behind_is_not_taken_over(tmp_path:
     doc = json.loads(second.stdout)
     assert _catalogs_only(doc), doc["notes"]
     assert doc["actions"] == [] and not doc["result"]["done"]
+
+
+def test_status_warns_of_a_clock_off_from_the_store(tmp_path: Path, s3_bucket: str, s3_reset: str) -> None:
+    """``status`` measures this node's clock against the shared bucket's (as ``preflight`` does)."""
+    cfg = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset)
+    skewed = run_skewed(cfg, 2 * HOUR, "status", "--json")
+    assert skewed.returncode == 0, skewed.stderr
+    (warning,) = [w for w in json.loads(skewed.stdout)["warnings"] if w.startswith("cold: node clock")]
+    assert warning.startswith("cold: node clock 720") and "s ahead of the store" in warning, warning
+    fine = run_cli(cfg, "status", "--json")
+    assert fine.returncode == 0, fine.stderr
+    assert not [w for w in json.loads(fine.stdout)["warnings"] if "clock" in w]

@@ -17,10 +17,12 @@ Without conditional writes there is no lease and no fleet-wide delete, with one 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ckptkeeper.actions.versions import sync_records
 from ckptkeeper.config import Settings
+from ckptkeeper.core.preflight import check_clock_skew
 from ckptkeeper.fleet.adopt import Adoption, clean_and_adopt, due, gone_beats, preview
 from ckptkeeper.fleet.lease import Lease, probe_conditional_writes, read_lease
 from ckptkeeper.fleet.nodes import (
@@ -210,6 +212,22 @@ def preview_adoption(
         out += got
         notes += said
     return out, notes
+
+
+def clock_skew_warnings(settings: Settings) -> tuple[str, ...]:
+    """``status``: this node's clock against each shared bucket's (as ``preflight`` measures it,
+    same thresholds). Cross-node judgements never use this node's clock, but its own rules
+    (``keep_within``, the reaper's ages) do. Cheap: one small request per shared bucket at most."""
+    out: list[str] = []
+    for tier in _tiers(settings):
+        try:
+            skew = tier.store_now() - time.time()
+        except StorageError:
+            continue  # the tier's own status says why
+        check = check_clock_skew(tier.name, skew)
+        if check.status != "pass":
+            out.append(f"{tier.name}: {check.detail} (fleet decisions use the store's clock)")
+    return tuple(out)
 
 
 def fleet_status(settings: Settings, *, now: float | None = None) -> dict[str, Any]:
