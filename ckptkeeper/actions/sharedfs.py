@@ -274,11 +274,11 @@ def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None
 
 def shared_fs_status(settings: Settings, *, now: float | None = None) -> list[dict[str, Any]]:
     """``fleet --json`` rows for the shared local tiers: nodes by heartbeat, and the lease."""
-    t_now = time.time() if now is None else now
     out = []
     for t in _tiers(settings):
         beats, bad = read_beats(t.fs)
         lease, _etag = read_lease(t.store, t.lease_name)
+        t_now = t.store.store_now() if now is None else now  # ages and expiry by the store's clock
         view = fleet_view(beats, [], lease, t_now, settings.fleet.orphan_after)
         view["tier"] = t.name
         view["unreadable_heartbeats"] = bad
