@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkeeper.core.model import TierSpec
 from ckptkeeper.storage import deadline
-from ckptkeeper.storage.base import StorageError, _describe, _split_rel, log
+from ckptkeeper.storage.base import StorageError, TierUnavailable, _describe, _split_rel, log
 from ckptkeeper.storage.store_clock import StoreClock, clock_for
 
 if TYPE_CHECKING:
@@ -222,14 +222,15 @@ class S3Objects:
         from fsspec.asyn import sync
         from fsspec.exceptions import FSTimeoutError
 
+        # TierUnavailable: a listing that hung is a listing that failed (never read as empty)
         try:
             timeout = deadline.remaining(what, self.name)
         except TimeoutError as exc:
-            raise StorageError(self._redact(str(exc))) from None
+            raise TierUnavailable(self._redact(str(exc))) from None
         try:
             return sync(self.fs.loop, func, *args, timeout=timeout, **kwargs)
         except FSTimeoutError:
-            raise StorageError(self._redact(deadline.hung(self.name, what, timeout))) from None
+            raise TierUnavailable(self._redact(deadline.hung(self.name, what, timeout))) from None
 
     @property
     def store_clock(self) -> StoreClock:
