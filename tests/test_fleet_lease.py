@@ -252,7 +252,9 @@ def test_two_machines_with_one_node_name_are_a_config_error(
     assert name_clash(beat("box-1"), "box-2:/i.db", "cold", T, 3600) is not None  # an older writer: its host
     assert name_clash(beat("box-1"), "box-1:/i.db", "cold", T, 3600) is None
     assert name_clash(beat("box-1", "box-1:/a.db"), "box-1:/b.db", "cold", T, 3600) is not None  # two indexes
-    assert name_clash(beat("box-1", stored_at=T - 7200), "box-2:/i.db", "cold", T, 3600) is None  # moved long ago
+    assert (
+        name_clash(beat("box-1", stored_at=T - 7200), "box-2:/i.db", "cold", T, 3600) is None
+    )  # moved long ago
     tier = _shared(s3_bucket, s3_storage_options, "node-a")
     other = NodeBeat("node-a", time.time(), host="some-other-box", keeper="some-other-box:/var/index.db")
     tier.put_fleet_object("nodes/node-a.json", other.to_json())

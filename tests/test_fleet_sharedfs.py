@@ -23,8 +23,7 @@ from builders import hf_checkpoint, local_tier, run_cli, s3_tier, start_cli, wri
 from ckptkeeper.config import load_settings
 from ckptkeeper.core.model import MANIFEST_SUFFIX
 from ckptkeeper.fleet.lease import Lease, LeaseInfo, read_lease
-from ckptkeeper.fleet.nodes import NodeBeat
-from ckptkeeper.fleet.nodes import name_clash
+from ckptkeeper.fleet.nodes import NodeBeat, name_clash
 from ckptkeeper.fleet.sharedfs import catalog_only_note, owned_by_the_tier
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
 
