@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builders import config_text, local_tier, s3_tier, write_text_config
 from stress_fleet_adopt import adoption_split, check_adoption, kept_at_death
+from stress_fleet_reality import check_duplicate, skew_and_twin
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK
@@ -274,23 +275,7 @@ class Fleet:
             # its own cold policy keeps more than the fleet's: once gone, the holder's rules apply
             node.config = make_node(base, node.name, endpoint, bucket, fleet, KEEP_COLD + EXTRA).config
         self.fig.orphans = n_orphans
-        skew_rng = random.Random(f"{args.seed}:skew")
-        for node in skew_rng.sample(self.nodes, len(self.nodes) // 3) if args.skew > 0 else ():
-            node.offset = round(skew_rng.uniform(-args.skew, args.skew), 1)
-            self.fig.skewed[node.name] = node.offset
-        twin = next((n for n in self.nodes if n.orphan_round is None), None)
-        self.duplicate: Node | None = None
-        if twin is not None and args.duplicate and args.rounds >= 2:
-            # Another keeper (its own hot dir and index) configured with a live node's name. Its own
-            # orphan_after is long: the twin's heartbeat always counts as recent to it.
-            self.duplicate = make_node(
-                base,
-                twin.name,
-                endpoint,
-                bucket,
-                {**fleet, "orphan_after": "1d"},
-                home_name=f"dup-{twin.name}",
-            )
+        self.duplicate: Node | None = skew_and_twin(self, make_node, base, endpoint, bucket, fleet)
         self.running: dict[int, Node] = {}
         self.lock = threading.Lock()
         self.orphan_litter: dict[str, set[str]] = {}
@@ -395,19 +380,6 @@ class Fleet:
 
     # ---- rounds --------------------------------------------------------------------------------
 
-    def check_duplicate(self, passes: list[Pass], where: str) -> None:
-        for p in passes:
-            if p.fate != "duplicate":
-                continue
-            self.fig.duplicate_passes += 1
-            said = p.stderr.read_text(errors="replace") if p.stderr is not None else ""
-            if p.code == 2 and "node: node name" in said:
-                self.fig.duplicate_refused += 1
-            else:
-                self.violation(
-                    f"{where}: a second keeper named {p.node.name} was not refused (exit {p.code})"
-                )
-
     def fate(self, node: Node, rnd: int) -> Pass:
         if node.orphan_round == rnd:
             return Pass(node, "orphan")
@@ -441,7 +413,7 @@ class Fleet:
             planned.append(Pass(self.duplicate, "duplicate"))
         before = self.store.objects()
         passes = self.run_passes(planned)
-        self.check_duplicate(passes, f"round {rnd}")
+        check_duplicate(self, passes, f"round {rnd}")
         killed = [
             p.node for p in passes if p.code == -signal.SIGKILL and not p.node.dead and p.fate != "duplicate"
         ]
