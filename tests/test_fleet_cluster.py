@@ -188,3 +188,35 @@ def test_an_s3_delete_leaves_no_object_behind_when_the_listing_lags(
     assert [(a["action"], a["step"], a["tier"]) for a in doc["actions"]] == [("delete", 1, "cold")], doc
     left = [k for k in _keys(s3_client, s3_bucket) if "checkpoint-1" in k]
     assert left == [], left
+
+
+def test_an_s3_delete_that_cannot_see_its_prefix_empty_says_so_and_leaves_its_marker(
+    tmp_path: Path, s3_bucket: str, s3_client: Any, s3_reset: str
+) -> None:
+    """A listing that keeps showing an object of the deleted copy (a phantom the store will not
+    let go): after its bounded re-listings the delete fails naming it (exit 1), and its staging
+    marker stays in the bucket for the reaper, never a silent leak."""
+    phantom = (
+        b"<Contents><Key>ckpt/exp/checkpoint-1/ghost.bin</Key>"
+        b'<LastModified>2026-01-01T00:00:00.000Z</LastModified><ETag>"x"</ETag><Size>1</Size></Contents>'
+    )
+
+    def haunted(request: Request) -> Any:
+        if not (request.is_listing and "checkpoint-1%2F" in request.query):
+            return None
+        return lambda body: body.replace(b"</ListBucketResult>", phantom + b"</ListBucketResult>")
+
+    cfg = fleet_node(tmp_path, "node-a", s3_bucket, s3_reset, cold_keep_last=None, shared=False)
+    for step in (1, 2):
+        hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", step, f"a-{step}".encode() * 100)
+    assert run_cli(cfg, "prune").returncode == 0
+    with FaultProxy(s3_reset, rate=0.0, rules=[haunted]) as proxy:
+        text = cfg.read_text().replace(s3_reset, proxy.url)
+        cfg.write_text(text.replace('name = "cold"', 'name = "cold"\nkeep_last = 1', 1))
+        done = run_cli(cfg, "prune", "--json")
+    assert done.returncode == 1, done.stderr
+    (failed,) = json.loads(done.stdout)["result"]["failed"]
+    assert "objects still listed after 3 re-listings (e.g. ckpt/exp/checkpoint-1/ghost.bin)" in failed
+    assert "its delete marker stays for the reaper" in failed
+    left = [k for k in _keys(s3_client, s3_bucket) if "checkpoint-1" in k]
+    assert len(left) == 1 and ".ckptkeeper-tmp-" in left[0], left  # the marker; the copy's data is gone
