@@ -112,6 +112,37 @@ def test_a_bucket_that_starts_answering_501_to_conditional_puts_moves_the_lease_
     assert sorted(p.name for p in (hot / "exp").iterdir() if not p.name.startswith(".")) == ["checkpoint-300"]
 
 
+def test_a_keeper_that_probed_before_the_bucket_lost_conditional_writes_falls_back_at_once(
+    tmp_path: Path, s3_bucket: str, s3_reset: str
+) -> None:
+    """The daemon probes a bucket once per process: conditional writes worked then, and the shared
+    hot dir's lease lives there. When the bucket starts answering 501 to them, the next pass's
+    lease PUT says so: the lease moves to the filesystem in that pass, and the keeper acts."""
+    from ckptkeeper.actions.sharedfs import take_shared
+    from ckptkeeper.config import load_settings
+
+    refuse = {"on": False}
+
+    def conditional_501(request: Request) -> str | None:
+        conditional = any(k.lower() in ("if-none-match", "if-match") for k, _ in request.headers)
+        return "not_implemented" if refuse["on"] and request.method == "PUT" and conditional else None
+
+    hot = tmp_path / "shared-hot"
+    hf_checkpoint(hot / "exp", 100, os.urandom(5000))
+    with FaultProxy(s3_reset, rate=0.0, rules=[conditional_501]) as proxy:
+        settings = load_settings(_shared_hot_node(tmp_path, "node-a", hot, s3_bucket, proxy.url))
+        first = take_shared(settings)
+        assert first is not None
+        (tier,) = first.tiers
+        assert tier.acting and tier.where == "bucket tier 'cold'", (tier.where, tier.note)
+        refuse["on"] = True
+        second = take_shared(settings)  # the probe's answer is cached: the lease PUT meets the 501
+        assert second is not None
+        (tier,) = second.tiers
+        assert tier.acting and tier.where.startswith("file "), (tier.where, tier.note)
+        assert (hot / ".ckptkeeper" / tier.lease_name).is_file()
+
+
 @pytest.mark.parametrize(
     ("settings", "said"),
     [
