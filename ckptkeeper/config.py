@@ -368,6 +368,12 @@ class Settings(BaseSettings):
     node: str = Field(default_factory=lambda: _default_node())
     """This node's name in shared tiers (docs/design.md, "Many nodes"): recorded in every manifest and staging marker,
     and the key prefix of its copies in a ``shared`` tier."""
+    request_timeout: Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0, le=86400.0)] = 300.0
+    """At most this long for any one request to an object store, retries included: a request never
+    answered fails, naming itself, and ends the pass with exit 1 (docs/many-nodes-clocks.md)."""
+    pass_timeout: Annotated[float, BeforeValidator(parse_duration), Field(ge=1.0, le=30 * 86400.0)] = 43200.0
+    """At most this long for a whole prune pass: past it, the pass stops between two actions and
+    exits 1; the next pass runs as usual."""
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     """Leases and node heartbeats of tiers shared by several nodes."""
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)

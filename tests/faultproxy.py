@@ -11,7 +11,9 @@ header too, so SigV4 signatures stay valid) and, for a seeded fraction of reques
 * ``latency``       — sleep a little (bounded) before forwarding;
 * ``denied``        — answer ``403 AccessDenied`` (not retried by anyone; only used through rules);
 * ``not_implemented`` — answer ``501 NotImplemented``, as a store lacking a feature does (only
-  through rules).
+  through rules);
+* ``hold``          — never answer (a black-holed request): hold the connection until the client
+  gives up or the proxy stops (only through rules).
 
 Whether a request is faulted depends only on (seed, method, target, how many times that exact
 request was seen), not on the interleaving of concurrent requests, so a seed reproduces a run.
@@ -231,6 +233,10 @@ class FaultProxy:
                         self.upstream_host, self.upstream_port, timeout=self.timeout
                     )
                 action = self._decide(request)
+                if action == "hold":
+                    self._stopping.wait(self.timeout)
+                    _reset(conn)
+                    return
                 if action in _CANNED:
                     status, reason, body_out = _CANNED[action]
                     head_only = request.method == "HEAD"  # a HEAD reply carries no body

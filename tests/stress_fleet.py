@@ -31,6 +31,11 @@ objects themselves) and what each node wrote, and counts violations of the Done-
    its file hashes are the ones X wrote; no data key is written outside ``<prefix>/<node>/``.
 5. adoption: what the policy expires among an orphan's copies is deleted exactly once, what it
    keeps stays whole (``stress_fleet_adopt.py``); a key deleted so is no violation of 2.
+6. cluster reality (docs/many-nodes-clocks.md): a third of the nodes run with a clock off by up to
+   ``--skew`` seconds either way (``tests/clockshift``: their processes' ``time.time`` and their hot
+   dirs' mtimes are shifted, the store's clock is not), and every invariant above holds for them
+   too; one more keeper, from round 1 on, uses a live node's ``node`` name with its own hot dir and
+   index: each of its passes must be refused (exit 2 naming ``node``) and change nothing.
 
 Exit 0 when there is no violation; 1 with the violations listed. ``--json`` prints the figures.
 ``tests/test_fleet_stress.py`` runs a small version in the suite.
@@ -60,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builders import config_text, local_tier, s3_tier, write_text_config
 from stress_fleet_adopt import adoption_split, check_adoption, kept_at_death
+from stress_fleet_reality import check_duplicate, skew_and_twin
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK
@@ -94,6 +100,8 @@ class Node:
     """The round this node dies in for good (None: it lives)."""
     dead: bool = False
     passes: int = 0
+    offset: float = 0.0
+    """Seconds its clock is off (its processes' wall clock and its hot dir's mtimes)."""
 
     @property
     def hot(self) -> Path:
@@ -122,6 +130,10 @@ class Figures:
     cleanup_events: int = 0
     adopt_expected: int = 0
     adopted_events: int = 0
+    skewed: dict[str, float] = field(default_factory=dict)
+    """node -> its clock offset in seconds."""
+    duplicate_passes: int = 0
+    duplicate_refused: int = 0
     exit_codes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
@@ -179,9 +191,15 @@ def _digest(data: bytes) -> str:
 
 
 def make_node(
-    base: Path, name: str, endpoint: str, bucket: str, fleet: dict[str, str], keep: int = KEEP_COLD
+    base: Path,
+    name: str,
+    endpoint: str,
+    bucket: str,
+    fleet: dict[str, str],
+    keep: int = KEEP_COLD,
+    home_name: str | None = None,
 ) -> Node:
-    home = base / name
+    home = base / (home_name or name)
     (home / "hot").mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(exist_ok=True)
     cold = s3_tier("cold", bucket, endpoint, prefix=PREFIX, replicate=True, keep_last=keep, shared=True)
@@ -205,7 +223,7 @@ def write_checkpoint(node: Node, run: str, step: int, size: int, rng: random.Ran
         "model.bin": rng.randbytes(size) + f"{node.name}/{run}/{step}".encode(),
         "trainer_state.json": json.dumps({"global_step": step, "node": node.name}).encode(),
     }
-    when = time.time() - 600
+    when = time.time() + node.offset - 600  # by the node's own (maybe skewed) clock, as its kernel would
     for rel, data in files.items():
         (ckpt / rel).write_bytes(data)
     for p in [*ckpt.iterdir(), ckpt]:
@@ -213,11 +231,16 @@ def write_checkpoint(node: Node, run: str, step: int, size: int, rng: random.Ran
     node.written.setdefault(run, {})[step] = {rel: (len(d), _digest(d)) for rel, d in files.items()}
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
+CLOCKSHIFT = Path(__file__).resolve().parent / "clockshift"
+
+
+def _env(extra: dict[str, str], offset: float = 0.0) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
-    )
+    paths = [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
+    if offset:
+        paths.insert(0, str(CLOCKSHIFT))
+        env["CKPT_TEST_CLOCK_OFFSET"] = repr(offset)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return {**env, **extra}
 
 
@@ -225,7 +248,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 class Pass:
     node: Node
     fate: str
-    """clean | point | timed | orphan"""
+    """clean | point | timed | orphan | duplicate"""
     arg: float = 0.0
     code: int | None = None
     stderr: Path | None = None
@@ -252,6 +275,7 @@ class Fleet:
             # its own cold policy keeps more than the fleet's: once gone, the holder's rules apply
             node.config = make_node(base, node.name, endpoint, bucket, fleet, KEEP_COLD + EXTRA).config
         self.fig.orphans = n_orphans
+        self.duplicate: Node | None = skew_and_twin(self, make_node, base, endpoint, bucket, fleet)
         self.running: dict[int, Node] = {}
         self.lock = threading.Lock()
         self.orphan_litter: dict[str, set[str]] = {}
@@ -274,7 +298,7 @@ class Fleet:
                 [sys.executable, "-m", "ckptkeeper.cli", "--config", str(p.node.config), "prune", "--json"],
                 stdout=out,
                 stderr=err,
-                env=_env(env),
+                env=_env(env, p.node.offset),
             )
 
     def _run(self, p: Pass) -> Pass:
@@ -383,13 +407,21 @@ class Fleet:
                     node, f"job-{int(node.name[5:]) % 5}", step, self.rng.randint(20_000, 80_000), self.rng
                 )
                 self.fig.checkpoints_written += 1
+        planned = [self.fate(n, rnd) for n in live]
+        if self.duplicate is not None and rnd >= 1:
+            write_checkpoint(self.duplicate, "exp", (rnd + 1) * 100 + 1, 30_000, self.rng)
+            planned.append(Pass(self.duplicate, "duplicate"))
         before = self.store.objects()
-        passes = self.run_passes([self.fate(n, rnd) for n in live])
-        killed = [p.node for p in passes if p.code == -signal.SIGKILL and not p.node.dead]
+        passes = self.run_passes(planned)
+        check_duplicate(self, passes, f"round {rnd}")
+        killed = [
+            p.node for p in passes if p.code == -signal.SIGKILL and not p.node.dead and p.fate != "duplicate"
+        ]
         self.check_kept_somewhere([n for n in self.nodes if not n.dead], f"round {rnd} after kills")
         self.run_passes([Pass(n, "clean") for n in killed])  # restart
         after = self.store.objects()
-        self.check_owner_deletes(before, after, ran={p.node.name for p in passes}, where=f"round {rnd}")
+        ran = {p.node.name for p in passes if p.fate != "duplicate"}  # the duplicate must not count
+        self.check_owner_deletes(before, after, ran=ran, where=f"round {rnd}")
         self.check_cold(f"round {rnd}")
 
     def finish(self) -> None:
@@ -652,6 +684,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-ttl", type=float, default=5.0)
     p.add_argument("--orphan-after", type=float, default=20.0)
     p.add_argument("--pass-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--skew", type=float, default=86400.0, help="a third of the nodes' clocks are off by up to this (s)"
+    )
+    p.add_argument(
+        "--no-duplicate",
+        dest="duplicate",
+        action="store_false",
+        help="no second keeper with a live node's name",
+    )
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a new temporary one)")
     p.add_argument("--json", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -24,7 +24,7 @@ from ckptkeeper.core.adoption import plan_adoption
 from ckptkeeper.core.model import MANIFEST_SUFFIX, FileEntry, Manifest, NodePart, TierPolicy, TierSpec
 from ckptkeeper.fleet.adopt import ADOPTED_EVENT, adopt, plan_node
 from ckptkeeper.fleet.lease import Lease
-from ckptkeeper.fleet.nodes import NodeBeat
+from ckptkeeper.fleet.nodes import NodeBeat, read_beat
 from ckptkeeper.storage import TierStorage
 
 NOW = 1_800_000_000.0
@@ -248,6 +248,13 @@ def test_no_adoption_planned_by_a_node_that_does_not_hold_the_lease(
     assert "cold: node-a gone: the lease holder node-x adopts their copies" in doc["notes"]
 
 
+def _beat(tier: Any) -> NodeBeat:
+    """Node A's heartbeat as the store holds it (its etag and ``LastModified``: what a holder judges)."""
+    beat = read_beat(tier, "node-a.json")
+    assert beat is not None
+    return beat
+
+
 def _shared(bucket: str, options: dict[str, Any], node: str) -> Any:
     return TierStorage(
         TierSpec("cold", f"s3://{bucket}/ckpt", TierPolicy(keep_last=2), options, node=node, shared=True)
@@ -266,7 +273,7 @@ def test_a_holder_stalled_past_its_lease_mid_adoption_reports_and_stops(
     tier = _shared(s3_bucket, s3_storage_options, "node-b")
     lease = Lease(tier, "node-b", 60, clock=lambda: next(ticks, later + 61))
     assert lease.acquire()
-    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), later, max_delete=100)
+    adoption = plan_node(tier, _beat(tier), later, max_delete=100)
     assert [a.step for a in adoption.plan.actions] == [1, 3]
     adopt(tier, lease, adoption, 3600.0, later)
     assert adoption.deleted == ["exp/checkpoint-1"] == adoption.late and adoption.lost_lease
@@ -283,8 +290,9 @@ def test_adoption_stops_when_the_node_comes_back_mid_way(
     s3_reset: str,
     s3_storage_options: dict[str, Any],
 ) -> None:
-    """The gone node's heartbeat is read again before each delete: one that came back owns its
-    copies again."""
+    """The gone node's heartbeat is read again before each delete: one that came back (its
+    heartbeat written again, whatever time it says) owns its copies again; one that did not stays
+    gone."""
     from ckptkeeper.fleet.nodes import write_beat
 
     _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
@@ -292,15 +300,9 @@ def test_adoption_stops_when_the_node_comes_back_mid_way(
     tier = _shared(s3_bucket, s3_storage_options, "node-b")
     lease = Lease(tier, "node-b", 600, clock=lambda: later)
     assert lease.acquire()
-    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), later, max_delete=100)
-    write_beat(
-        tier,
-        "node-a",
-        runs_held=1,
-        checkpoints_held=5,
-        newest_verified=None,
-        now=later - (10 if fresh else 7200),
-    )
+    adoption = plan_node(tier, _beat(tier), later, max_delete=100)
+    if fresh:  # by a clock an hour behind the store's: rewritten all the same
+        write_beat(tier, "node-a", runs_held=1, checkpoints_held=5, newest_verified=None, now=later - 7200)
     adopt(tier, lease, adoption, 3600.0, later)
     if fresh:
         assert (
@@ -321,7 +323,7 @@ def test_a_copy_claimed_by_another_holder_is_left_to_it(
     from ckptkeeper.fleet.claims import claim
 
     _node_a_with_cold_copies(tmp_path, s3_bucket, s3_reset)
-    later = time.time() + 3600
+    later = time.time() + 60  # the store's clock a minute after the claims below
     stalled = _shared(s3_bucket, s3_storage_options, "node-x")
     assert claim(stalled, "node-x", "node-a", "exp/checkpoint-1", later, 3600.0)  # then it stalls
     assert not claim(stalled, "node-y", "node-a", "exp/checkpoint-1", later, 3600.0)  # one claimant
@@ -329,7 +331,7 @@ def test_a_copy_claimed_by_another_holder_is_left_to_it(
     tier = _shared(s3_bucket, s3_storage_options, "node-b")
     lease = Lease(tier, "node-b", 600, clock=lambda: later)
     assert lease.acquire()
-    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), later, max_delete=100)
+    adoption = plan_node(tier, _beat(tier), later, max_delete=100)
     adopt(tier, lease, adoption, 3600.0, later)
     assert adoption.deleted == ["exp/checkpoint-3"] and adoption.claimed == ["exp/checkpoint-1"]
     assert adoption.to_dict()["claimed_by_another_holder"] == ["exp/checkpoint-1"]
@@ -337,7 +339,7 @@ def test_a_copy_claimed_by_another_holder_is_left_to_it(
 
     # node-x never came back: once its claim is older than stale_after, the next holder takes it over
     much_later = later + 3601
-    adoption = plan_node(tier, NodeBeat("node-a", later - 7200), much_later, max_delete=100)
+    adoption = plan_node(tier, _beat(tier), much_later, max_delete=100)
     assert lease.acquire()
     adopt(tier, lease, adoption, 3600.0, much_later)
     assert adoption.deleted == ["exp/checkpoint-1"] and adoption.claimed == []

@@ -131,11 +131,12 @@ def test_lease_holder_cleans_a_gone_nodes_litter_exactly_once(
 ) -> None:
     now = time.time()
     gone_marker = _abandoned_copy(tmp_path, s3_bucket, s3_storage_options, "node-z")
-    live_marker = _abandoned_copy(tmp_path, s3_bucket, s3_storage_options, "node-y")
+    skewed_marker = _abandoned_copy(tmp_path, s3_bucket, s3_storage_options, "node-y")
     tier = _shared(s3_bucket, s3_storage_options, "node-a")
     write_beat(tier, "node-z", runs_held=1, checkpoints_held=1, newest_verified=None, now=now - 7200)
-    later = now + 3700  # both markers are older than heartbeat_ttl then; both heartbeat objects
-    # are older than orphan_after by the store's clock, but node-y's says it passed just now
+    later = now + 3700  # the store's clock then: both markers are older than heartbeat_ttl; both
+    # heartbeat objects are older than orphan_after, though node-y's says (by its clock, which runs
+    # an hour ahead) it passed just now: what a heartbeat says is its own clock, and decides nothing
     write_beat(tier, "node-y", runs_held=1, checkpoints_held=1, newest_verified=None, now=later)
     assert len(_uploads(s3_client, s3_bucket)) == 2
     notes = {}
@@ -147,12 +148,13 @@ def test_lease_holder_cleans_a_gone_nodes_litter_exactly_once(
     cleaned = [n for n in notes["node-a"] + notes["node-b"] if "lease holder" in n]
     # the marker's discard aborts the upload under its target: one cleanup, reported once (an
     # "aborted" note for the same upload again was a second, empty claim — fleet stress mode)
-    assert len(cleaned) == 1 and "discarded node-z/exp/checkpoint-1.ckptkeeper-tmp-" in cleaned[0], cleaned
-    assert all("node-z/" in n for n in cleaned), cleaned
+    assert len(cleaned) == 2, cleaned
+    assert "discarded node-y/exp/checkpoint-1.ckptkeeper-tmp-" in cleaned[0], cleaned
+    assert "discarded node-z/exp/checkpoint-1.ckptkeeper-tmp-" in cleaned[1], cleaned
     assert notes["node-b"] == []  # nothing left for the second node: cleaned once
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
-    assert gone_marker not in keys and live_marker in keys
-    assert _uploads(s3_client, s3_bucket) == ["ckpt/node-y/exp/checkpoint-1/model.bin"]
+    assert gone_marker not in keys and skewed_marker not in keys
+    assert _uploads(s3_client, s3_bucket) == []
     info, _ = read_lease(tier)
     assert info is not None and info.expires == 0.0  # released after the pass
     beats, _ = read_beats(tier)
@@ -239,21 +241,28 @@ def test_fleet_command_shows_every_node(tmp_path: Path, s3_bucket: str, s3_reset
     assert STAGING_MARK not in shown.stdout
 
 
-def test_two_machines_with_one_node_name_are_reported(
+def test_two_machines_with_one_node_name_are_a_config_error(
     tmp_path: Path, s3_bucket: str, s3_reset: str, s3_storage_options: dict[str, Any]
 ) -> None:
-    from ckptkeeper.fleet.nodes import name_clash
+    from ckptkeeper.fleet.nodes import NodeClash, name_clash
 
-    assert name_clash(NodeBeat("n", T - 10, host="box-1"), "box-2", T, 3600) is not None
-    assert name_clash(NodeBeat("n", T - 10, host="box-1"), "box-1", T, 3600) is None
-    assert name_clash(NodeBeat("n", T - 7200, host="box-1"), "box-2", T, 3600) is None  # moved long ago
+    def beat(host: str, keeper: str = "", stored_at: float | None = T - 10) -> NodeBeat:
+        return NodeBeat("n", 0.0, host=host, keeper=keeper, stored_at=stored_at)
+
+    assert name_clash(beat("box-1"), "box-2:/i.db", "cold", T, 3600) is not None  # an older writer: its host
+    assert name_clash(beat("box-1"), "box-1:/i.db", "cold", T, 3600) is None
+    assert name_clash(beat("box-1", "box-1:/a.db"), "box-1:/b.db", "cold", T, 3600) is not None  # two indexes
+    assert (
+        name_clash(beat("box-1", stored_at=T - 7200), "box-2:/i.db", "cold", T, 3600) is None
+    )  # moved long ago
     tier = _shared(s3_bucket, s3_storage_options, "node-a")
-    other = NodeBeat("node-a", time.time(), host="some-other-box")
+    other = NodeBeat("node-a", time.time(), host="some-other-box", keeper="some-other-box:/var/index.db")
     tier.put_fleet_object("nodes/node-a.json", other.to_json())
     settings = load_settings(_node_config(tmp_path, "node-a", s3_bucket, s3_reset))
-    with Index(settings.index) as ix:
-        notes = fleet_action.before_pass(settings, ix)  # checked before the pass writes its heartbeat
-    assert any("node name 'node-a' is also used by host 'some-other-box'" in n for n in notes), notes
+    with Index(settings.index) as ix, pytest.raises(NodeClash) as err:
+        fleet_action.before_pass(settings, ix)  # checked before the pass writes its heartbeat
+    assert str(err.value).startswith("node: node name 'node-a' is also used by another keeper")
+    assert "some-other-box:/var/index.db" in str(err.value)
 
 
 def test_a_holder_whose_lease_was_taken_over_stops_cleaning(

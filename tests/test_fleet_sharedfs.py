@@ -23,8 +23,8 @@ from builders import hf_checkpoint, local_tier, run_cli, s3_tier, start_cli, wri
 from ckptkeeper.config import load_settings
 from ckptkeeper.core.model import MANIFEST_SUFFIX
 from ckptkeeper.fleet.lease import Lease, LeaseInfo, read_lease
-from ckptkeeper.fleet.nodes import NodeBeat
-from ckptkeeper.fleet.sharedfs import catalog_only_note, keeper_clash, owned_by_the_tier
+from ckptkeeper.fleet.nodes import NodeBeat, name_clash
+from ckptkeeper.fleet.sharedfs import catalog_only_note, owned_by_the_tier
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
 
 STEPS = [100, 200, 300, 400]
@@ -322,7 +322,7 @@ def test_lease_rules_over_a_file() -> None:
 
     with tempfile.TemporaryDirectory(prefix="sharedhot-") as d:
         store = LocalFleetObjects(Path(d), "hot")
-        clock = [1000.0]
+        clock = [time.time()]  # the filesystem's clock (it dates the lease file), moved on by hand
         a = Lease(store, "node-a", 30.0, clock=lambda: clock[0], name="leases/hot-1")
         b = Lease(store, "node-b", 30.0, clock=lambda: clock[0], name="leases/hot-1")
         assert a.acquire() and not b.acquire()
@@ -340,11 +340,11 @@ def test_catalog_only_note_and_keeper_clash() -> None:
     assert catalog_only_note("hot", lease, 100.0) == (
         "hot is shared: node-b holds the lease (expires in 42s); this node only catalogs"
     )
-    beat = NodeBeat(node="n1", last_pass=100.0, keeper="h1:/a/index.db")
-    assert keeper_clash(beat, "h1:/a/index.db", "hot", 110.0, 3600.0) is None
-    msg = keeper_clash(beat, "h2:/a/index.db", "hot", 110.0, 3600.0)
+    beat = NodeBeat(node="n1", last_pass=100.0, keeper="h1:/a/index.db", stored_at=100.0)
+    assert name_clash(beat, "h1:/a/index.db", "hot", 110.0, 3600.0) is None
+    msg = name_clash(beat, "h2:/a/index.db", "hot", 110.0, 3600.0)
     assert msg is not None and msg.startswith("node: node name 'n1' is also used by another keeper")
-    assert keeper_clash(beat, "h2:/a/index.db", "hot", 100.0 + 3601.0, 3600.0) is None  # moved long ago
+    assert name_clash(beat, "h2:/a/index.db", "hot", 100.0 + 3601.0, 3600.0) is None  # moved long ago
 
 
 @pytest.mark.parametrize("tier", ["warm", "cold"])
@@ -519,7 +519,9 @@ def test_daemon_takes_the_lease_before_it_catalogs(tmp_path: Path, monkeypatch: 
     assert shared is not None
     (tier,) = shared.tiers
     old = Lease(tier.store, "node-a", 30.0, clock=lambda: time.time() - 3600, name=tier.lease_name)
-    assert old.acquire()  # node-a's lease, expired an hour ago: node-b takes it over this pass
+    assert old.acquire()  # node-a's lease, written an hour ago by the filesystem's clock: expired
+    then = time.time() - 3600
+    os.utime(tier.fs.base / tier.lease_name, (then, then))  # node-b takes it over this pass
     a_warm = tmp_path / "node-a" / "warm" / "exp"
     real_acquire = Lease.acquire
 

@@ -246,8 +246,12 @@ def test_an_expired_step_waits_for_the_newer_version_to_be_complete(
             f"bad record: manifest: 'node1/{RUN}/step-100' is not under node0/{RUN}/",
         ),
         (lambda rec: b"\x00{ not json", "bad record: malformed part record"),
+        (  # node 0's own part-0 manifest, claimed as part 1: retention and restore refuse it alike
+            lambda rec: {**rec, "part": 1},
+            f"manifest at node0/{RUN}/step-100 is part 0 of 2, not part 1 of 2",
+        ),
     ],
-    ids=["missing-manifest", "not-under-its-node", "garbage"],
+    ids=["missing-manifest", "not-under-its-node", "garbage", "another-parts-manifest"],
 )
 def test_a_forged_part_record_never_completes_a_version(
     job: Path,  # noqa: F811

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptkeeper.actions.deadlines import bounded_pass
 from ckptkeeper.actions.errors import (
     EXIT_ACTION_FAILED,
     EXIT_OK,
@@ -157,6 +158,7 @@ def make_plan(
     return result
 
 
+@bounded_pass  # request_timeout and pass_timeout (actions/deadlines.py)
 def run_prune(
     settings: Settings,
     index: Index,
@@ -211,7 +213,7 @@ def run_prune(
         if any(t.shared for t in settings.tiers):  # as the real pass: after_pass, whatever the run
             from ckptkeeper.actions.fleet import preview_adoption  # only for shared tiers
 
-            adopted, said = preview_adoption(settings, now=observed, force=force)
+            adopted, said = preview_adoption(settings, force=force)  # by the store's clock
             plan = dataclasses.replace(plan, notes=(*plan.notes, *said))
         code = _exit_code([], held, plan)
         return PruneOutcome(

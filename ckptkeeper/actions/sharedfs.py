@@ -21,28 +21,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckptkeeper.config import Settings
 from ckptkeeper.core.model import Action, Plan
-from ckptkeeper.fleet.lease import FleetStore, Lease, read_lease
-from ckptkeeper.fleet.nodes import fleet_view, read_beat, read_beats, write_beat
-from ckptkeeper.fleet.sharedfs import catalog_only_note, keeper_clash, lease_name, touches, without_tiers
+from ckptkeeper.fleet.lease import FleetStore, Lease, LeaseInfo, read_lease
+from ckptkeeper.fleet.nodes import (
+    NodeClash,
+    fleet_view,
+    keeper_id,
+    name_clash,
+    read_beat,
+    read_beats,
+    write_beat,
+)
+from ckptkeeper.fleet.sharedfs import catalog_only_note, lease_name, touches, without_tiers
 from ckptkeeper.fleet.view import shared_tiers
 from ckptkeeper.index import Index
 from ckptkeeper.storage import S3TierStorage, StorageError, TierStorage
 from ckptkeeper.storage.local_fleet import LocalFleetObjects
-from ckptkeeper.util.host import machine_name
+from ckptkeeper.storage.s3_fleet import ConditionalWritesUnsupported
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.sharedfs")
 
 __all__ = ["NodeClash", "SharedFs", "check_node_name", "open_shared", "shared_fs_status", "take_shared"]
-
-
-class NodeClash(Exception):
-    """Two keepers use one ``node`` name on one shared tier (a config error: exit 2)."""
 
 
 @dataclass
@@ -61,8 +64,7 @@ class _Tier:
 
 
 def _keeper(settings: Settings) -> str:
-    """Who this keeper is, beyond its ``node`` name: its machine and its index."""
-    return f"{machine_name()}:{Path(settings.index).expanduser().absolute()}"
+    return keeper_id(settings.index)
 
 
 def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:
@@ -88,6 +90,18 @@ def _tiers(settings: Settings, *, probe: bool = False) -> list[_Tier]:
     return out
 
 
+def _no_conditional_writes(t: _Tier, exc: StorageError) -> None:
+    """A conditional PUT of the lease got 501: remember it for the process (every later pass, and
+    the fleet lease, skip the bucket) and move this tier's lease to its filesystem."""
+    from ckptkeeper.actions.fleet import _CONDITIONAL, NO_CONDITIONAL_WRITES
+
+    bucket = t.store
+    if isinstance(bucket, S3TierStorage):
+        _CONDITIONAL[f"{bucket.bucket}/{bucket.root_prefix}"] = False
+    log.warning(NO_CONDITIONAL_WRITES, tier=t.name, error=str(exc))
+    t.store, t.where = t.fs, f"file {t.fs.base / t.lease_name}"
+
+
 def _conditional(bucket: S3TierStorage, node: str, probe: bool) -> bool:
     from ckptkeeper.actions.fleet import _CONDITIONAL, conditional_writes
 
@@ -111,16 +125,18 @@ class SharedFs:
     def names(self) -> set[str]:
         return {t.name for t in self.tiers}
 
-    def check_identity(self, now: float) -> None:
-        """Raise :class:`NodeClash` when another keeper wrote this node's heartbeat recently."""
+    def check_identity(self, now: float | None = None) -> None:
+        """Raise :class:`NodeClash` when another keeper wrote this node's heartbeat recently (by
+        the filesystem's clock: ``now`` is not used, kept for callers)."""
         me = _keeper(self.settings)
         for t in self.tiers:
             try:
                 beat = read_beat(t.fs, f"{self.settings.node}.json")
+                store_now = t.fs.store_now() if beat is not None else 0.0
             except StorageError as exc:
                 log.warning("cannot read this node's heartbeat on a shared tier", tier=t.name, error=str(exc))
                 continue
-            clash = keeper_clash(beat, me, t.name, now, self.settings.fleet.orphan_after)
+            clash = name_clash(beat, me, t.name, store_now, self.settings.fleet.orphan_after)
             if clash is not None:
                 raise NodeClash(clash)
 
@@ -130,15 +146,13 @@ class SharedFs:
         for t in self.tiers:
             t.acting, t.note = False, None
             try:
-                if dry_run:
-                    info, _etag = read_lease(t.store, t.lease_name)
-                    mine = info is None or info.node == self.settings.node or info.expires <= now
-                else:
-                    t.lease = Lease(
-                        t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name
-                    )
-                    mine = t.lease.acquire()
-                    info = None if mine else read_lease(t.store, t.lease_name)[0]
+                try:
+                    mine, info, store_now = self._take(t, dry_run=dry_run)
+                except ConditionalWritesUnsupported as exc:
+                    # The bucket stopped honouring conditional writes: no lease can live there. Every
+                    # node finds the same (its probe, or this answer) and falls back to the filesystem.
+                    _no_conditional_writes(t, exc)
+                    mine, info, store_now = self._take(t, dry_run=dry_run)
             except StorageError as exc:
                 # No lease, no proof nobody else acts: this node only catalogs this pass.
                 log.warning("shared tier lease unavailable: not acting on it", tier=t.name, error=str(exc))
@@ -149,10 +163,26 @@ class SharedFs:
             if mine:
                 continue
             t.lease = None
-            if info is not None and info.expires > now:
-                t.note = catalog_only_note(t.name, info, now)
+            if info is not None and info.expires > store_now:
+                t.note = catalog_only_note(t.name, info, store_now)
             else:  # lost a race for it just now
                 t.note = f"{t.name} is shared: another node took its lease just now; this node only catalogs"
+
+    def _take(self, t: _Tier, *, dry_run: bool) -> tuple[bool, LeaseInfo | None, float]:
+        """(this node holds or may take the lease, what the lease says when not, the store's clock)."""
+        if dry_run:
+            info, _etag = read_lease(t.store, t.lease_name)
+            store_now = t.store.store_now()
+            return (
+                info is None or info.node == self.settings.node or info.expires <= store_now,
+                info,
+                store_now,
+            )
+        t.lease = Lease(t.store, self.settings.node, self.settings.fleet.lease_ttl, name=t.lease_name)
+        if t.lease.acquire():
+            return True, None, 0.0
+        info = read_lease(t.store, t.lease_name)[0]
+        return False, info, t.store.store_now()
 
     def restrict(self, plan: Plan) -> Plan:
         """Drop the actions on tiers this node does not hold the lease of, with the note why."""
@@ -216,11 +246,15 @@ def open_shared(settings: Settings, *, probe: bool = False) -> SharedFs | None:
 
 def check_node_name(settings: Settings, now: float) -> None:
     """At a keeper's start (the daemon's): refuse to run when another keeper wrote this node's
-    heartbeat on a shared tier recently, before anything is done (raises :class:`NodeClash`: a
-    config error, exit 2). No I/O without a shared local tier."""
+    heartbeat on a shared tier (a filesystem or a bucket) recently, before anything is done
+    (raises :class:`NodeClash`: a config error, exit 2). No I/O without a shared tier."""
     shared = open_shared(settings)
     if shared is not None:
         shared.check_identity(now)
+    if any(t.shared and not t.is_local for t in settings.tiers):
+        from ckptkeeper.actions.fleet import check_names  # only for shared buckets
+
+        check_names(settings)
 
 
 def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None:
@@ -240,11 +274,11 @@ def take_shared(settings: Settings, now: float | None = None) -> SharedFs | None
 
 def shared_fs_status(settings: Settings, *, now: float | None = None) -> list[dict[str, Any]]:
     """``fleet --json`` rows for the shared local tiers: nodes by heartbeat, and the lease."""
-    t_now = time.time() if now is None else now
     out = []
     for t in _tiers(settings):
         beats, bad = read_beats(t.fs)
         lease, _etag = read_lease(t.store, t.lease_name)
+        t_now = t.store.store_now() if now is None else now  # ages and expiry by the store's clock
         view = fleet_view(beats, [], lease, t_now, settings.fleet.orphan_after)
         view["tier"] = t.name
         view["unreadable_heartbeats"] = bad

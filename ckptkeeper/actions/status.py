@@ -165,7 +165,8 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
             "last of that checkpoint, and removing them loses whatever of it is still readable)"
             for run, step, name, damaged in lost
         )
-        + _unknown_parts(checkpoints),
+        + _unknown_parts(checkpoints)
+        + _clock_skew(settings),
         policy_held=read_policy_held(settings),
         scrub=index.scrub_totals(),
         scrub_oldest=index.oldest_scrub([t.name for t in settings.tiers[1:]]),
@@ -176,6 +177,15 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         trash=_trash(index),
         **_costs(settings, checkpoints, tiers),
     )
+
+
+def _clock_skew(settings: Settings) -> tuple[str, ...]:
+    """This node's clock against each shared bucket's: one small request per shared bucket."""
+    if not any(t.shared and not t.is_local for t in settings.tiers):
+        return ()
+    from ckptkeeper.actions.fleet import clock_skew_warnings  # only for shared buckets
+
+    return clock_skew_warnings(settings)
 
 
 def _headroom(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from ckptkeeper.core.model import Action, Checkpoint, Keep
+from ckptkeeper.core.model import Action, Checkpoint, Keep, Manifest
 from ckptkeeper.hook import schema
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "VersionStatus",
     "hold_parts",
     "job_token",
+    "manifest_mismatch",
     "pin_name",
     "pin_parts",
     "pinned_by",
@@ -231,18 +232,39 @@ class VersionStatus:
         }
 
 
+def manifest_mismatch(rec: PartRecord, manifest: Manifest) -> str | None:
+    """Why the manifest a part record names does not back it, or None: it must be part ``index``
+    of ``count`` of the record's job, run and step, written by the record's node, with its digest.
+    The one check of a record against what it points at: retention (:func:`version_status`) and
+    restore both rely on it (docs/design.md, "Cluster reality")."""
+    part = manifest.part
+    if manifest.digest != rec.digest:
+        return "is another version (digest differs)"
+    if (manifest.run, manifest.step) != (rec.run, rec.step):
+        return f"is {manifest.run}@{manifest.step}, not {rec.run}@{rec.step}"
+    if part is None or (part.index, part.count) != (rec.index, rec.count):
+        said = "no part" if part is None else f"part {part.index} of {part.count}"
+        return f"is {said}, not part {rec.index} of {rec.count}"
+    if part.job != rec.job:
+        return f"is of job {part.job!r}, not {rec.job!r}"
+    if manifest.node and manifest.node != rec.node:
+        return f"was written by node {manifest.node}, not {rec.node}"
+    return None
+
+
 def version_status(
     key: VersionKey,
     count: int,
     records: Iterable[tuple[str, PartRecord | None, str | None]],
-    manifests: Mapping[str, str | None],
+    manifests: Mapping[str, Manifest | str | None],
 ) -> VersionStatus:
     """Decide completeness of version ``key`` (N = ``count``, from the asking node's own part).
 
     ``records``: ``(name, record or None, error)`` as listed and read; ``manifests``: a record's
-    ``manifest`` key -> the digest of the manifest found there (None: absent or unreadable). A
-    record is ignored, with its reason, when it did not parse, names another N, or points at no
-    manifest of its digest. Same records, same answer, on every node.
+    ``manifest`` key -> the manifest found there (None: absent or unreadable; a digest alone is
+    checked as the digest only). A record is ignored, with its reason, when it did not parse,
+    names another N, or points at no manifest that backs it (:func:`manifest_mismatch`). Same
+    records, same answer, on every node.
     """
     job, run, step = key
     verified: dict[int, str] = {}
@@ -255,10 +277,10 @@ def version_status(
             problems.append(f"{name}: names another version ({rec.job}, {rec.run}, {rec.step})")
         elif rec.count != count:
             problems.append(f"{name}: says {rec.count} parts, this node's part says {count}")
-        elif manifests.get(rec.manifest) is None:
+        elif (found := manifests.get(rec.manifest)) is None:
             problems.append(f"{name}: no readable manifest at {rec.manifest}")
-        elif manifests[rec.manifest] != rec.digest:
-            problems.append(f"{name}: manifest at {rec.manifest} is another version (digest differs)")
+        elif (why := _backs(rec, found)) is not None:
+            problems.append(f"{name}: manifest at {rec.manifest} {why}")
         elif rec.index in verified and verified[rec.index] != rec.node:
             problems.append(f"{name}: part {rec.index} claimed by nodes {verified[rec.index]} and {rec.node}")
         else:
@@ -272,6 +294,12 @@ def version_status(
         nodes=dict(sorted(verified.items())),
         problems=tuple(problems),
     )
+
+
+def _backs(rec: PartRecord, found: Manifest | str) -> str | None:
+    if isinstance(found, str):
+        return None if found == rec.digest else "is another version (digest differs)"
+    return manifest_mismatch(rec, found)
 
 
 def _part_label(c: Checkpoint) -> str:

@@ -9,8 +9,9 @@ a reason on every action), then the deletes, one by one:
 
 * before each one the lease is renewed (If-Match on the etag the holder wrote itself); a holder
   that lost it stops at once (what it listed is stale);
-* before each one the gone node's heartbeat is read again: a node that came back owns its copies
-  again, and adoption of it stops;
+* before each one the gone node's heartbeat is read again: a node that came back (its heartbeat
+  rewritten since it was judged gone: another etag, or a later ``last_pass`` by its own clock)
+  owns its copies again, and adoption of it stops;
 * before each one the copy is claimed (:mod:`ckptkeeper.fleet.claims`: a conditional create of
   ``<root>/.ckptkeeper/claims/<node>/<path>``): only the claimant deletes it, so a holder stalled
   past its lease mid-delete and the node that took over never both delete one copy;
@@ -25,6 +26,13 @@ so a pass with gone nodes costs one listing of ``adopted/`` and, per gone node, 
 of listings of its prefix per ``orphan_after``. A node with a live copy in progress (a staging
 marker younger than ``fleet.heartbeat_ttl``) is not adopted, and no record is written: the next
 pass looks again. Litter cleanup follows the same schedule.
+
+Time (docs/design.md, "Cluster reality"): ``now`` everywhere here is the store's clock
+(:meth:`~ckptkeeper.storage.s3_fleet.FleetObjects.store_now`), compared only with ``LastModified``
+dates the store gave (heartbeats, adoption records, claims, markers). What a heartbeat *says*
+(``last_pass``) is the gone node's own clock: it is compared only with that node's own dates — the
+adoption's retention rules judge the node's copies at the node's own "now", its last ``last_pass``
+plus the time the store has seen go by since. A holder's clock, however wrong, decides nothing.
 """
 
 from __future__ import annotations
@@ -55,9 +63,12 @@ __all__ = [
     "Adoption",
     "adopt",
     "adoption_notes",
+    "came_back",
     "clean_and_adopt",
     "due",
+    "gone",
     "gone_beats",
+    "owner_now",
     "plan_node",
     "preview",
     "record",
@@ -67,18 +78,33 @@ ADOPTED_DIR = "adopted"
 ADOPTED_EVENT = "fleet adoption: deleted a gone node's copy"
 
 
+def gone(stored_at: float | None, store_now: float, orphan_after: float) -> bool:
+    """Is a node gone: its heartbeat last written (``stored_at``, the store's ``LastModified``)
+    more than ``orphan_after`` before the store's ``store_now``? Pure; one clock. A heartbeat whose
+    date is unknown is never gone."""
+    return stored_at is not None and store_now - stored_at > orphan_after
+
+
+def owner_now(beat: NodeBeat, store_now: float) -> float:
+    """The gone node's own clock now, as well as anyone can tell: what its last heartbeat said
+    (``last_pass``, its clock) plus the time the store has seen pass since it wrote it. Its copies'
+    ``created_at`` are in that clock too, so its rules judge them as the node itself would."""
+    return beat.last_pass + beat.silent_for(store_now)
+
+
 def gone_beats(tier: S3TierStorage, me: str, now: float, orphan_after: float) -> list[NodeBeat]:
     """Heartbeats of the nodes gone from ``tier``, by name: one listing; only heartbeats the store
-    itself dates older than ``orphan_after`` are read (a pass costs what this node owns, not one GET
-    per node of the fleet), and kept only if what they say is that old too."""
+    itself dates older than ``orphan_after`` (``now``: the store's clock) are read (a pass costs
+    what this node owns, not one GET per node of the fleet), and kept only if the store still
+    dates them that old when read."""
     stale = [
         name
         for name, mtime in tier.list_fleet_objects(NODES_DIR)
-        if now - mtime > orphan_after and name.endswith(".json") and "/" not in name
+        if gone(mtime, now, orphan_after) and name.endswith(".json") and "/" not in name
     ]
     beats = [b for b in (read_beat(tier, name) for name in stale) if b is not None]
     return sorted(
-        (b for b in beats if b.node != me and now - b.last_pass > orphan_after), key=lambda b: b.node
+        (b for b in beats if b.node != me and gone(b.stored_at, now, orphan_after)), key=lambda b: b.node
     )
 
 
@@ -103,6 +129,8 @@ class Adoption:
     plan: Plan
     deleted: list[str] = field(default_factory=list)
     """Paths (under the node's prefix) deleted, in order."""
+    beat: NodeBeat | None = None
+    """The heartbeat the node was judged gone by (a rewritten one means it came back)."""
     errors: list[str] = field(default_factory=list)
     late: list[str] = field(default_factory=list)
     """Deletes that finished after our lease had expired (a stall mid-delete). S3 deletes carry no
@@ -142,18 +170,30 @@ class Adoption:
 def plan_node(
     tier: S3TierStorage, beat: NodeBeat, now: float, *, max_delete: int, force: bool = False
 ) -> Adoption:
-    """List the gone node's prefix (manifests and pins: one listing) and plan (pure)."""
+    """List the gone node's prefix (manifests and pins: one listing) and plan (pure). ``now``: the
+    store's clock; the rules judge the copies at the node's own clock (:func:`owner_now`)."""
     copies, pins = tier.adopt(beat.node).list_manifests_and_pins()
-    silent = now - beat.last_pass
-    plan = plan_adoption(beat.node, silent, copies, pins, tier.spec, now, max_delete=max_delete, force=force)
+    silent = beat.silent_for(now) if beat.stored_at is not None else max(0.0, now - beat.last_pass)
+    at = owner_now(beat, now) if beat.stored_at is not None else now
+    plan = plan_adoption(beat.node, silent, copies, pins, tier.spec, at, max_delete=max_delete, force=force)
     listed = frozenset(rel.removesuffix(MANIFEST_SUFFIX) for rel, _manifest, _damage in copies)
-    return Adoption(tier.name, beat.node, silent, plan, listed=listed)
+    return Adoption(tier.name, beat.node, silent, plan, listed=listed, beat=beat)
+
+
+def came_back(judged: NodeBeat | None, current: NodeBeat | None) -> bool:
+    """Was the heartbeat rewritten since the node was judged gone by ``judged``? Another etag, or
+    a later ``last_pass`` (the node's clock against itself). Pure; no clock compared across nodes."""
+    if current is None or judged is None:
+        return False
+    if judged.etag and current.etag and current.etag != judged.etag:
+        return True
+    return current.last_pass > judged.last_pass
 
 
 def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: float, now: float) -> None:
     """Carry out ``adoption``'s deletes under the lease, one by one; stops when the lease is lost
-    or the node came back (its heartbeat, read again before each delete, is younger than
-    ``orphan_after`` at ``now``). Errors are recorded, never raised (the next due pass retries)."""
+    or the node came back (its heartbeat, read again before each delete, was rewritten since it was
+    judged gone: :func:`came_back`). ``now``: the store's clock. Errors are recorded, never raised (the next due pass retries)."""
     if adoption.plan.refused is not None:
         return
     view = tier.adopt(adoption.node)
@@ -164,10 +204,8 @@ def adopt(tier: S3TierStorage, lease: Lease, adoption: Adoption, orphan_after: f
         except StorageError as exc:
             adoption.errors.append(f"{adoption.node}: reading its heartbeat: {exc}")
             return
-        if beat is not None and now - beat.last_pass <= orphan_after:
-            adoption.stopped = (
-                f"{adoption.node} came back (heartbeat {max(0.0, now - beat.last_pass):.0f}s ago)"
-            )
+        if came_back(adoption.beat, beat):
+            adoption.stopped = f"{adoption.node} came back (its heartbeat was written again)"
             return
         if not lease.renew():
             adoption.stopped, adoption.lost_lease = "the fleet lease was lost", True
@@ -254,7 +292,7 @@ def preview(
     for b in gone:
         if b.node not in todo:
             continue
-        if any(now - a.last_write < heartbeat_ttl for a in tier.adopt(b.node).list_staging()):
+        if any(now - a.last_write < heartbeat_ttl for a in tier.adopt(b.node).list_staging()):  # store times
             notes.append(f"{tier.name}: {b.node} gone, but a copy of it is in progress: not adopted")
             continue
         out.append(plan_node(tier, b, now, max_delete=max_delete, force=force))

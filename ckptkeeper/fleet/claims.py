@@ -61,20 +61,18 @@ def marker_item(path: str) -> str:
 
 def claim(tier: S3TierStorage, me: str, node: str, item: str, now: float, stale_after: float) -> bool:
     """Claim ``item`` of gone ``node`` for this holder: True if this process may delete it now (it
-    created the claim, or took over a stale one); False if another holder claimed it."""
+    created the claim, or took over a stale one); False if another holder claimed it. Stale is
+    judged by the store's clock (``now``) against when the store wrote the claim, never by the
+    time a claimant wrote in it (its clock may be days off)."""
     name = f"{CLAIMS_DIR}/{node}/{item}"
     body = json.dumps({"holder": me, "pid": os.getpid(), "at": now, "item": item}).encode()
     if tier.put_fleet_object(name, body, if_none_match=True) is not None:
         return True
-    got = tier.get_fleet_object(name)
+    got = tier.get_fleet_object_dated(name)
     if got is None:  # released in between: try once more, conditionally
         return tier.put_fleet_object(name, body, if_none_match=True) is not None
-    old, etag = got
-    try:
-        at = float(json.loads(old)["at"])
-    except (ValueError, TypeError, KeyError, RecursionError):
-        at = float("-inf")  # unreadable: nobody can prove they hold it
-    if now - at <= stale_after:
+    _old, etag, written = got
+    if now - written <= stale_after:
         return False
     return tier.put_fleet_object(name, body, if_match=etag) is not None
 

@@ -4,7 +4,12 @@ conditional PUTs, so at most one node holds it at any time without a server of o
 * created with ``If-None-Match: *`` (the second of two racing creators gets 412);
 * renewed, taken over when expired, and released with ``If-Match: <etag>`` of the version read
   (a node that lost a race gets 412 and does not hold it);
-* its body says who holds it (node, pid) and until when (``expires``, the holder's clock).
+* its body says who holds it (node, pid), for how long (``ttl``) and until when (``expires``).
+
+Time is the store's (docs/design.md, "Cluster reality"): a reader judges a lease by when the
+store wrote it (its ``LastModified``) plus its ``ttl``, against the store's clock now
+(:meth:`store_now`), never by the holder's clock. A holder whose clock runs 2 h ahead and dies
+blocks the others for one ``ttl``, not for 2 h; one whose clock runs behind is not taken over early.
 
 The holder alone does fleet-wide deletes (other nodes' abandoned staging markers and uploads),
 re-checking the lease right before each batch. A store that does not enforce conditional writes
@@ -16,16 +21,17 @@ The decision is pure (:func:`decide`); :class:`Lease` is the I/O around it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
 from ckptkeeper.storage import S3TierStorage, StorageError
+from ckptkeeper.storage.s3_fleet import ConditionalWritesUnsupported
 
 __all__ = [
     "LEASE",
@@ -54,7 +60,11 @@ class FleetStore(Protocol):
         self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
     ) -> str | None: ...
 
+    def get_fleet_object_dated(self, name: str) -> tuple[bytes, str, float] | None: ...
+
     def list_fleet_objects(self, sub: str) -> list[tuple[str, float]]: ...
+
+    def store_now(self) -> float: ...
 
 
 _PROBE_DIR = "probe"
@@ -62,25 +72,47 @@ _PROBE_DIR = "probe"
 
 @dataclass(frozen=True)
 class LeaseInfo:
-    """What a lease object says (untrusted: a malformed one is treated as expired)."""
+    """What a lease object says (untrusted: a malformed one is treated as expired). ``expires``
+    0 is a released lease."""
 
     node: str
     pid: int
     acquired: float
     expires: float
+    ttl: float | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"node": self.node, "pid": self.pid, "acquired": self.acquired, "expires": self.expires}
-        ).encode()
+        doc: dict[str, Any] = {
+            "node": self.node,
+            "pid": self.pid,
+            "acquired": self.acquired,
+            "expires": self.expires,
+        }
+        if self.ttl is not None:
+            doc["ttl"] = self.ttl
+        return json.dumps(doc).encode()
 
     @classmethod
     def parse(cls, body: bytes) -> LeaseInfo | None:
         try:
             doc: Any = json.loads(body)
-            return cls(str(doc["node"]), int(doc["pid"]), float(doc["acquired"]), float(doc["expires"]))
-        except (ValueError, TypeError, KeyError, RecursionError):
+            ttl = doc.get("ttl")
+            return cls(
+                str(doc["node"]),
+                int(doc["pid"]),
+                float(doc["acquired"]),
+                float(doc["expires"]),
+                None if ttl is None else float(ttl),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
+
+    def by_store(self, written: float) -> LeaseInfo:
+        """This lease with ``expires`` in the store's clock: written (``LastModified``) + ``ttl``.
+        A released lease stays released; one without a ``ttl`` (an older writer) keeps its own."""
+        if self.expires <= 0 or self.ttl is None or not 0 < self.ttl < 1e9:
+            return self
+        return dataclasses.replace(self, expires=written + self.ttl)
 
 
 class Step(StrEnum):
@@ -108,12 +140,14 @@ def decide(current: LeaseInfo | None, exists: bool, me: str, now: float) -> Step
 
 
 def read_lease(tier: FleetStore, name: str = LEASE) -> tuple[LeaseInfo | None, str | None]:
-    """(what the lease says, its etag); (None, None) when there is none."""
-    got = tier.get_fleet_object(name)
+    """(what the lease says, its etag); (None, None) when there is none. Its ``expires`` is in the
+    store's clock (:meth:`LeaseInfo.by_store`)."""
+    got = tier.get_fleet_object_dated(name)
     if got is None:
         return None, None
-    body, etag = got
-    return LeaseInfo.parse(body), etag
+    body, etag, written = got
+    info = LeaseInfo.parse(body)
+    return (None if info is None else info.by_store(written)), etag
 
 
 class Lease:
@@ -126,19 +160,23 @@ class Lease:
         node: str,
         ttl: float,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         name: str = LEASE,
     ) -> None:
         self.tier = tier
         self.name = name
         self.node = node
         self.ttl = ttl
-        self.clock = clock
+        self._clock = clock
         self.etag: str | None = None
         self.info: LeaseInfo | None = None
         self.released: str | None = None
         """ETag of the released lease this handle wrote last; while the object still has it, the
         next :meth:`acquire` skips the read (see there)."""
+
+    def clock(self) -> float:
+        """The store's clock (:meth:`FleetStore.store_now`), unless a test gave one."""
+        return self._clock() if self._clock is not None else self.tier.store_now()
 
     @property
     def held(self) -> bool:
@@ -154,10 +192,10 @@ class Lease:
         :func:`decide` would let us renew; the read would have told nothing more. Any other
         outcome (412: someone wrote it since; an error) falls back to read + decide + conditional
         PUT. Acquire + release: 3 requests → 2."""
-        now = self.clock()
         if self.released is not None:
+            now = self.clock()
             released, self.released = self.released, None
-            info = LeaseInfo(self.node, os.getpid(), now, now + self.ttl)
+            info = LeaseInfo(self.node, os.getpid(), now, now + self.ttl, self.ttl)
             try:
                 new = self.tier.put_fleet_object(self.name, info.to_json(), if_match=released)
             except StorageError:
@@ -166,12 +204,13 @@ class Lease:
                 self.etag, self.info = new, info
                 return True
         current, etag = read_lease(self.tier, self.name)
+        now = self.clock()  # after the read: its answer set the store's clock (no extra request)
         step = decide(current, etag is not None, self.node, now)
         if step is Step.WAIT:
             self.etag, self.info = None, None
             return False
         acquired = current.acquired if step is Step.RENEW and current is not None else now
-        info = LeaseInfo(self.node, os.getpid(), acquired, now + self.ttl)
+        info = LeaseInfo(self.node, os.getpid(), acquired, now + self.ttl, self.ttl)
         if step is Step.CREATE:
             new = self.tier.put_fleet_object(self.name, info.to_json(), if_none_match=True)
         else:
@@ -189,7 +228,8 @@ class Lease:
         holders clean the same litter. :meth:`acquire` would take a released lease back."""
         if self.etag is None or self.info is None:
             return False
-        info = LeaseInfo(self.node, os.getpid(), self.info.acquired, self.clock() + self.ttl)
+        now = self.clock()
+        info = LeaseInfo(self.node, os.getpid(), self.info.acquired, now + self.ttl, self.ttl)
         new = self.tier.put_fleet_object(self.name, info.to_json(), if_match=self.etag)
         if new is None:
             self.etag, self.info = None, None
@@ -211,11 +251,17 @@ class Lease:
 
 def probe_conditional_writes(tier: S3TierStorage, node: str) -> bool:
     """Does the store enforce ``If-None-Match: *``? Create one probe object twice: the second
-    must be refused (412). Without it, two nodes could both "create" the lease."""
+    must be refused (412). Without it, two nodes could both "create" the lease. A store answering
+    501 (``NotImplemented``) to a conditional PUT does not support them: False, not an error."""
     name = f"{_PROBE_DIR}/{node}-{secrets.token_hex(4)}"
-    first = tier.put_fleet_object(name, b"{}", if_none_match=True)
+    try:
+        first = tier.put_fleet_object(name, b"{}", if_none_match=True)
+    except ConditionalWritesUnsupported:
+        return False
     try:
         second = tier.put_fleet_object(name, b"{}", if_none_match=True)
+    except ConditionalWritesUnsupported:
+        return False
     finally:
         with contextlib.suppress(StorageError):
             tier.delete_fleet_object(name)

@@ -11,17 +11,31 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ckptkeeper import __version__
 from ckptkeeper.fleet.lease import FleetStore, LeaseInfo
 from ckptkeeper.util.host import machine_name
 
-__all__ = ["NODES_DIR", "NodeBeat", "fleet_view", "read_beat", "read_beats", "write_beat"]
+__all__ = [
+    "NODES_DIR",
+    "NodeBeat",
+    "NodeClash",
+    "fleet_view",
+    "name_clash",
+    "read_beat",
+    "read_beats",
+    "write_beat",
+]
 
 NODES_DIR = "nodes"
 _MAX_BEAT_BYTES = 1 << 20
+
+
+class NodeClash(Exception):
+    """Two keepers use one ``node`` name on one shared tier (a config error: exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -39,11 +53,22 @@ class NodeBeat:
     host: str = ""
     """The machine that wrote it: two machines writing one node's heartbeat share a ``node`` name."""
     keeper: str = ""
-    """``host:index`` of the keeper that wrote it (shared filesystem tiers): two keepers with one
-    ``node`` name on one shared tier, even on one machine, is a config error (docs/design.md, "Many nodes")."""
+    """``host:index`` of the keeper that wrote it: two keepers with one ``node`` name on one
+    shared tier, even on one machine, is a config error (docs/design.md, "Many nodes")."""
+    stored_at: float | None = field(default=None, compare=False)
+    """When the store wrote it (its ``LastModified``, the store's clock); not in the body."""
+    etag: str = field(default="", compare=False)
+    """The object's etag when read; not in the body."""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        doc = asdict(self)
+        del doc["stored_at"], doc["etag"]
+        return json.dumps(doc, sort_keys=True).encode()
+
+    def silent_for(self, store_now: float) -> float:
+        """How long the store has not seen this heartbeat rewritten (its clock only); 0 when the
+        beat was not read from a store (then nothing judges it gone)."""
+        return 0.0 if self.stored_at is None else max(0.0, store_now - self.stored_at)
 
     @classmethod
     def parse(cls, body: bytes) -> NodeBeat | None:
@@ -92,24 +117,44 @@ def write_beat(
     return beat
 
 
-def name_clash(previous: NodeBeat | None, host: str, now: float, orphan_after: float) -> str | None:
-    """Another machine wrote this node's heartbeat recently: two machines use one ``node`` name
-    (docs/design.md, "Many nodes": a config error; their copies would share keys). The message, or None (pure)."""
-    if previous is None or not previous.host or previous.host == host:
+def keeper_id(index: str) -> str:
+    """Who a keeper is, beyond its ``node`` name: its machine and its index (two keepers on one
+    machine with one name but two indexes clash too)."""
+    return f"{machine_name()}:{Path(index).expanduser().absolute()}"
+
+
+def name_clash(
+    previous: NodeBeat | None, keeper: str, tier: str, store_now: float, orphan_after: float
+) -> str | None:
+    """Another keeper (another machine, or another index on this one) wrote this node's heartbeat
+    within ``orphan_after`` by the store's clock: two keepers use one ``node`` name, a config error
+    (docs/design.md, "Many nodes"): their copies share keys, and each would delete the other's.
+    The message, naming ``node``, or None (pure). A heartbeat of an older version names no keeper:
+    its host stands for it."""
+    if previous is None:
         return None
-    if now - previous.last_pass > orphan_after:
-        return None  # the node moved to this machine long ago
+    theirs = previous.keeper or previous.host
+    mine = keeper if previous.keeper else keeper.split(":", 1)[0]
+    if not theirs or theirs == mine:
+        return None
+    if previous.stored_at is None or store_now - previous.stored_at > orphan_after:
+        return None  # the name moved here long ago
     return (
-        f"node name {previous.node!r} is also used by host {previous.host!r} (heartbeat "
-        f"{max(0.0, now - previous.last_pass):.0f}s ago): give every machine its own `node`"
+        f"node: node name {previous.node!r} is also used by another keeper on shared tier {tier!r} "
+        f"({theirs}, heartbeat {max(0.0, store_now - previous.stored_at):.0f}s ago by the store's clock); "
+        "give every node its own `node` (if that keeper is gone for good, wait fleet.orphan_after "
+        f"or delete {tier}/.ckptkeeper/{NODES_DIR}/{previous.node}.json)"
     )
 
 
 def read_beat(tier: FleetStore, name: str) -> NodeBeat | None:
-    """The heartbeat object ``nodes/<name>`` (None: gone, unreadable, or naming another node)."""
-    got = tier.get_fleet_object(f"{NODES_DIR}/{name}")
+    """The heartbeat object ``nodes/<name>`` (None: gone, unreadable, or naming another node),
+    with when the store wrote it and its etag."""
+    got = tier.get_fleet_object_dated(f"{NODES_DIR}/{name}")
     beat = NodeBeat.parse(got[0]) if got is not None else None
-    return beat if beat is not None and f"{beat.node}.json" == name else None
+    if got is None or beat is None or f"{beat.node}.json" != name:
+        return None
+    return replace(beat, stored_at=got[2], etag=got[1])
 
 
 def read_beats(tier: FleetStore) -> tuple[list[NodeBeat], list[str]]:
@@ -136,23 +181,26 @@ def fleet_view(
 ) -> dict[str, Any]:
     """The ``fleet --json`` document: every node seen (by heartbeat or by its key prefix), its
     last pass, RPO (age of its newest verified copy), runs held, whether it is gone (silent for
-    ``orphan_after``); and the lease holder with its expiry."""
+    ``orphan_after``); and the lease holder with its expiry. ``now`` is the store's clock: ages
+    are measured from when the store wrote each heartbeat where known (its own clock), else from
+    what the heartbeat says."""
     by_node = {b.node: b for b in beats}
     nodes = []
     for name in sorted(set(by_node) | set(prefixes)):
         b = by_node.get(name)
+        age = None if b is None else max(0.0, now - (b.last_pass if b.stored_at is None else b.stored_at))
         nodes.append(
             {
                 "node": name,
                 "last_pass": None if b is None else b.last_pass,
-                "last_pass_age": None if b is None else max(0.0, now - b.last_pass),
+                "last_pass_age": age,
                 "rpo_seconds": None
-                if b is None or b.newest_verified is None
-                else max(0.0, now - b.newest_verified),
+                if b is None or b.newest_verified is None or age is None
+                else max(0.0, age + b.last_pass - b.newest_verified),  # its clock minus its clock
                 "runs_held": None if b is None else b.runs_held,
                 "checkpoints_held": None if b is None else b.checkpoints_held,
                 "version": None if b is None else b.version,
-                "gone": None if b is None else now - b.last_pass > orphan_after,
+                "gone": None if age is None else age > orphan_after,
             }
         )
     holder = None

@@ -9,7 +9,8 @@ itself (:class:`~ckptkeeper.storage.local_fleet.LocalFleetObjects`: link/rename,
 Lustre). Node heartbeats of the shared filesystem are files in it, ``<root>/.ckptkeeper/nodes/``.
 
 The decisions here are pure: which actions a node that does not hold the lease must drop, the note
-it shows, whether a heartbeat proves a second keeper uses this node's name.
+it shows (whether a heartbeat proves a second keeper uses this node's name:
+:func:`ckptkeeper.fleet.nodes.name_clash`, for every shared tier).
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from pathlib import Path
 
 from ckptkeeper.core.model import Action, Plan, Snapshot
 from ckptkeeper.fleet.lease import LeaseInfo
-from ckptkeeper.fleet.nodes import NodeBeat
 from ckptkeeper.util.fmt import human_age
 
-__all__ = ["catalog_only_note", "keeper_clash", "lease_name", "owned_by_the_tier", "touches", "without_tiers"]
+__all__ = ["catalog_only_note", "lease_name", "owned_by_the_tier", "touches", "without_tiers"]
 
 
 def lease_name(tier: str, root: Path, shared_id: str | None) -> str:
@@ -57,23 +57,6 @@ def catalog_only_note(tier: str, lease: LeaseInfo, now: float) -> str:
     return (
         f"{tier} is shared: {lease.node} holds the lease (expires in {human_age(max(0.0, lease.expires - now))}); "
         "this node only catalogs"
-    )
-
-
-def keeper_clash(
-    previous: NodeBeat | None, keeper: str, tier: str, now: float, orphan_after: float
-) -> str | None:
-    """This node's heartbeat on a shared filesystem tier was written by another keeper (another
-    machine or another index) within ``orphan_after``: two keepers share one ``node`` name, a
-    config error (docs/design.md, "Many nodes") — their leases would be one. The message (naming ``node``), or None."""
-    if previous is None or not previous.keeper or previous.keeper == keeper:
-        return None
-    if now - previous.last_pass > orphan_after:
-        return None  # the name moved here long ago
-    return (
-        f"node: node name {previous.node!r} is also used by another keeper on shared tier {tier!r} "
-        f"({previous.keeper}, {human_age(max(0.0, now - previous.last_pass))} ago); give every node "
-        f"its own `node` (if that keeper is gone for good, delete {tier}/.ckptkeeper/nodes/{previous.node}.json)"
     )
 
 

@@ -115,14 +115,13 @@ def _read_record(tier: S3TierStorage, name: str) -> tuple[str, PartRecord | None
         return name, None, f"bad record: {exc}"
 
 
-def _manifest_digest(tier: S3TierStorage, rel: str, cache: dict[str, str | None]) -> str | None:
+def _manifest(tier: S3TierStorage, rel: str, cache: dict[str, Manifest | None]) -> Manifest | None:
     if rel not in cache:
         node, _, inner = rel.partition("/")
         try:
-            manifest = tier.view(node).read_manifest(inner)
+            cache[rel] = tier.view(node).read_manifest(inner)
         except StorageError:
-            manifest = None
-        cache[rel] = None if manifest is None else manifest.digest
+            cache[rel] = None
     return cache[rel]
 
 
@@ -131,20 +130,22 @@ def read_version(
     key: VersionKey,
     count: int,
     names: Iterable[str] | None = None,
-    cache: dict[str, str | None] | None = None,
+    cache: dict[str, Manifest | None] | None = None,
 ) -> VersionStatus:
     """The status of one version in ``tier``: its records (listed, unless ``names`` are given),
-    each read and validated, and the manifest each points at."""
+    each read and validated, and checked against the manifest each points at (part index and
+    count, job, run, step, writer, digest: :func:`ckptkeeper.core.versions.manifest_mismatch`).
+    Retention and restore both take a version's parts from here."""
     job, run, step = key
     if names is None:
         base = step_dir(job, run, step)
         names = [f"{base}/{n}" for n, _ in tier.list_fleet_objects(base) if "/" not in n]
     records = [_read_record(tier, n) for n in sorted(names)]
-    manifests: dict[str, str | None] = {}
+    manifests: dict[str, Manifest | None] = {}
     cache = {} if cache is None else cache
     for _name, rec, _err in records:
         if rec is not None:
-            manifests[rec.manifest] = _manifest_digest(tier, rec.manifest, cache)
+            manifests[rec.manifest] = _manifest(tier, rec.manifest, cache)
     return version_status(key, count, records, manifests)
 
 
@@ -154,7 +155,7 @@ def read_versions(
     """Statuses of the steps in ``counts`` (step -> N) of one run: one listing, then each step's
     records and manifests."""
     listed = list_run_records(tier, job, run)
-    cache: dict[str, str | None] = {}
+    cache: dict[str, Manifest | None] = {}
     return {
         step: read_version(tier, (job, run, step), count, listed.get(step, []), cache)
         for step, count in sorted(counts.items())

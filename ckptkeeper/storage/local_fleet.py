@@ -23,6 +23,8 @@ import contextlib
 import hashlib
 import os
 import secrets
+import socket
+import time
 from pathlib import Path
 
 from ckptkeeper.storage.base import StorageError, _split_rel
@@ -33,6 +35,8 @@ FLEET_DIR = ".ckptkeeper"
 """Under a shared filesystem tier's root, like under a shared bucket's prefix. Hidden: never a run."""
 
 _MAX_BODY = 1 << 20
+_SAMPLES: dict[Path, tuple[float, float]] = {}
+"""Filesystem root -> (its clock, this process's monotonic clock) when sampled."""
 
 
 def _etag(body: bytes) -> str:
@@ -54,17 +58,44 @@ class LocalFleetObjects:
 
     def get_fleet_object(self, name: str) -> tuple[bytes, str] | None:
         """``(body, etag)``, None if absent (an oversized one reads as empty: untrusted)."""
+        got = self.get_fleet_object_dated(name)
+        return None if got is None else (got[0], got[1])
+
+    def get_fleet_object_dated(self, name: str) -> tuple[bytes, str, float] | None:
+        """``(body, etag, mtime)``: the mtime is the filesystem's clock (an NFS/Lustre server's)."""
         path = self._path(name)
         try:
             with open(path, "rb") as f:
                 body = f.read(_MAX_BODY + 1)
+                mtime = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StorageError(f"tier {self.name!r}: reading {path}: {exc}") from exc
         if len(body) > _MAX_BODY:
             body = b""
-        return body, _etag(body)
+        return body, _etag(body), mtime
+
+    def store_now(self) -> float:
+        """The filesystem's time now: the mtime it gives a file touched now (on NFS the server
+        sets it), sampled once per process and extrapolated with this process's monotonic clock
+        (docs/design.md, "Cluster reality": one clock for cross-node time)."""
+        sample = _SAMPLES.get(self.base)
+        if sample is None:
+            path = self.base / "clock" / f"{socket.gethostname()}-{os.getpid()}"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb"):
+                    pass
+                os.utime(path)  # times=None: set by the filesystem, to its "now"
+                sample = (path.stat().st_mtime, time.monotonic())
+                path.unlink()
+            except OSError as exc:
+                raise StorageError(
+                    f"tier {self.name!r}: reading the filesystem's clock at {path}: {exc}"
+                ) from exc
+            _SAMPLES[self.base] = sample
+        return sample[0] + (time.monotonic() - sample[1])
 
     def put_fleet_object(
         self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None

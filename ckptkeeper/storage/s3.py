@@ -337,6 +337,12 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
 
         A copy whose manifest names another node is refused (docs/design.md, "Many nodes": another node's copies
         are read-only here) unless ``adopt`` (the fleet lease holder cleaning an orphan).
+
+        The data deleted is what the listing shows *and* every file the manifest names: a listing
+        that lags (omits a key) leaves nothing behind. Then the copy's prefix is listed again, up
+        to :data:`_DELETE_RELISTS` times, and whatever appears is deleted too; an object still
+        there after that keeps the delete's staging marker (the reaper's to finish) and fails the
+        delete, naming it: nothing leaks silently.
         """
         self._check_writable(f"delete of {rel_path}")
         key = self._key(rel_path)
@@ -351,13 +357,26 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
                     "refusing to delete another node's copy"
                 )
             objs = self._target_objects(key)
+            named = _named_keys(key, rel_path, body)
             if not objs and not has_manifest:
                 return 0
             marker = f"{key}{STAGING_MARK}{_token()}"
             self._put_json(marker, _marker_doc("delete", rel_path, None, self.node))
             if has_manifest:
                 self._delete_keys([manifest_key])
-            self._delete_keys([k for k, _, _ in objs])
+            self._delete_keys(sorted({k for k, _, _ in objs} | named))
+            for _ in range(_DELETE_RELISTS):
+                left = self._target_objects(key)
+                if not left:
+                    break
+                self._delete_keys([k for k, _, _ in left])
+            else:
+                left = self._target_objects(key)
+                if left:
+                    raise StorageError(
+                        f"tier {self.name!r}: delete of {rel_path}: {len(left)} objects still listed after "
+                        f"{_DELETE_RELISTS} re-listings (e.g. {left[0][0]}); its delete marker stays for the reaper"
+                    )
             self._delete_keys([marker])
         return sum(size for _, size, _ in objs)
 
@@ -410,6 +429,26 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
                 if pin is not None:
                     out.add(pin)
         return out
+
+
+_DELETE_RELISTS = 3
+"""Listings of a deleted copy's prefix, at most, until it is seen empty."""
+
+
+def _named_keys(key: str, rel_path: str, body: bytes | None) -> set[str]:
+    """The data keys a copy's manifest names (none when it has no readable manifest)."""
+    if body is None:
+        return set()
+    try:
+        manifest = _parse_manifest(rel_path, body)
+    except (StorageError, ValueError):
+        return set()
+    if not manifest.is_dir:
+        return {key}
+    named = {f"{key}/{f.path}" for f in manifest.files}
+    return {
+        k for k in named if "/../" not in k[len(key) :] and not k.endswith("/..")
+    }  # never outside the copy
 
 
 def _owner_of(body: bytes) -> str:

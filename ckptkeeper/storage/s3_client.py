@@ -18,7 +18,9 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkeeper.core.model import TierSpec
-from ckptkeeper.storage.base import StorageError, _describe, _split_rel, log
+from ckptkeeper.storage import deadline
+from ckptkeeper.storage.base import StorageError, TierUnavailable, _describe, _split_rel, log
+from ckptkeeper.storage.store_clock import StoreClock, clock_for
 
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
@@ -34,6 +36,21 @@ _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TO
 
 _DEGRADED: set[tuple[str, str]] = set()
 """(tier URL, feature) pairs already warned about in this process: one warning per missing feature."""
+
+
+def _date_of(exc: BaseException) -> str | None:
+    """The ``Date`` header of the error answer behind ``exc`` (s3fs wraps botocore's), if any."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, Mapping):
+            date = ((response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}).get("date")
+            if date:
+                return str(date)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _not_implemented(exc: BaseException) -> bool:
@@ -187,7 +204,42 @@ class S3Objects:
             raise exc_type(self._redact(f"tier {self.name!r}: {what}: {_describe(exc)}")) from exc
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self.fs.call_s3(method, **kwargs)
+        what = f"{method} {kwargs.get('Key') or kwargs.get('Prefix') or kwargs.get('Bucket') or ''}".rstrip()
+        try:
+            resp = self._bounded(what, self.fs._call_s3, method, **kwargs)
+        except Exception as exc:  # an error answer (404, 412) carries the store's clock too
+            self.store_clock.note(_date_of(exc))
+            raise
+        if isinstance(resp, dict):  # the store's clock rides on every answer (its Date header)
+            headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+            self.store_clock.note(headers.get("date"))
+        return resp
+
+    def _bounded(self, what: str, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func`` (a coroutine function of the client) on fsspec's loop, for at most the
+        request deadline (:mod:`ckptkeeper.storage.deadline`): past it, it is cancelled and a
+        :class:`StorageError` names the request."""
+        from fsspec.asyn import sync
+        from fsspec.exceptions import FSTimeoutError
+
+        # TierUnavailable: a listing that hung is a listing that failed (never read as empty)
+        try:
+            timeout = deadline.remaining(what, self.name)
+        except TimeoutError as exc:
+            raise TierUnavailable(self._redact(str(exc))) from None
+        try:
+            return sync(self.fs.loop, func, *args, timeout=timeout, **kwargs)
+        except FSTimeoutError:
+            raise TierUnavailable(self._redact(deadline.hung(self.name, what, timeout))) from None
+
+    @property
+    def store_clock(self) -> StoreClock:
+        """This store's clock (:mod:`ckptkeeper.storage.store_clock`): one per endpoint and bucket."""
+        opts = self.spec.storage_options
+        endpoint = str(
+            opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
+        )
+        return clock_for(f"{endpoint}|{self.bucket}")
 
     def _key(self, rel: str) -> str:
         _split_rel(rel)
@@ -214,11 +266,9 @@ class S3Objects:
             resp = self._call("get_object", Bucket=self.bucket, Key=key)
         except FileNotFoundError:
             return None
-        from fsspec.asyn import sync
-
         body = resp["Body"]
         try:
-            data: bytes = sync(self.fs.loop, body.read)
+            data: bytes = self._bounded(f"reading the body of {key}", body.read)
         finally:
             body.close()
         return data

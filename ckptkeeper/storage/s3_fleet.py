@@ -14,9 +14,9 @@ from typing import Any, Self
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import StorageError, TierUnavailable, _describe, _parse_manifest, _split_rel
-from ckptkeeper.storage.s3_client import S3Objects
+from ckptkeeper.storage.s3_client import S3Objects, _not_implemented
 
-__all__ = ["FLEET_DIR", "FleetObjects", "precondition_failed"]
+__all__ = ["FLEET_DIR", "ConditionalWritesUnsupported", "FleetObjects", "precondition_failed"]
 
 FLEET_DIR = ".ckptkeeper"
 """Under a shared tier's root: the lease and node heartbeats. A run name never starts with a dot
@@ -37,25 +37,47 @@ def precondition_failed(exc: BaseException) -> bool:
     return "PreconditionFailed" in text or "Precondition Failed" in text or "(412)" in text
 
 
+class ConditionalWritesUnsupported(StorageError):
+    """A conditional PUT answered 501 / ``NotImplemented``: the store (now) lacks conditional
+    writes. Not a failing store: no lease can live there (docs/design.md, "Many nodes")."""
+
+
 class FleetObjects(S3Objects):
     """Reading and (conditionally) writing ``<root>/.ckptkeeper/<name>``; views of other prefixes."""
 
     def get_fleet_object(self, name: str) -> tuple[bytes, str] | None:
         """``(body, etag)`` of ``<root>.ckptkeeper/<name>``, None if absent."""
+        got = self.get_fleet_object_dated(name)
+        return None if got is None else (got[0], got[1])
+
+    def get_fleet_object_dated(self, name: str) -> tuple[bytes, str, float] | None:
+        """``(body, etag, last_modified)``: when the store last wrote it, by the store's clock."""
         key = self._fleet_key(name)
         with self._errors(f"reading {key}"):
             try:
                 resp = self._call("get_object", Bucket=self.bucket, Key=key)
             except FileNotFoundError:
                 return None
-            from fsspec.asyn import sync
-
             body = resp["Body"]
             try:
-                data: bytes = sync(self.fs.loop, body.read)
+                data: bytes = self._bounded(f"reading the body of {key}", body.read)
             finally:
                 body.close()
-        return data, str(resp.get("ETag") or "")
+        modified = resp.get("LastModified")
+        when = modified.timestamp() if modified is not None else (self.store_now())
+        return data, str(resp.get("ETag") or ""), when
+
+    def store_now(self) -> float:
+        """The store's time now (:mod:`ckptkeeper.storage.store_clock`): free after any request;
+        else one small listing to read the store's ``Date``."""
+        now = self.store_clock.now()
+        if now is None:
+            with self._errors("reading the store's clock", TierUnavailable):
+                self._call("list_objects_v2", Bucket=self.bucket, Prefix=self._fleet_key("clock"), MaxKeys=1)
+            now = self.store_clock.now()
+        if now is None:
+            raise TierUnavailable(f"tier {self.name!r}: the store sent no Date header: no clock to judge by")
+        return now
 
     def put_fleet_object(
         self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
@@ -76,6 +98,12 @@ class FleetObjects(S3Objects):
         except Exception as exc:
             if precondition_failed(exc):
                 return None
+            if kw and _not_implemented(exc):
+                raise ConditionalWritesUnsupported(
+                    self._redact(
+                        f"tier {self.name!r}: writing {key}: the store does not implement conditional writes ({_describe(exc)})"
+                    )
+                ) from exc
             raise StorageError(self._redact(f"tier {self.name!r}: writing {key}: {_describe(exc)}")) from exc
         return str(resp.get("ETag") or "")
 
