@@ -116,12 +116,11 @@ class Daemon(PruneJob):
         except OSError as exc:
             print(f"ckptkeeper: cannot take {lock.path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_ACTION_FAILED
-        from ckptkeeper.actions.sharedfs import NodeClash, check_node_name
+        from ckptkeeper.actions.sharedfs import NodeClash
 
         previous = self._install_signal_handlers()
         try:
-            check_node_name(self.settings, time.time())  # two keepers, one node name: refuse to start
-            return self._run_locked()
+            return self._run_locked()  # raises NodeClash: two keepers, one node name
         except NodeClash as exc:
             print(f"ckptkeeper: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -183,6 +182,11 @@ class Daemon(PruneJob):
                 return EXIT_ACTION_FAILED
             notify(f"STATUS=initial scan of {settings.hot.local_path}", env=None)
             self._start_pinger()  # a rebuild is part of the start: EXTEND_TIMEOUT_USEC covers it too
+            # Two keepers, one node name: refuse to start, before anything is done. After the
+            # probes are served: a slow first answer of a shared bucket is a live daemon starting.
+            from ckptkeeper.actions.sharedfs import check_node_name
+
+            check_node_name(settings, time.time())
             try:
                 # A corrupt index is moved aside and rebuilt from the tiers, with deletes held until
                 # every tier has been reconciled (actions.index.open_index).
