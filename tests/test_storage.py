@@ -240,7 +240,7 @@ class TestTierContract:
         backend.tier.copy_from(hot.tier, hot.ckpt_dir)  # same version: a no-op
         (hot.path(hot.ckpt_dir) / "trainer_state.json").write_text('{"global_step": 101}')
         rewritten = cataloged(hot.root, "run1", "checkpoint-100", 100)
-        with pytest.raises(StorageError, match="different version"):
+        with pytest.raises(StorageError, match="another version"):
             backend.tier.copy_from(hot.tier, rewritten)
         assert backend.tier.read_manifest("run1/checkpoint-100") == hot.ckpt_dir
 

@@ -478,7 +478,7 @@ def status(app: Context, as_json: bool) -> None:
     jobs = job_summary(app.settings)
     if as_json:
         doc = _status_doc(summary)
-        doc["jobs"] = jobs
+        doc["scheduler_jobs"] = jobs
         if shared is not None:
             doc["shared_fs"] = shared
         emit_json(doc)
