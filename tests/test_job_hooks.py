@@ -182,9 +182,9 @@ def test_job_end_fails_the_jobs_active_run_and_reaps_it(tmp_path: Path) -> None:
     status = json.loads(_hook(["--config", str(config), "status", "--json"], {}).stdout)
     assert status["scheduler_jobs"]["calls"] == 2
     # No controller here to ask (a real Slurm answers: tests/test_slurm_jobs.py): counted, not fatal.
-    assert status["jobs"]["with_errors"] == 1
-    assert status["jobs"]["last_error"].startswith("end 77: scontrol")
-    assert status["jobs"]["last_end"]["outcome"] == "failed"
+    assert status["scheduler_jobs"]["with_errors"] == 1
+    assert status["scheduler_jobs"]["last_error"].startswith("end 77: scontrol")
+    assert status["scheduler_jobs"]["last_end"]["outcome"] == "failed"
 
 
 def _wait_gone(pid: int) -> None:
