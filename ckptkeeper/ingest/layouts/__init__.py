@@ -60,7 +60,7 @@ becomes a lone surrogate, which callers must encode back with ``os.fsencode`` / 
 (SQLite's UTF-8 codec rejects lone surrogates).
 """
 
-from ckptkeeper.ingest.layouts.base import Candidate, RunScan, parse_step
+from ckptkeeper.ingest.layouts.base import Candidate, RunScan, lies_inside, parse_step
 from ckptkeeper.ingest.layouts.scan import LAYOUTS, RECOGNIZERS, is_shared_marker, recognize, scan_run
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "Candidate",
     "RunScan",
     "is_shared_marker",
+    "lies_inside",
     "parse_step",
     "recognize",
     "scan_run",

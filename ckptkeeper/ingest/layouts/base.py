@@ -15,6 +15,7 @@ import stat
 import struct
 import zipfile
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final, Protocol
@@ -146,6 +147,18 @@ def _name_metrics(stem: str) -> dict[str, float]:
         if key != "step" and math.isfinite(number):
             out[key] = number
     return out
+
+
+def has_step_keyword(stem: str) -> bool:
+    """The step in ``stem`` is spelled out (``step=40``, ``global_step40``, ``iter_100``), not
+    just a trailing number (``shard-0``, ``rank_0``, ``model-00001``)."""
+    return _STEP_KEYWORD.search(_VERSION_SUFFIX.sub("", stem)) is not None
+
+
+def lies_inside(rel: str, dirs: AbstractSet[str]) -> bool:
+    """``rel`` is strictly below one of ``dirs`` (paths relative to the run dir, ``/``-separated)."""
+    parts = rel.split("/")
+    return any("/".join(parts[:i]) in dirs for i in range(1, len(parts)))
 
 
 def _strip_ext(name: str, exts: Iterable[str]) -> str:

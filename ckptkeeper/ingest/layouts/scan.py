@@ -14,7 +14,17 @@ from typing import Final, Literal
 from ckptkeeper.core import model
 from ckptkeeper.hook.protocol import STATE_DIR
 from ckptkeeper.ingest.layouts.accelerate import _Accelerate
-from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
+from ckptkeeper.ingest.layouts.base import (
+    Candidate,
+    RunScan,
+    _Dir,
+    _Node,
+    _Recognizer,
+    _Unreadable,
+    _Verdict,
+    has_step_keyword,
+    parse_step,
+)
 from ckptkeeper.ingest.layouts.dcp import _Dcp
 from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
 from ckptkeeper.ingest.layouts.hf import _Hf
@@ -101,7 +111,7 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     if not claiming:
         return None
     step = claiming[0].step(node)
-    if step is None or step < 0:
+    if step is None or step < 0 or _part_of_step_dir(node, claiming[0].layout, step):
         return None
     problems: list[str] = []
     corrupt = False
@@ -147,6 +157,28 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         rejected=tuple(rejected),
         node_part=parts[0] if parts and problems and not unexplained and not corrupt else None,
     )
+
+
+_SINGLE_FILE_LAYOUTS: Final = frozenset({"torch", "file"})
+
+
+def _part_of_step_dir(node: _Node, layout: str, step: int) -> bool:
+    """A file a save wrote into its own step directory, not a checkpoint of its own.
+
+    Inside ``step-3/`` (below the run dir, a name with a step that no layout claims), a file whose
+    number is no spelled-out step (``shard-0.bin``, ``rank_0.pt``, ``model-00001.bin``) or is the
+    directory's own step (``model_step3.pt``) is one part of that save: cataloged alone, it was
+    a checkpoint at step 0 that the reaper deleted, breaking the save. Without the hook nothing
+    says when such a directory is complete, so it is not managed at all (never moved, never
+    reaped); the hook's commit of the directory makes it one checkpoint. Files with a step of
+    their own (``seed_1/epoch=0-step=40.ckpt``) and files directly in the run dir still count.
+    """
+    if layout not in _SINGLE_FILE_LAYOUTS or not node.is_file or node.parent.is_root:
+        return False
+    dir_step = parse_step(os.path.basename(node.parent.path))
+    if dir_step is None:
+        return False
+    return step == dir_step or not has_step_keyword(os.path.splitext(node.name)[0])
 
 
 def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
