@@ -21,7 +21,15 @@ from builders import local_tier, write_config
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from layout_fixtures import make_dcp, make_deepspeed, make_hf, make_megatron, make_orbax, torch_like_zip
+from layout_fixtures import (
+    make_dcp,
+    make_deepspeed,
+    make_hf,
+    make_megatron,
+    make_orbax,
+    make_safetensors_files,
+    torch_like_zip,
+)
 
 import ckptkeeper
 from ckptkeeper.cli import main
@@ -127,6 +135,28 @@ def test_a_hookless_step_dir_of_numbered_parts_is_never_reaped_piecemeal(tmp_pat
     code, out = _cli(config, "prune")
     assert code == 0, out
     assert _digests(run_dir) == before
+
+
+def test_numbered_files_in_a_stepless_framework_dir_are_its_parts(tmp_path: Path, torch_quiet: None) -> None:
+    """An HF ``output_dir`` holds the final weights beside its ``checkpoint-N/``: the checkpoints
+    below it still count, its own ``shard-0.bin`` / ``rank_0.pt`` never do."""
+    config = _config(tmp_path)
+    run_dir = tmp_path / "hot" / "hf-out"
+    out = run_dir / "out"
+    make_safetensors_files(out)
+    _write_parts(out)
+    for step in (5, 10):
+        make_hf(out, step)
+    _age(run_dir, 5 * HOUR)
+    before = _digests(out / "checkpoint-10")
+    outer = {p: d for p, d in _digests(out).items() if "/" not in p}
+
+    assert _cataloged(config)["hf-out"] == {"out/checkpoint-5": 5, "out/checkpoint-10": 10}
+    code, out_text = _cli(config, "prune")
+    assert code == 0, out_text
+    assert _digests(out / "checkpoint-10") == before
+    assert {p: d for p, d in _digests(out).items() if "/" not in p} == outer
+    assert not (out / "checkpoint-5").exists()  # stale run: reaped down to its newest
 
 
 def test_lightning_files_in_the_run_dir_and_a_checkpoints_dir_are_still_checkpoints(tmp_path: Path) -> None:

@@ -186,6 +186,10 @@ class _Dir:
         self.is_root = is_root
         self.mounts: frozenset[str] = frozenset()
         """On the run's root: mount points below it (relative paths), never walked."""
+        self.claimed_by: str | None = None
+        """The layout that claims this directory although its name gives no step (an HF
+        ``output_dir`` holding ``model.safetensors`` beside its ``checkpoint-N/``): walked for the
+        checkpoints below it, but its own numbered files are parts of it (``scan._part_of_dir``)."""
 
     @cached_property
     def entries(self) -> dict[str, os.stat_result]:
