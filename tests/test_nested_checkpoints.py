@@ -15,9 +15,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from builders import local_tier, write_config
+from builders import local_tier, manifest_of, s3_tier, write_config
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from layout_fixtures import (
 
 import ckptkeeper
 from ckptkeeper.cli import main
+from ckptkeeper.core.model import MANIFEST_SUFFIX
 
 HOUR = 3600.0
 NUMBERED = ("shard-0.bin", "model-00001.bin", "pytorch_model.bin", "rank_0.pt")
@@ -259,3 +261,44 @@ def test_temps_inside_the_kept_committed_dir_never_take_a_file_of_it(tmp_path: P
     assert left == {k: v for k, v in newest.items() if k in left}
     assert set(NUMBERED) | {".metadata.tmp"} <= set(left)
     assert _cataloged(config) == {"span-run": {"step-3": 3}}
+
+
+def test_a_copy_cataloged_inside_a_checkpoint_by_an_older_version_is_never_expired(
+    tmp_path: Path, s3_client: Any, s3_bucket: str, s3_reset: str
+) -> None:
+    """Older versions tiered ``step-3/shard-0.bin`` as a checkpoint of its own: its copy lies
+    inside the copy of ``step-3``. Cataloged, a cold ``keep_last = 1`` expired it (step 0) and so
+    deleted an object of the step-3 copy; now it is quarantined and every object stays."""
+    (tmp_path / "hot").mkdir()
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        daemon={"settle_seconds": "1s", "trust_mtimes": True},
+        tiers=[local_tier("hot", tmp_path / "hot"), s3_tier("cold", s3_bucket, s3_reset, keep_last=1)],
+    )
+    stage = tmp_path / "stage"
+    _step_dir(stage / "r", 3)
+    for m in (
+        manifest_of(stage, "r", 3, name="step-3", layout="committed"),
+        manifest_of(stage, "r", 0, name="step-3/shard-0.bin", layout="file"),
+    ):
+        (stage / "r" / (m.name + MANIFEST_SUFFIX)).write_text(m.to_json())
+    for path in sorted(stage.rglob("*")):
+        if path.is_file():
+            s3_client.put_object(
+                Bucket=s3_bucket, Key=f"ckpt/{path.relative_to(stage)}", Body=path.read_bytes()
+            )
+
+    def objects() -> dict[str, str]:
+        listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="ckpt/r/step-3/").get("Contents", [])
+        return {o["Key"]: o["ETag"] for o in listed}
+
+    before = objects()
+    assert len(before) == len(NUMBERED) + 1, before
+    assert _cataloged(config) == {"r": {"step-3": 3}}
+    code, out = _cli(config, "ls", "--json")
+    held = [q for q in json.loads(out)["quarantined"] if "shard-0.bin" in json.dumps(q)]
+    assert held and "lies inside checkpoint 'step-3'" in json.dumps(held), out
+    code, out = _cli(config, "prune")
+    assert code == 0, out
+    assert objects() == before
