@@ -326,6 +326,7 @@ TEST_KINDS: dict[str, str] = {
     "test_index_loss": "integration",
     "test_lineage": "integration",
     "test_mounts": "integration",
+    "test_nested_checkpoints": "integration",
     "test_node_parts": "integration",
     "test_operator_cli": "integration",
     "test_operator_ops": "integration",

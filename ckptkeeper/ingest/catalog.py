@@ -197,17 +197,12 @@ class Catalog:
         committed = {c.path: c for c in commits}
         hook = hookfiles.hook_state(run_dir, run, hot, scan)
         info = hook[0]
-        candidates = {c.name: c for c in scan.candidates}
-        for c in commits:
-            if c.path not in candidates and not any(c.path.startswith(n + "/") for n in candidates):
-                extra = hookfiles.committed_candidate(run_dir, run, c)
-                if extra is not None:
-                    candidates[extra.name] = extra
+        candidates = hookfiles.with_commits(run_dir, run, scan.candidates, commits)
 
         existing = {row.name: row for row in self.index.checkpoints(run)}
         # The run dir's own mtime is not a write by the trainer (our deletes change it too).
         newest_write = max(
-            [self._written(c) for c in scan.candidates] + [a.last_write for a in scan.artifacts],
+            [self._written(c) for c in candidates.values()] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
         managed: list[tuple[layouts.Candidate, protocol.Commit | None, NodePart | None]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
@@ -149,6 +150,31 @@ def node_part(
         count=count,
         marker_elsewhere=cand.node_part is not None,
     )
+
+
+def with_commits(
+    run_dir: Path, run: str, found: Iterable[layouts.Candidate], commits: Iterable[protocol.Commit]
+) -> dict[str, layouts.Candidate]:
+    """The run's checkpoints by name: what the layouts ``found`` and what the hook committed.
+
+    A checkpoint is atomic: nothing inside one is a checkpoint of its own. The layouts never look
+    inside a directory they recognise; a directory no layout recognises but the hook committed
+    (``run.commit("<run>/step-3", step=3)``) was walked like any other, so its ``shard-0.bin`` or
+    ``rank_0.pt`` came out as a checkpoint at step 0 that the reaper then deleted from inside the
+    committed one. Here a candidate inside a committed path is dropped, and so is a commit inside
+    a recognised checkpoint or inside another commit (it is part of that one, which it marks
+    committed: see the catalog).
+    """
+    commits = list(commits)
+    claimed = {c.path for c in commits}
+    candidates = {c.name: c for c in found if not layouts.lies_inside(c.name, claimed)}
+    for c in commits:
+        if c.path in candidates or layouts.lies_inside(c.path, claimed | candidates.keys()):
+            continue
+        extra = committed_candidate(run_dir, run, c)
+        if extra is not None:
+            candidates[extra.name] = extra
+    return candidates
 
 
 def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:

@@ -76,12 +76,25 @@ class SlowerTiers:
             for _, m, _ in listing
             if m is not None and m.node == self.settings.node and not is_scratch_run(m.run)
         )
+        names: dict[str, set[str]] = {}
+        for _, m, _ in listing:
+            if m is not None:
+                names.setdefault(m.run, set()).add(m.name)
         with self.index.transaction():
             for rel, manifest, error in listing:
                 if is_scratch_run(rel) or (manifest is not None and is_scratch_run(manifest.run)):
                     continue  # a preflight's scratch: never a user run (preflight/prune sweep it)
                 if manifest is None:
                     quarantine(rel, error or "unreadable")
+                    continue
+                outer = _outer_copy(manifest, names)
+                if outer is not None:
+                    # A checkpoint is atomic: a copy of a path inside another checkpoint (cataloged
+                    # on its own by a version that took step-3/shard-0.bin for a checkpoint) is never
+                    # managed, so never expired through a path that deletes the outer copy's files.
+                    quarantine(
+                        rel, f"lies inside checkpoint {outer!r}: never managed on its own, never deleted"
+                    )
                     continue
                 if error is not None:
                     # A manifest over missing or changed data is no copy: recorded as damaged (so
@@ -163,6 +176,14 @@ class SlowerTiers:
             self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
         else:
             self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
+
+
+def _outer_copy(manifest: Manifest, names: dict[str, set[str]]) -> str | None:
+    """The checkpoint of the same run (``names``: run -> names listed) that ``manifest``'s copy
+    lies inside, or None."""
+    parts = manifest.name.split("/")
+    run_names = names.get(manifest.run, set())
+    return next((o for i in range(1, len(parts)) if (o := "/".join(parts[:i])) in run_names), None)
 
 
 def _scrub_found_bad(known: tuple[int, str] | None, manifest: Manifest, row: CheckpointRow | None) -> bool:

@@ -25,7 +25,14 @@ Where checkpoints are looked for
 --------------------------------
 ``scan_run`` walks the run directory top-down (``os.scandir``, ``lstat``) and stops descending
 at the first recognized checkpoint, so ``checkpoint-100/global_step100/`` (HF + DeepSpeed) is one HF
-checkpoint. Skipped entirely: symlinks (``last.ckpt`` links included), ``.ckptkeeper/`` (the
+checkpoint: a checkpoint is atomic, nothing inside it is a checkpoint of its own. A directory no
+layout claims with a step is walked, but a numbered file in one whose name carries a step
+(``step-3/shard-0.bin``, ``step-3/rank_0.pt``, ``step-3/model-00001.bin``,
+``step-3/model_step3.pt``) or that a layout claims without one (``final/`` holding
+``model.safetensors``) is a part of that save, never a checkpoint at step 0
+(``scan._part_of_dir``). The hook's commit of ``step-3`` makes the directory one checkpoint, and
+the catalog drops whatever the scan found inside a committed path (``hookfiles.with_commits``).
+Skipped entirely: symlinks (``last.ckpt`` links included), ``.ckptkeeper/`` (the
 hook's control dir), Megatron ``non_persistent/`` dirs, other filesystems (mount points), and
 anything that is neither a regular file nor a directory.
 
@@ -60,7 +67,7 @@ becomes a lone surrogate, which callers must encode back with ``os.fsencode`` / 
 (SQLite's UTF-8 codec rejects lone surrogates).
 """
 
-from ckptkeeper.ingest.layouts.base import Candidate, RunScan, parse_step
+from ckptkeeper.ingest.layouts.base import Candidate, RunScan, lies_inside, parse_step
 from ckptkeeper.ingest.layouts.scan import LAYOUTS, RECOGNIZERS, is_shared_marker, recognize, scan_run
 
 __all__ = [
@@ -69,6 +76,7 @@ __all__ = [
     "Candidate",
     "RunScan",
     "is_shared_marker",
+    "lies_inside",
     "parse_step",
     "recognize",
     "scan_run",

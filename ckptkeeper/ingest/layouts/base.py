@@ -15,6 +15,7 @@ import stat
 import struct
 import zipfile
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final, Protocol
@@ -148,6 +149,18 @@ def _name_metrics(stem: str) -> dict[str, float]:
     return out
 
 
+def has_step_keyword(stem: str) -> bool:
+    """The step in ``stem`` is spelled out (``step=40``, ``global_step40``, ``iter_100``), not
+    just a trailing number (``shard-0``, ``rank_0``, ``model-00001``)."""
+    return _STEP_KEYWORD.search(_VERSION_SUFFIX.sub("", stem)) is not None
+
+
+def lies_inside(rel: str, dirs: AbstractSet[str]) -> bool:
+    """``rel`` is strictly below one of ``dirs`` (paths relative to the run dir, ``/``-separated)."""
+    parts = rel.split("/")
+    return any("/".join(parts[:i]) in dirs for i in range(1, len(parts)))
+
+
 def _strip_ext(name: str, exts: Iterable[str]) -> str:
     for ext in exts:
         if name.endswith(ext) and len(name) > len(ext):
@@ -173,6 +186,10 @@ class _Dir:
         self.is_root = is_root
         self.mounts: frozenset[str] = frozenset()
         """On the run's root: mount points below it (relative paths), never walked."""
+        self.claimed_by: str | None = None
+        """The layout that claims this directory although its name gives no step (an HF
+        ``output_dir`` holding ``model.safetensors`` beside its ``checkpoint-N/``): walked for the
+        checkpoints below it, but its own numbered files are parts of it (``scan._part_of_dir``)."""
 
     @cached_property
     def entries(self) -> dict[str, os.stat_result]:

@@ -14,7 +14,17 @@ from typing import Final, Literal
 from ckptkeeper.core import model
 from ckptkeeper.hook.protocol import STATE_DIR
 from ckptkeeper.ingest.layouts.accelerate import _Accelerate
-from ckptkeeper.ingest.layouts.base import Candidate, RunScan, _Dir, _Node, _Recognizer, _Unreadable, _Verdict
+from ckptkeeper.ingest.layouts.base import (
+    Candidate,
+    RunScan,
+    _Dir,
+    _Node,
+    _Recognizer,
+    _Unreadable,
+    _Verdict,
+    has_step_keyword,
+    parse_step,
+)
 from ckptkeeper.ingest.layouts.dcp import _Dcp
 from ckptkeeper.ingest.layouts.deepspeed import DS_LATEST, _DeepSpeed
 from ckptkeeper.ingest.layouts.hf import _Hf
@@ -101,7 +111,9 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
     if not claiming:
         return None
     step = claiming[0].step(node)
-    if step is None or step < 0:
+    if step is None and node.is_dir:
+        node.children.claimed_by = claiming[0].layout
+    if step is None or step < 0 or _part_of_dir(node, claiming[0].layout, step):
         return None
     problems: list[str] = []
     corrupt = False
@@ -147,6 +159,31 @@ def _candidate(node: _Node, run: str) -> Candidate | None:
         rejected=tuple(rejected),
         node_part=parts[0] if parts and problems and not unexplained and not corrupt else None,
     )
+
+
+_SINGLE_FILE_LAYOUTS: Final = frozenset({"torch", "file"})
+
+
+def _part_of_dir(node: _Node, layout: str, step: int) -> bool:
+    """A file a save wrote into its own directory, not a checkpoint of its own.
+
+    Inside a directory below the run dir whose name carries a step (``step-3/``, no layout
+    claims it) or that a layout claims without a step (``final/`` holding ``model.safetensors``),
+    a file whose number is no spelled-out step (``shard-0.bin``, ``rank_0.pt``, ``model-00001.bin``)
+    or is the directory's own step (``step-3/model_step3.pt``) is one part of that save: cataloged
+    alone, it was a checkpoint at step 0 that the reaper deleted, breaking the save. Without the
+    hook nothing says when such a directory is complete, so it is not managed at all (never moved,
+    never reaped); the hook's commit of the directory makes it one checkpoint. Files with a step
+    of their own (``seed_1/epoch=0-step=40.ckpt``) and files directly in the run dir still count.
+    """
+    directory = node.parent
+    if layout not in _SINGLE_FILE_LAYOUTS or not node.is_file or directory.is_root:
+        return False
+    dir_step = parse_step(os.path.basename(directory.path))
+    if step == dir_step:
+        return True
+    numbered = not has_step_keyword(os.path.splitext(node.name)[0])
+    return numbered and (dir_step is not None or directory.claimed_by is not None)
 
 
 def _safe_check(recognizer: _Recognizer, node: _Node) -> _Verdict:
