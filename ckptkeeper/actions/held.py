@@ -26,7 +26,9 @@ HELD_POLICY_SUFFIX = ".policy-held"
 
 
 @dataclass(frozen=True, slots=True)
-class TierHeld:
+class TierUnavailable:
+    """A tier whose listing failed (unknown, never empty), and how much of the policy waits on it."""
+
     tier: str
     error: str
     """Why the tier is unavailable (its last listing's error)."""
@@ -39,7 +41,9 @@ class TierHeld:
         return f"{self.tier} unavailable ({self.error}); {self.checkpoints} checkpoint(s) wait on it"
 
 
-def held_by_tiers(plan: Plan, snapshot: Snapshot, statuses: Mapping[str, TierStatus]) -> dict[str, TierHeld]:
+def held_by_tiers(
+    plan: Plan, snapshot: Snapshot, statuses: Mapping[str, TierStatus]
+) -> dict[str, TierUnavailable]:
     """Unavailable tiers that held back part of ``plan``, with how many checkpoints each held.
 
     A complete checkpoint is held when, once the plan's copies and deletes are done, its copies
@@ -75,10 +79,10 @@ def held_by_tiers(plan: Plan, snapshot: Snapshot, statuses: Mapping[str, TierSta
         if after != wanted:
             for tier in blocking:
                 counts[tier] = counts.get(tier, 0) + 1
-    out: dict[str, TierHeld] = {}
+    out: dict[str, TierUnavailable] = {}
     for tier, n in sorted(counts.items()):
         st = statuses.get(tier)
-        out[tier] = TierHeld(tier, (st.error if st is not None else None) or "never listed", n)
+        out[tier] = TierUnavailable(tier, (st.error if st is not None else None) or "never listed", n)
     return out
 
 
@@ -87,7 +91,9 @@ def policy_held_path(settings: Settings) -> Path:
     return index.with_name(index.name + HELD_POLICY_SUFFIX)
 
 
-def record_policy_held(settings: Settings, held: Mapping[str, TierHeld], *, now: float | None = None) -> None:
+def record_policy_held(
+    settings: Settings, held: Mapping[str, TierUnavailable], *, now: float | None = None
+) -> None:
     """Write (atomically) or clear the record of what the last pass held."""
     path = policy_held_path(settings)
     if not held:
@@ -111,13 +117,13 @@ def record_policy_held(settings: Settings, held: Mapping[str, TierHeld], *, now:
     tmp.replace(path)
 
 
-def read_policy_held(settings: Settings) -> dict[str, TierHeld]:
+def read_policy_held(settings: Settings) -> dict[str, TierUnavailable]:
     """What the last non-dry pass held, per tier ({} when nothing, or unreadable: it is advisory)."""
     try:
         doc = json.loads(policy_held_path(settings).read_text())
         tiers = doc["tiers"]
         return {
-            str(name): TierHeld(
+            str(name): TierUnavailable(
                 str(name), str(t.get("error") or ""), int(t.get("checkpoints") or 0), float(t["since"])
             )
             for name, t in tiers.items()

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkeeper.actions.held import TierHeld, read_policy_held
+from ckptkeeper.actions.held import TierUnavailable, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core import cost
@@ -64,7 +64,7 @@ class StatusSummary:
     """Run -> tier -> monthly storage cost, from the same copies as ``cost_per_month``."""
     warnings: tuple[str, ...] = ()
     """``"<run>: <why>"`` for runs the catalog flagged (a hook that should be there and is not)."""
-    policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
+    policy_held: Mapping[str, TierUnavailable] = field(default_factory=dict)
     """Unavailable tiers that held back the last retention pass (copies to them, deletes that
     depend on them), per tier."""
     damaged: int = 0

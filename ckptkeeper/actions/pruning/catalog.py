@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptkeeper.actions.index import read_hold
+from ckptkeeper.actions.index import read_freeze
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.ingest.catalog import Catalog
@@ -74,7 +74,7 @@ class WatcherSync(CatalogStep):
         """Runs the sync reconciled (for the log)."""
 
     def catalog(self, state: PassState) -> None:
-        if _deletes_held(state):
+        if _deletes_frozen(state):
             report = self.watcher.reconcile_all()  # a rebuilt index waits on full listings of every tier
             self.hot_reconcile = "full"
         else:
@@ -111,8 +111,8 @@ class WatcherSync(CatalogStep):
                 self.watcher.catalog.reconcile_tier(tier.name)
 
 
-def _deletes_held(state: PassState) -> bool:
+def _deletes_frozen(state: PassState) -> bool:
     try:
-        return read_hold(state.settings) is not None
+        return read_freeze(state.settings) is not None
     except Exception:
         return True  # cannot tell: the full reconcile is the safe choice

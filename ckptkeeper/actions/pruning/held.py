@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckptkeeper.actions.held import TierHeld, held_by_tiers, record_policy_held
+from ckptkeeper.actions.held import TierUnavailable, held_by_tiers, record_policy_held
 from ckptkeeper.actions.pruning.planning import one_per_step
 from ckptkeeper.actions.pruning.state import Participant, PassState
 from ckptkeeper.core.model import Plan
@@ -37,7 +37,7 @@ class PolicyHeld(Participant):
         return []
 
 
-def _held(state: PassState, plan: Plan) -> dict[str, TierHeld]:
+def _held(state: PassState, plan: Plan) -> dict[str, TierUnavailable]:
     """What unavailable tiers held back (cheap when every tier is available: no second snapshot)."""
     names = [t.name for t in state.settings.tiers]
     statuses = state.index.tier_statuses()

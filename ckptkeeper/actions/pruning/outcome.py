@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_OK, EXIT_POLICY_HELD, EXIT_REFUSED
-from ckptkeeper.actions.held import TierHeld
+from ckptkeeper.actions.held import TierUnavailable
 from ckptkeeper.core.model import Plan
 from ckptkeeper.executor import ExecResult
 
@@ -24,7 +24,7 @@ class PruneOutcome:
     failed: list[str] = field(default_factory=list)
     reclaimed_bytes: int = 0
     dry_run: bool = False
-    held: dict[str, TierHeld] = field(default_factory=dict)
+    held: dict[str, TierUnavailable] = field(default_factory=dict)
     """Unavailable tiers that held back part of the policy (exit :data:`EXIT_POLICY_HELD`)."""
     damaged: dict[str, str] = field(default_factory=dict)
     """``tier:path`` -> problem, for each copy the reconcile found damaged (copied again)."""
@@ -33,7 +33,7 @@ class PruneOutcome:
     lease holder, adopted (or, in a dry run, would adopt) in a shared tier."""
 
 
-def exit_code(failed: Sequence[str], held: dict[str, TierHeld], plan: Plan) -> int:
+def exit_code(failed: Sequence[str], held: dict[str, TierUnavailable], plan: Plan) -> int:
     """The worst of: an action failed (1), an unavailable tier held the policy back (4), a guard
     refused (3); else 0."""
     if failed:

@@ -19,7 +19,7 @@ from ckptkeeper.core.model import Action, Plan, Snapshot
 from ckptkeeper.index import Index
 
 if TYPE_CHECKING:
-    from ckptkeeper.actions.held import TierHeld
+    from ckptkeeper.actions.held import TierUnavailable
     from ckptkeeper.executor import ExecResult
     from ckptkeeper.ingest.catalog import Catalog
     from ckptkeeper.ingest.report import ReconcileReport
@@ -56,7 +56,7 @@ class PassState:
     """Plans ``snapshot`` again with this pass's policy and clock (the plan phase sets it)."""
     result: ExecResult | None = None
     """What the executor did (None: a dry run)."""
-    held: dict[str, TierHeld] = field(default_factory=dict)
+    held: dict[str, TierUnavailable] = field(default_factory=dict)
     adopted: list[Any] = field(default_factory=list)
     """:class:`ckptkeeper.fleet.adopt.Adoption` per gone node whose copies this node adopted (or,
     in a dry run, would adopt) in a shared tier."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckptkeeper.actions.pruning.state import Participant, PassState
-from ckptkeeper.actions.versions import hold_parts_in_plan, version_pins
+from ckptkeeper.actions.versions import keep_whole_versions, version_pins
 from ckptkeeper.core.model import Plan
 from ckptkeeper.core.versions import pin_parts, version_pin_reasons
 
@@ -28,4 +28,4 @@ class VersionParts(Participant):
         if "retention" not in state.kinds:
             return plan  # a reap-only pass deletes no part
         assert state.snapshot is not None
-        return hold_parts_in_plan(state.settings, plan, state.snapshot)
+        return keep_whole_versions(state.settings, plan, state.snapshot)
