@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from ckptkeeper import __version__
-from ckptkeeper.cli import daemon, demo, fleet, inspect, preflight, prune, restore, scrub, undo
+from ckptkeeper.cli import daemon, demo, fleet, ls, pin, preflight, prune, restore, scan, scrub, status, undo
 from ckptkeeper.cli.context import Context
 
 
@@ -29,6 +29,6 @@ def main(ctx: click.Context, config_path: str | None) -> None:
     ctx.obj = Context(config_path)
 
 
-for _module in (inspect, prune, preflight, restore, scrub, undo, fleet, daemon, demo):
+for _module in (scan, ls, status, pin, prune, preflight, restore, scrub, undo, fleet, daemon, demo):
     for _command in _module.COMMANDS:
         main.add_command(_command)

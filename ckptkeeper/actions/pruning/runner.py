@@ -158,6 +158,7 @@ class PrunePass:
 
     def _outcome(self, plan: Plan) -> PruneOutcome:
         s, result = self.state, self.state.result
+        prices = {t.name: t.cost_per_gib_month for t in s.settings.tiers}
         if result is None:
             return PruneOutcome(
                 plan=plan,
@@ -167,6 +168,7 @@ class PrunePass:
                 held=s.held,
                 damaged=s.damaged,
                 adopted=s.adopted,
+                prices=prices,
             )
         failed = [
             f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
@@ -181,4 +183,5 @@ class PrunePass:
             held=s.held,
             damaged=s.damaged,
             adopted=s.adopted,
+            prices=prices,
         )
