@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 
 from ckptkeeper.actions.pruning.state import Participant, PassState
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.core import planner
-from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot
+from ckptkeeper.core.model import ActionKind, Checkpoint, CheckpointState, Plan, Snapshot, TierSpec, TierUsage
 from ckptkeeper.fleet.sharedfs import owned_by_the_tier
 from ckptkeeper.util.gc import gc_paused
 
@@ -44,33 +45,18 @@ def plan_phase(state: PassState, participants: Sequence[Participant]) -> Plan:
     """The planner's plan of this node's catalog as of ``state.observed``, as the participants
     amend it; a reap-only pass (the daemon's reap job) keeps only the reaps."""
     settings = state.settings
-    specs = settings.tier_specs()
     usage = tier_usage(settings)
-
-    def replan(snapshot: Snapshot) -> Plan:
-        # The snapshot allocates a few objects per checkpoint and the plan millions for a big
-        # catalog, none in cycles: one pause over both (100k hookless checkpoints: 1.17 -> 0.88 CPU-s).
-        with gc_paused():
-            return planner.plan(
-                snapshot,
-                specs,
-                usage,
-                state.observed,
-                reaper=settings.reaper.to_policy() if "reap" in state.kinds else None,
-                max_delete=settings.max_delete,
-                force=state.force,
-                run=state.run,
-            )
-
+    # The snapshot allocates a few objects per checkpoint and the plan millions for a big
+    # catalog, none in cycles: one pause over both (100k hookless checkpoints: 1.17 -> 0.88 CPU-s).
     with gc_paused():
         snapshot, shared_steps = one_per_step(
-            state.index.snapshot([t.name for t in specs], node=settings.node)
+            state.index.snapshot([t.name for t in settings.tiers], node=settings.node)
         )
         state.snapshot = owned_by_the_tier(
             snapshot, {t.name for t in settings.tiers if t.shared and t.is_local}
         )
-        state.replan = replan
-        plan = replan(state.snapshot)
+        state.replan = functools.partial(_plan, state, settings.tier_specs(), usage)
+        plan = state.replan(state.snapshot)
     for p in participants:
         plan = p.plan(state, plan)
     if shared_steps:
@@ -80,6 +66,24 @@ def plan_phase(state: PassState, participants: Sequence[Participant]) -> Plan:
         reaps = tuple(a for a in plan.actions if a.action in (ActionKind.REAP, ActionKind.PURGE))
         plan = dataclasses.replace(plan, actions=reaps)
     return plan
+
+
+def _plan(
+    state: PassState, specs: Sequence[TierSpec], usage: Mapping[str, TierUsage | None], snapshot: Snapshot
+) -> Plan:
+    """The planner over ``snapshot``, with this pass's policy and clock."""
+    settings = state.settings
+    with gc_paused():
+        return planner.plan(
+            snapshot,
+            specs,
+            usage,
+            state.observed,
+            reaper=settings.reaper.to_policy() if "reap" in state.kinds else None,
+            max_delete=settings.max_delete,
+            force=state.force,
+            run=state.run,
+        )
 
 
 def restrict_phase(state: PassState, participants: Sequence[Participant], plan: Plan) -> Plan:
