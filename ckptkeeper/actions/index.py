@@ -6,8 +6,8 @@ file was deleted or replaced under it (:meth:`Index.identity_problem`, checked b
 every write) reopens the path and rebuilds too (:func:`reopen_after_loss`). Pins are read back from
 the pin objects in the slower tiers (``actions.pins``); what only the index knew — the journal —
 is lost with it, so deletes are frozen (a :class:`DeleteFreeze`, in ``<index>.deletes-held``) until
-every tier has been reconciled again. The freeze is written here, applied to each prune plan
-(:func:`apply_freeze`) and advanced or released after each pass (:func:`advance_freeze`).
+every tier has been reconciled again. The freeze is written here; each prune pass applies it to its
+plan, and advances or releases it afterwards (:mod:`ckptkeeper.actions.pruning.freeze`).
 :func:`executor_lock` serialises everything that changes the tiers or rebuilds the index.
 """
 
@@ -18,7 +18,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,6 @@ from typing import Any
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 from ckptkeeper.index import Index, IndexCorrupt
 from ckptkeeper.ingest.catalog import Catalog
@@ -407,61 +406,3 @@ def _salvage_pins(aside: Path) -> list[tuple[str, int]] | None:
     except sqlite3.Error:
         return None
     return [(str(r), int(s)) for r, s in rows]
-
-
-def apply_freeze(plan: Plan, freeze: DeleteFreeze, force: bool) -> Plan:
-    """After a rebuild: the first pass only copies (copies add safety); later passes also move
-    (a move deletes a source only once its new copy is verified), but while the pins are unknown
-    nothing that destroys a last copy — an expiry, a reap — runs until ``--force``."""
-    if not freeze.first_pass_done:
-        kept = tuple(a for a in plan.actions if a.action is ActionKind.COPY)
-        why = f"deletes held for the first pass after the index was rebuilt: {freeze.reason}"
-    elif not freeze.pins_salvaged and not force:
-        kept = tuple(
-            a
-            for a in plan.actions
-            if a.action is ActionKind.COPY or (a.action is ActionKind.DELETE and a.rule != "expired")
-        )
-        why = (
-            "expiries and reaps held: the index was rebuilt without its pins; re-pin what must be kept, "
-            "then run `ckptkeeper prune --force`"
-        )
-    else:
-        return plan
-    if len(kept) == len(plan.actions):
-        return dataclasses.replace(plan, notes=(*plan.notes, why))
-    log.warning("destructive actions held", held=len(plan.actions) - len(kept), reason=why)
-    return dataclasses.replace(
-        plan,
-        actions=kept,
-        refused=f"{plan.refused}; {why}" if plan.refused else why,
-        reclaim_bytes=dict.fromkeys(plan.reclaim_bytes, 0),
-    )
-
-
-def advance_freeze(
-    settings: Settings, index: Index, freeze: DeleteFreeze, kinds: Sequence[str], force: bool
-) -> None:
-    """Advance the freeze: the first pass with retention that listed every tier ends phase one."""
-    if not freeze.first_pass_done:
-        statuses = index.tier_statuses()
-        failing = [t.name for t in settings.tiers if not (statuses.get(t.name) and statuses[t.name].ok)]
-        if "retention" not in kinds or failing:
-            if failing:
-                log.warning("deletes stay held: tiers not listed since the rebuild", tiers=failing)
-            return
-        # Every slower tier has now been listed, pin objects included: the pins are known again.
-        if freeze.pins_salvaged or len(settings.tiers) > 1:
-            deletes_held_path(settings).unlink(missing_ok=True)
-            log.warning(
-                "every tier reconciled since the index was rebuilt: deletes resume from the next pass"
-            )
-        else:
-            write_freeze(settings, dataclasses.replace(freeze, first_pass_done=True))
-            log.error(
-                "every tier reconciled since the index was rebuilt; moves resume, expiries and reaps stay "
-                "held until `ckptkeeper prune --force` (the pins were lost with the index)"
-            )
-    elif force:
-        deletes_held_path(settings).unlink(missing_ok=True)
-        log.warning("expiries and reaps released by --force")
