@@ -10,6 +10,7 @@ the pass adds to the plan (the ``before`` notes last: the plan does not exist wh
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ class PassState:
     force: bool = False
     run: str | None = None
     kinds: tuple[str, ...] = ("retention", "reap")
-    clock: Callable[[], float] = field(default=lambda: 0.0)
+    clock: Callable[[], float] = time.time
     stop: threading.Event | None = None
     observed: float = 0.0
     """When the catalog began looking: the plan judges ages at this moment, not when the catalog
