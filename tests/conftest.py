@@ -332,6 +332,7 @@ TEST_KINDS: dict[str, str] = {
     "test_operator_ops": "integration",
     "test_policy_held": "integration",
     "test_preflight": "integration",
+    "test_prune_pass": "integration",
     "test_s3_concurrent_puts": "integration",
     "test_s3_landed": "integration",
     "test_scan_cli": "integration",

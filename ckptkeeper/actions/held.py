@@ -1,5 +1,5 @@
-"""What the policy could not do because a tier was unavailable, kept between passes for ``status``
-and the metrics.
+"""What the policy could not do because a tier was unavailable, as the last pass recorded it
+(:mod:`ckptkeeper.actions.pruning.held` computes and records it) for ``status`` and the metrics.
 
 A tier whose listing failed is unknown, never empty: copies to it and deletes that depend on it
 are held (the planner's keep reasons say ``held: …`` / ``waiting: …`` where they can). ``prune`` then exits
@@ -12,21 +12,18 @@ beside the index, like ``.deletes-held``: no schema change, and readable by a re
 from __future__ import annotations
 
 import json
-import os
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import ActionKind, CheckpointState, Plan, Snapshot
-from ckptkeeper.index import TierStatus
 
 HELD_POLICY_SUFFIX = ".policy-held"
 
 
 @dataclass(frozen=True, slots=True)
-class TierHeld:
+class TierUnavailable:
+    """A tier whose listing failed (unknown, never empty), and how much of the policy waits on it."""
+
     tier: str
     error: str
     """Why the tier is unavailable (its last listing's error)."""
@@ -39,85 +36,18 @@ class TierHeld:
         return f"{self.tier} unavailable ({self.error}); {self.checkpoints} checkpoint(s) wait on it"
 
 
-def held_by_tiers(plan: Plan, snapshot: Snapshot, statuses: Mapping[str, TierStatus]) -> dict[str, TierHeld]:
-    """Unavailable tiers that held back part of ``plan``, with how many checkpoints each held.
-
-    A complete checkpoint is held when, once the plan's copies and deletes are done, its copies
-    would still not be where the plan keeps it, and an unknown tier is involved (it holds a copy,
-    or the plan keeps it there): a copy to that tier waits, or a delete that depends on it (a move,
-    an expiry) does not happen. Computed from the plan and the snapshot it was made from, so the
-    planner needs no extra output; only called when some tier is unknown.
-    """
-    unknown = snapshot.unknown_tiers
-    if not unknown:
-        return {}
-    kept: dict[tuple[str, int], set[str]] = {}
-    for keep in plan.keep:
-        kept.setdefault((keep.run, keep.step), set()).add(keep.tier)
-    added: dict[tuple[str | None, int | None], set[str]] = {}
-    removed: dict[tuple[str | None, int | None], set[str]] = {}
-    for action in plan.actions:
-        key = (action.run, action.step)
-        if action.action is ActionKind.COPY and action.to_tier:
-            added.setdefault(key, set()).add(action.to_tier)
-        elif action.tier:
-            removed.setdefault(key, set()).add(action.tier)
-    counts: dict[str, int] = {}
-    for c in snapshot.checkpoints:
-        if c.state is not CheckpointState.COMPLETE:
-            continue
-        key = (c.run, c.step)
-        wanted = kept.get(key, set())
-        blocking = (set(c.tiers) | wanted) & unknown
-        if not blocking:
-            continue
-        after = (set(c.tiers) | added.get(key, set())) - removed.get(key, set())
-        if after != wanted:
-            for tier in blocking:
-                counts[tier] = counts.get(tier, 0) + 1
-    out: dict[str, TierHeld] = {}
-    for tier, n in sorted(counts.items()):
-        st = statuses.get(tier)
-        out[tier] = TierHeld(tier, (st.error if st is not None else None) or "never listed", n)
-    return out
-
-
 def policy_held_path(settings: Settings) -> Path:
     index = Path(settings.index)
     return index.with_name(index.name + HELD_POLICY_SUFFIX)
 
 
-def record_policy_held(settings: Settings, held: Mapping[str, TierHeld], *, now: float | None = None) -> None:
-    """Write (atomically) or clear the record of what the last pass held."""
-    path = policy_held_path(settings)
-    if not held:
-        path.unlink(missing_ok=True)
-        return
-    previous = read_policy_held(settings)
-    at = time.time() if now is None else now
-    doc = {
-        "tiers": {
-            t.tier: {
-                "error": t.error,
-                "checkpoints": t.checkpoints,
-                "since": previous[t.tier].since if t.tier in previous else at,
-            }
-            for t in held.values()
-        },
-        "at": at,
-    }
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
-
-
-def read_policy_held(settings: Settings) -> dict[str, TierHeld]:
+def read_policy_held(settings: Settings) -> dict[str, TierUnavailable]:
     """What the last non-dry pass held, per tier ({} when nothing, or unreadable: it is advisory)."""
     try:
         doc = json.loads(policy_held_path(settings).read_text())
         tiers = doc["tiers"]
         return {
-            str(name): TierHeld(
+            str(name): TierUnavailable(
                 str(name), str(t.get("error") or ""), int(t.get("checkpoints") or 0), float(t["since"])
             )
             for name, t in tiers.items()

@@ -5,9 +5,9 @@ one (``rm index.db*``) is rebuilt the same way when the tiers hold copies, and a
 file was deleted or replaced under it (:meth:`Index.identity_problem`, checked before every pass and
 every write) reopens the path and rebuilds too (:func:`reopen_after_loss`). Pins are read back from
 the pin objects in the slower tiers (``actions.pins``); what only the index knew — the journal —
-is lost with it, so deletes are held (``<index>.deletes-held``) until every tier has been
-reconciled again. The hold is written here, applied to each prune plan
-(:func:`apply_hold`) and advanced or released after each pass (:func:`after_held_pass`).
+is lost with it, so deletes are frozen (a :class:`DeleteFreeze`, in ``<index>.deletes-held``) until
+every tier has been reconciled again. The freeze is written here; each prune pass applies it to its
+plan, and advances or releases it afterwards (:mod:`ckptkeeper.actions.pruning.freeze`).
 :func:`executor_lock` serialises everything that changes the tiers or rebuilds the index.
 """
 
@@ -18,14 +18,14 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
-from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 from ckptkeeper.index import Index, IndexCorrupt, salvage_history
 from ckptkeeper.ingest.catalog import Catalog
@@ -50,16 +50,46 @@ def executor_lock(settings: Settings, timeout: float) -> Iterator[None]:
         lock.release()
 
 
-HELD_SUFFIX = ".deletes-held"
+FREEZE_SUFFIX = ".deletes-held"
+
+
+@dataclass(frozen=True)
+class DeleteFreeze:
+    """Deletes frozen after an index loss: the first pass only copies; then, while the pins are
+    unknown (not salvaged, nor read back from the tiers), no expiry or reap runs until ``--force``."""
+
+    reason: str
+    pins_salvaged: bool = False
+    first_pass_done: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "pins_salvaged": self.pins_salvaged,
+            "first_pass_done": self.first_pass_done,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> DeleteFreeze:
+        return cls(str(doc.get("reason")), bool(doc.get("pins_salvaged")), bool(doc.get("first_pass_done")))
+
+    def describe(self) -> str:
+        """What is frozen and why (``status``)."""
+        if not self.first_pass_done:
+            return f"every delete and reap, for one prune pass: {self.reason}"
+        return (
+            f"expiries and reaps (moves go on): {self.reason}; the index was rebuilt without its "
+            "pins: re-pin what must be kept, then run `ckptkeeper prune --force`"
+        )
 
 
 def deletes_held_path(settings: Settings) -> Path:
     index = Path(settings.index)
-    return index.with_name(index.name + HELD_SUFFIX)
+    return index.with_name(index.name + FREEZE_SUFFIX)
 
 
-def read_hold(settings: Settings) -> dict[str, Any] | None:
-    """The hold a rebuild left (``reason``, ``pins_salvaged``, ``first_pass_done``), or None."""
+def read_freeze(settings: Settings) -> DeleteFreeze | None:
+    """The freeze a rebuild left, or None."""
     try:
         text = deletes_held_path(settings).read_text()
     except FileNotFoundError:
@@ -67,30 +97,22 @@ def read_hold(settings: Settings) -> dict[str, Any] | None:
     try:
         doc = json.loads(text)
         if isinstance(doc, dict):
-            return doc
+            return DeleteFreeze.from_json(doc)
     except ValueError:
         pass
-    # unreadable: the strictest hold
-    return {"reason": text.strip() or "index rebuilt", "pins_salvaged": False, "first_pass_done": False}
+    return DeleteFreeze(text.strip() or "index rebuilt")  # unreadable: the strictest freeze
 
 
 def deletes_held(settings: Settings) -> str | None:
-    """What is held and why (for ``status``), or None."""
-    hold = read_hold(settings)
-    if hold is None:
-        return None
-    if not hold.get("first_pass_done"):
-        return f"every delete and reap, for one prune pass: {hold.get('reason')}"
-    return (
-        f"expiries and reaps (moves go on): {hold.get('reason')}; the index was rebuilt without its "
-        "pins: re-pin what must be kept, then run `ckptkeeper prune --force`"
-    )
+    """What is frozen and why (``status``'s ``deletes_held``), or None."""
+    freeze = read_freeze(settings)
+    return None if freeze is None else freeze.describe()
 
 
-def write_hold(settings: Settings, doc: dict[str, Any]) -> None:
+def write_freeze(settings: Settings, freeze: DeleteFreeze) -> None:
     held = deletes_held_path(settings)
     tmp = held.with_name(held.name + ".tmp")
-    tmp.write_text(json.dumps(doc) + "\n")
+    tmp.write_text(json.dumps(freeze.to_json()) + "\n")
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, held)
@@ -118,7 +140,7 @@ def open_index(settings: Settings, *, check: bool = False, rebuild: bool = False
     scanned and every slower tier listed through the manifests beside its copies. What only the
     index knew is lost with it — pins (salvaged from the damaged file when it still reads), the
     journal — so deletes are then held (``<index>.deletes-held``): the first prune after a rebuild
-    copies but deletes and reaps nothing, and releases the hold once a reconcile listed every
+    copies but deletes and reaps nothing, and releases the freeze once a reconcile listed every
     tier. Without ``rebuild`` a corrupt index raises :class:`IndexUnusable`.
     """
     if not _index_exists(settings):
@@ -158,9 +180,9 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     path = Path(settings.index)
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
     reason = f"index rebuilt from the tiers at {time.strftime('%Y-%m-%d %H:%M:%S')} ({problem})"
-    # The hold first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
-    hold = {"reason": reason, "pins_salvaged": False, "first_pass_done": False}
-    write_hold(settings, hold)
+    # The freeze first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
+    freeze = DeleteFreeze(reason)
+    write_freeze(settings, freeze)
     for suffix in ("", "-wal", "-shm"):
         src = Path(str(path) + suffix)
         if src.exists():
@@ -184,9 +206,9 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     in_tiers = _pins_read_from_tiers(settings, report) or (pins is None and recorded is not None)
     # Relaxed only once every pin is back in the index — salvaged from the damaged file, or read
     # from the pin objects of every slower tier: a crash before this, or a pinned checkpoint in a
-    # tier that could not be listed, keeps the strict hold.
+    # tier that could not be listed, keeps the strict freeze.
     if (pins is not None and restored == len(wanted)) or in_tiers:
-        write_hold(settings, {**hold, "pins_salvaged": True})
+        write_freeze(settings, dataclasses.replace(freeze, pins_salvaged=True))
     log.warning(
         "index rebuilt from the tiers",
         checkpoints=len(ix.checkpoints()),
@@ -289,23 +311,22 @@ def _tiers_hold_copies(catalog: Catalog) -> bool:
     return any(catalog.own_copies.values())
 
 
-def hold_after_loss(settings: Settings, catalog: Catalog, report: ReconcileReport) -> dict[str, Any] | None:
-    """The hold a real run would write for a missing index, for a dry run that must not write it:
+def freeze_after_loss(settings: Settings, catalog: Catalog, report: ReconcileReport) -> DeleteFreeze | None:
+    """The freeze a real run would write for a missing index, for a dry run that must not write it:
     ``catalog`` reconciled a stand-in (in-memory) index. None when the index exists, or when
-    rebuilding it would hold nothing (a first start, every tier listed)."""
+    rebuilding it would freeze nothing (a first start, every tier listed)."""
     if _index_exists(settings) or (not report.tiers_failed and not _index_existed(settings, catalog)):
         return None
-    return {
-        "reason": f"index {settings.index} is missing: a real run rebuilds it from the tiers",
-        "pins_salvaged": _pins_read_from_tiers(settings, report) or read_index_record(settings) is not None,
-        "first_pass_done": False,
-    }
+    return DeleteFreeze(
+        f"index {settings.index} is missing: a real run rebuilds it from the tiers",
+        pins_salvaged=_pins_read_from_tiers(settings, report) or read_index_record(settings) is not None,
+    )
 
 
 def _finish_loss(
-    settings: Settings, index: Index, hold: dict[str, Any], catalog: Catalog, report: ReconcileReport
+    settings: Settings, index: Index, freeze: DeleteFreeze, catalog: Catalog, report: ReconcileReport
 ) -> None:
-    """After a lost index was rebuilt into ``index``: keep, relax or drop the hold written first."""
+    """After a lost index was rebuilt into ``index``: keep, relax or drop the freeze written first."""
     if not report.tiers_failed and not _index_existed(settings, catalog):
         deletes_held_path(settings).unlink(missing_ok=True)  # a first start: nothing was lost
         log.info("new index built from the tiers", index=str(settings.index))
@@ -317,7 +338,7 @@ def _finish_loss(
         log.warning("pins carried over from the index record in the hot root", pins=restored)
     in_tiers = _pins_read_from_tiers(settings, report)
     if in_tiers or recorded is not None:
-        write_hold(settings, {**hold, "pins_salvaged": True})
+        write_freeze(settings, dataclasses.replace(freeze, pins_salvaged=True))
     log.error(
         "index rebuilt from the tiers; deletes held until every tier is reconciled",
         index=str(settings.index),
@@ -328,21 +349,20 @@ def _finish_loss(
     )
 
 
-def _loss_hold(settings: Settings, problem: str) -> dict[str, Any]:
-    reason = f"index rebuilt from the tiers at {time.strftime('%Y-%m-%d %H:%M:%S')} ({problem})"
-    hold = {"reason": reason, "pins_salvaged": False, "first_pass_done": False}
-    # The hold first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
-    write_hold(settings, hold)
-    return hold
+def _loss_freeze(settings: Settings, problem: str) -> DeleteFreeze:
+    freeze = DeleteFreeze(f"index rebuilt from the tiers at {time.strftime('%Y-%m-%d %H:%M:%S')} ({problem})")
+    # The freeze first: a crash in the middle of a rebuild must not leave a fresh index that deletes.
+    write_freeze(settings, freeze)
+    return freeze
 
 
 def _rebuild_missing(settings: Settings) -> Index:
     problem = f"index {settings.index} was missing"
-    hold = _loss_hold(settings, problem)
+    freeze = _loss_freeze(settings, problem)
     ix = Index(settings.index)
     catalog = Catalog(settings, ix)
     report = catalog.reconcile()
-    _finish_loss(settings, ix, hold, catalog, report)
+    _finish_loss(settings, ix, freeze, catalog, report)
     return ix
 
 
@@ -355,7 +375,7 @@ def reopen_after_loss(settings: Settings, index: Index, problem: str) -> bool:
         problem = index.identity_problem() or ""
         if not problem:
             return False
-        hold = _loss_hold(settings, problem)
+        freeze = _loss_freeze(settings, problem)
         try:
             # the old file is deleted but still open: its pins are one more source
             salvaged = index.pinned_names()
@@ -377,7 +397,7 @@ def reopen_after_loss(settings: Settings, index: Index, problem: str) -> bool:
         restored = index.pin_by_name(sorted(salvaged))
         if restored:
             log.warning("pins carried over from the lost index", pins=restored)
-        _finish_loss(settings, index, hold, catalog, report)
+        _finish_loss(settings, index, freeze, catalog, report)
         return True
 
 
@@ -392,61 +412,3 @@ def _salvage_pins(aside: Path) -> list[tuple[str, int]] | None:
     except sqlite3.Error:
         return None
     return [(str(r), int(s)) for r, s in rows]
-
-
-def apply_hold(plan: Plan, hold: dict[str, Any], force: bool) -> Plan:
-    """After a rebuild: the first pass only copies (copies add safety); later passes also move
-    (a move deletes a source only once its new copy is verified), but while the pins are unknown
-    nothing that destroys a last copy — an expiry, a reap — runs until ``--force``."""
-    if not hold.get("first_pass_done"):
-        kept = tuple(a for a in plan.actions if a.action is ActionKind.COPY)
-        why = f"deletes held for the first pass after the index was rebuilt: {hold.get('reason')}"
-    elif not hold.get("pins_salvaged") and not force:
-        kept = tuple(
-            a
-            for a in plan.actions
-            if a.action is ActionKind.COPY or (a.action is ActionKind.DELETE and a.rule != "expired")
-        )
-        why = (
-            "expiries and reaps held: the index was rebuilt without its pins; re-pin what must be kept, "
-            "then run `ckptkeeper prune --force`"
-        )
-    else:
-        return plan
-    if len(kept) == len(plan.actions):
-        return dataclasses.replace(plan, notes=(*plan.notes, why))
-    log.warning("destructive actions held", held=len(plan.actions) - len(kept), reason=why)
-    return dataclasses.replace(
-        plan,
-        actions=kept,
-        refused=f"{plan.refused}; {why}" if plan.refused else why,
-        reclaim_bytes=dict.fromkeys(plan.reclaim_bytes, 0),
-    )
-
-
-def after_held_pass(
-    settings: Settings, index: Index, hold: dict[str, Any], kinds: Sequence[str], force: bool
-) -> None:
-    """Advance the hold: the first pass with retention that listed every tier ends phase one."""
-    if not hold.get("first_pass_done"):
-        statuses = index.tier_statuses()
-        failing = [t.name for t in settings.tiers if not (statuses.get(t.name) and statuses[t.name].ok)]
-        if "retention" not in kinds or failing:
-            if failing:
-                log.warning("deletes stay held: tiers not listed since the rebuild", tiers=failing)
-            return
-        # Every slower tier has now been listed, pin objects included: the pins are known again.
-        if hold.get("pins_salvaged") or len(settings.tiers) > 1:
-            deletes_held_path(settings).unlink(missing_ok=True)
-            log.warning(
-                "every tier reconciled since the index was rebuilt: deletes resume from the next pass"
-            )
-        else:
-            write_hold(settings, {**hold, "first_pass_done": True})
-            log.error(
-                "every tier reconciled since the index was rebuilt; moves resume, expiries and reaps stay "
-                "held until `ckptkeeper prune --force` (the pins were lost with the index)"
-            )
-    elif force:
-        deletes_held_path(settings).unlink(missing_ok=True)
-        log.warning("expiries and reaps released by --force")

@@ -19,6 +19,7 @@ Order, so that no failure leaves a checkpoint less protected than the user asked
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptkeeper.actions.index import write_index_record
 from ckptkeeper.config import Settings
@@ -30,6 +31,10 @@ log = get_logger("ckptkeeper.actions.pins")
 
 @dataclass
 class PinOutcome:
+    run: str
+    step: int
+    pinned: bool
+    """What was asked: pin (True) or unpin."""
     names: list[str]
     """Checkpoint names of ``run`` at ``step`` (empty: no such checkpoint in the index)."""
     changed: int = 0
@@ -37,13 +42,25 @@ class PinOutcome:
     failed: dict[str, str] = field(default_factory=dict)
     """tier -> why its pin object could not be written / removed."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """``pin --json`` / ``unpin --json``: what is true now, failure or not (an unpin that could
+        not remove every pin object leaves the checkpoint pinned: a pin object left in a tier would
+        pin it again)."""
+        return {
+            "run": self.run,
+            "step": self.step,
+            "pinned": self.pinned or bool(self.failed),
+            "checkpoints": self.changed,
+            "failed": dict(sorted(self.failed.items())),
+        }
+
 
 def set_pin(settings: Settings, index: Index, run: str, step: int, pinned: bool) -> PinOutcome:
     """Pin or unpin every checkpoint of ``run`` at ``step``, in the tiers and in the index."""
     from ckptkeeper.storage import StorageError, TierStorage
 
     names = sorted({row.name for row in index.checkpoints_at_step(run, step)})
-    outcome = PinOutcome(names=names)
+    outcome = PinOutcome(run, step, pinned, names=names)
     if not names:
         return outcome
     if pinned:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkeeper.actions.held import TierHeld, read_policy_held
+from ckptkeeper.actions.held import TierUnavailable, read_policy_held
 from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core import cost
@@ -64,7 +64,7 @@ class StatusSummary:
     """Run -> tier -> monthly storage cost, from the same copies as ``cost_per_month``."""
     warnings: tuple[str, ...] = ()
     """``"<run>: <why>"`` for runs the catalog flagged (a hook that should be there and is not)."""
-    policy_held: Mapping[str, TierHeld] = field(default_factory=dict)
+    policy_held: Mapping[str, TierUnavailable] = field(default_factory=dict)
     """Unavailable tiers that held back the last retention pass (copies to them, deletes that
     depend on them), per tier."""
     damaged: int = 0
@@ -93,6 +93,100 @@ class StatusSummary:
         if tier.newest_checkpoint_at is None:
             return None
         return max(0.0, self.now - tier.newest_checkpoint_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``status --json`` (without ``shared_fs``, which :func:`shared_fs_rows` adds)."""
+        return {
+            "tiers": [self._tier_doc(t) for t in self.tiers],
+            "runs": dict(self.runs),
+            "checkpoints": dict(self.checkpoints),
+            "pinned": self.pinned,
+            "reclaimed": {
+                "total_bytes": self.reclaimed_bytes,
+                "by_reason": {k: {"bytes": b, "count": n} for k, (b, n) in sorted(self.reclaimed.items())},
+            },
+            "trash": {t: {"bytes": b, "entries": n} for t, (b, n) in sorted(self.trash.items())},
+            "jobs": {
+                j.job: {
+                    "last_start": j.last_start,
+                    "last_success": j.last_success,
+                    "last_error": j.last_error,
+                }
+                for j in self.jobs.values()
+            },
+            "pending": {"journal": self.journal_open},
+            "deletes_held": self.deletes_held,
+            "warnings": list(self.warnings),
+            "policy_held": {
+                t.tier: {"error": t.error, "checkpoints": t.checkpoints, "since": t.since}
+                for t in self.policy_held.values()
+            },
+            "damaged_copies": self.damaged,
+            "scrub": self._scrub_doc(),
+            "quarantined": [q.to_dict() for q in self.quarantined],
+            "cost_per_month": self._cost_doc(),
+            "headroom": self._headroom_doc(),
+        }
+
+    def _tier_doc(self, t: TierSummary) -> dict[str, Any]:
+        age = self.newest_age(t)
+        return {
+            "name": t.name,
+            "url": t.url,
+            "ok": t.ok,
+            "error": t.error,
+            "checked_at": t.checked_at,
+            "usage": {
+                "total_bytes": t.usage.total_bytes,
+                "used_bytes": t.usage.used_bytes,
+                "fraction": round(t.usage.fraction, 4),
+            }
+            if t.usage
+            else None,
+            "checkpoints": t.checkpoints,
+            "bytes": t.bytes,
+            "newest_checkpoint_age_seconds": None if age is None else round(age, 1),
+        }
+
+    def _scrub_doc(self) -> dict[str, Any]:
+        return {
+            "tiers": {
+                t: {"bytes": b, "copies": n, "bad": bad, "oldest_check": self.scrub_oldest.get(t)}
+                for t, (b, n, bad) in sorted(self.scrub.items())
+            },
+            "oldest_check": {t: self.scrub_oldest.get(t) for t in sorted(self.scrub_oldest)},
+            "no_good_copy": [
+                {"run": run, "step": step, "name": name, "damaged": dict(d)}
+                for run, step, name, d in self.no_good_copy
+            ],
+        }
+
+    def _headroom_doc(self) -> dict[str, Any] | None:
+        """The hot tier's free space against its active runs' next saves (None: usage unreadable)."""
+        h = self.headroom
+        if h is None:
+            return None
+        return {
+            "tier": h.tier,
+            "free_bytes": h.free_bytes,
+            "needed_bytes": h.needed_bytes,
+            "runs": dict(h.runs),
+            "ok": h.ok,
+            "enabled": h.enabled,
+        }
+
+    def _cost_doc(self) -> dict[str, Any] | None:
+        """Storage cost per tier and per run (None: no tier has ``cost_per_gib_month``)."""
+        if not self.cost_per_month:
+            return None
+        return {
+            "tiers": dict(self.cost_per_month),
+            "total": round(sum(self.cost_per_month.values()), 4),
+            "runs": {
+                run: {**tiers, "total": round(sum(tiers.values()), 4)}
+                for run, tiers in self.run_cost_per_month.items()
+            },
+        }
 
 
 def tier_usage(settings: Settings) -> dict[str, TierUsage | None]:
@@ -248,3 +342,21 @@ def _unknown_parts(checkpoints: Iterable[CheckpointRow]) -> tuple[str, ...]:
         "and its checkpoints are no longer needed"
         for run, found in sorted(steps.items())
     )
+
+
+def shared_fs_rows(settings: Settings) -> list[dict[str, Any]] | None:
+    """``status``'s ``shared_fs``: each shared filesystem tier's heartbeats and lease (None when
+    there is none; a read error is a row)."""
+    if not any(t.shared and t.is_local for t in settings.tiers):
+        return None
+    from ckptkeeper.actions.sharedfs import shared_fs_status  # only for shared tiers
+    from ckptkeeper.storage import StorageError
+
+    try:
+        return shared_fs_status(settings)
+    except StorageError as exc:
+        return [
+            {"tier": t.name, "error": str(exc), "nodes": [], "lease": None}
+            for t in settings.tiers
+            if t.shared and t.is_local
+        ]

@@ -4,7 +4,7 @@
 * :func:`sync_records` (after every pass, beside the heartbeat): for each of this node's parts
   verified in a shared tier, its part record exists; a record of this node whose copy is gone
   (expired, moved) is removed, so an expired step leaves no record behind.
-* :func:`hold_parts_in_plan` (every plan, dry run included): reads the versions the plan's deletes
+* :func:`keep_whole_versions` (every plan, dry run included): reads the versions the plan's deletes
   of parts depend on and lets :func:`ckptkeeper.core.versions.hold_parts` decide.
 * :func:`part_versions` (``ls``): the status of each of this node's parts in each shared tier.
 * :func:`version_pins` (every plan that deletes or reaps a part): which of those versions a node
@@ -40,7 +40,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.versions")
 
-__all__ = ["hold_parts_in_plan", "part_versions", "pin_version", "sync_records", "version_pins"]
+__all__ = ["keep_whole_versions", "part_versions", "pin_version", "sync_records", "version_pins"]
 
 
 def _shared(settings: Settings) -> list[S3TierStorage]:
@@ -120,8 +120,9 @@ def _wanted(plan: Plan, snapshot: Snapshot, shared: Sequence[str]) -> dict[tuple
     return out
 
 
-def hold_parts_in_plan(settings: Settings, plan: Plan, snapshot: Snapshot) -> Plan:
-    """``plan`` with the deletes of parts the shared tiers' versions do not allow made keeps."""
+def keep_whole_versions(settings: Settings, plan: Plan, snapshot: Snapshot) -> Plan:
+    """``plan`` with each part kept whose version is not complete enough for its delete (the shared
+    tiers' versions decide): a node's part goes, or expires, only as the whole version allows."""
     tiers = _shared(settings)
     names = [t.name for t in tiers]
     if not tiers or plan.refused is not None:

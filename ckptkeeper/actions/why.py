@@ -95,13 +95,14 @@ def _copies(index: Index, run: str, step: int, node: str, own: bool) -> list[dic
 def _plan(settings: Settings, index: Index, run: str) -> Plan:
     """The next pass's plan of ``run`` from what the index knows now (tiers not walked), with the
     hold a rebuilt index left applied, as the pass would."""
-    from ckptkeeper.actions.index import apply_hold, read_hold
+    from ckptkeeper.actions.index import read_freeze
     from ckptkeeper.actions.prune import make_plan
+    from ckptkeeper.actions.pruning.freeze import apply_freeze
 
     with index.in_memory_copy() as scratch:
         plan = make_plan(settings, scratch, run=run)
-    hold = read_hold(settings)
-    return plan if hold is None else apply_hold(plan, hold, force=False)
+    freeze = read_freeze(settings)
+    return plan if freeze is None else apply_freeze(plan, freeze, force=False)
 
 
 def why(settings: Settings, index: Index, run: str, step: int, *, node: str | None = None) -> Story:

@@ -15,12 +15,15 @@ from ckptkeeper.cli import (
     demo,
     fleet,
     history,
-    inspect,
     job,
+    ls,
+    pin,
     preflight,
     prune,
     restore,
+    scan,
     scrub,
+    status,
     undo,
     why,
 )
@@ -42,6 +45,22 @@ def main(ctx: click.Context, config_path: str | None) -> None:
     ctx.obj = Context(config_path)
 
 
-for _module in (inspect, prune, history, why, preflight, restore, scrub, undo, fleet, daemon, demo, job):
+for _module in (
+    scan,
+    ls,
+    status,
+    pin,
+    prune,
+    history,
+    why,
+    preflight,
+    restore,
+    scrub,
+    undo,
+    fleet,
+    daemon,
+    demo,
+    job,
+):
     for _command in _module.COMMANDS:
         main.add_command(_command)

@@ -167,7 +167,6 @@ def prune(
     # The planner, executor and storage: imported here, not for --help.
     from ckptkeeper.actions.prune import run_prune
     from ckptkeeper.actions.sharedfs import NodeClash
-    from ckptkeeper.core.reaper import summarize_reclaim
 
     settings = app.settings
     printed: list[Plan] = []
@@ -198,59 +197,35 @@ def prune(
             fail(str(exc), EXIT_ACTION_FAILED)
         if settings.daemon.textfile and not dry_run:
             _write_textfile(settings, ix, outcome)
-    plan = outcome.plan
     if as_json:
-        doc = plan.to_dict()
-        summary = summarize_reclaim([a for a in plan.actions if a.action.value == "reap" and not a.trash])
-        doc["reap_summary"] = {
-            "by_reason": summary.by_reason,
-            "by_run": summary.by_run,
-            "total": summary.total,
-        }
-        doc["dry_run"] = dry_run
-        doc["policy_held"] = {
-            t.tier: {"error": t.error, "checkpoints": t.checkpoints} for t in outcome.held.values()
-        }
-        doc["damaged"] = outcome.damaged
-        doc["adopted"] = [a.to_dict() for a in outcome.adopted]
-        change = _cost_change(plan, settings)
-        doc["cost_saving_per_month"] = (
-            {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}
-            if change
-            else None
-        )
-        if outcome.result is not None:
-            r = outcome.result
-            doc["result"] = {
-                "done": len(r.done),
-                "failed": outcome.failed,
-                "skipped": [{"action": a.to_dict(), "reason": why} for a, why in r.skipped],
-                "reclaimed_bytes": r.reclaimed_bytes,
-                "recovered": r.recovered,
-            }
-        click.echo(json.dumps(doc, indent=2))
+        click.echo(json.dumps(outcome.to_dict(), indent=2))
     else:
         if not printed:
-            _render_plan(plan, settings, dry_run=dry_run)
-        if outcome.result is not None:
-            r = outcome.result
-            for note in r.recovered:
-                click.echo(f"recovered: {note}")
-            per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in r.reclaimed_bytes.items() if b)
-            click.echo(
-                f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
-                f"reclaimed {human_bytes(outcome.reclaimed_bytes)}" + (f" ({per_tier})" if per_tier else "")
-            )
-            for line in outcome.failed:
-                click.echo(f"failed: {line}", err=True)
-            for a, why in r.skipped:
-                click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
-        _render_adopted(outcome, dry_run=dry_run)
-        for where, problem in sorted(outcome.damaged.items()):
-            click.echo(f"damaged copy {where} not counted, copied again: {problem}", err=True)
-        for t in outcome.held.values():
-            click.echo(f"policy held: {t.describe()}", err=True)
+            _render_plan(outcome.plan, settings, dry_run=dry_run)
+        _render_outcome(outcome, dry_run=dry_run)
     sys.exit(outcome.exit_code)
+
+
+def _render_outcome(outcome: PruneOutcome, *, dry_run: bool) -> None:
+    """What was done (after the plan, printed before the first byte moved)."""
+    if outcome.result is not None:
+        r = outcome.result
+        for note in r.recovered:
+            click.echo(f"recovered: {note}")
+        per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in r.reclaimed_bytes.items() if b)
+        click.echo(
+            f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
+            f"reclaimed {human_bytes(outcome.reclaimed_bytes)}" + (f" ({per_tier})" if per_tier else "")
+        )
+        for line in outcome.failed:
+            click.echo(f"failed: {line}", err=True)
+        for a, why in r.skipped:
+            click.echo(f"skipped: {a.action.value} {a.path} ({a.tier}): {why}")
+    _render_adopted(outcome, dry_run=dry_run)
+    for where, problem in sorted(outcome.damaged.items()):
+        click.echo(f"damaged copy {where} not counted, copied again: {problem}", err=True)
+    for t in outcome.held.values():
+        click.echo(f"policy held: {t.describe()}", err=True)
 
 
 def _render_adopted(outcome: PruneOutcome, *, dry_run: bool) -> None:

@@ -86,6 +86,47 @@ def _reason_label(reason: str) -> str:
     return reason if reason in RECLAIM_REASONS else "other"
 
 
+def _cost_metrics(summary: StatusSummary) -> Iterator[Any]:
+    """Storage cost per tier and per run (none when no tier is priced)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if not summary.cost_per_month:
+        return
+    tier_cost = GaugeMetricFamily(
+        "ckptkeeper_tier_cost_per_month",
+        "Monthly storage cost of the tier's verified copies (cost_per_gib_month x GiB)",
+        labels=["tier"],
+    )
+    for name, value in summary.cost_per_month.items():
+        tier_cost.add_metric([name], value)
+    run_cost = GaugeMetricFamily(
+        "ckptkeeper_run_cost_per_month",
+        "Monthly storage cost of a run's copies in a tier",
+        labels=["run", "tier"],
+    )
+    for run, tiers in summary.run_cost_per_month.items():
+        for name, value in tiers.items():
+            run_cost.add_metric([run, name], value)
+    yield from (tier_cost, run_cost)
+
+
+def _reclaimed_metrics(summary: StatusSummary) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
+    # Every known reason has a series from the start (0 until something is freed for it), so
+    # `increase()` and alerts see the first bytes instead of a series appearing out of nowhere.
+    by_reason: dict[str, int] = dict.fromkeys(RECLAIM_REASONS, 0)
+    for reason, (nbytes, _n) in summary.reclaimed.items():
+        label = _reason_label(reason)
+        by_reason[label] = by_reason.get(label, 0) + nbytes
+    fam = CounterMetricFamily(
+        "ckptkeeper_reclaimed_bytes", "Bytes reclaimed since the index was created", labels=["reason"]
+    )
+    for reason, nbytes in sorted(by_reason.items()):
+        fam.add_metric([reason], nbytes)
+    yield fam
+
+
 class IndexCollector:
     """A ``prometheus_client`` collector that reads the index on each scrape.
 
@@ -158,7 +199,7 @@ class IndexCollector:
 
 
 def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import GaugeMetricFamily
 
     count = GaugeMetricFamily(
         "ckptkeeper_checkpoints", "Complete checkpoints with a verified copy in the tier", labels=["tier"]
@@ -201,23 +242,7 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         held.add_metric([tier.name], h.checkpoints if h is not None else 0)
     yield from (count, size, age, tier_up, used, held, damaged)
     yield from _scrub_metrics(summary)
-    if summary.cost_per_month:
-        tier_cost = GaugeMetricFamily(
-            "ckptkeeper_tier_cost_per_month",
-            "Monthly storage cost of the tier's verified copies (cost_per_gib_month x GiB)",
-            labels=["tier"],
-        )
-        for name, value in summary.cost_per_month.items():
-            tier_cost.add_metric([name], value)
-        run_cost = GaugeMetricFamily(
-            "ckptkeeper_run_cost_per_month",
-            "Monthly storage cost of a run's copies in a tier",
-            labels=["run", "tier"],
-        )
-        for run, tiers in summary.run_cost_per_month.items():
-            for name, value in tiers.items():
-                run_cost.add_metric([run, name], value)
-        yield from (tier_cost, run_cost)
+    yield from _cost_metrics(summary)
 
     states = GaugeMetricFamily(
         "ckptkeeper_checkpoints_by_state", "Cataloged checkpoints by state", labels=["state"]
@@ -230,18 +255,7 @@ def _summary_metrics(summary: StatusSummary) -> Iterator[Any]:
         run_states.add_metric([rs.value], summary.runs.get(rs.value, 0))
     yield run_states
 
-    # Every known reason has a series from the start (0 until something is freed for it), so
-    # `increase()` and alerts see the first bytes instead of a series appearing out of nowhere.
-    by_reason: dict[str, int] = dict.fromkeys(RECLAIM_REASONS, 0)
-    for reason, (nbytes, _n) in summary.reclaimed.items():
-        label = _reason_label(reason)
-        by_reason[label] = by_reason.get(label, 0) + nbytes
-    fam = CounterMetricFamily(
-        "ckptkeeper_reclaimed_bytes", "Bytes reclaimed since the index was created", labels=["reason"]
-    )
-    for reason, nbytes in sorted(by_reason.items()):
-        fam.add_metric([reason], nbytes)
-    yield fam
+    yield from _reclaimed_metrics(summary)
 
     last = GaugeMetricFamily(
         "ckptkeeper_job_last_success_timestamp_seconds",

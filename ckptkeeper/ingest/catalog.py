@@ -178,22 +178,8 @@ class Catalog:
             # An unlistable run is unknown, not empty: keep what the index knew.
             log.warning("cannot scan run directory; index left as it was", run=run, error=str(exc))
             return report
-        commits, commit_errors = hookfiles.read_hook_commits(run_dir, scan.hook_dirs)
-        for _rel, errs in commit_errors:
-            for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
-                log.warning("malformed hook commit line", run=run, error=err)
+        commits, held = self._hook_commits(run, run_dir, scan)
         hot = self.settings.hot.name
-        held: list[Quarantined] = []
-        for rel, errs in commit_errors:
-            held.append(
-                Quarantined(
-                    hot,
-                    f"{run}/{hookfiles.hook_rel(rel, protocol.COMMITS_FILE)}",
-                    protocol.COMMITS_FILE,
-                    f"{len(errs)} line(s) ignored: " + "; ".join(errs[:5]),
-                    run=run,
-                )
-            )
         committed = {c.path: c for c in commits}
         hook = hookfiles.hook_state(run_dir, run, hot, scan)
         info = hook[0]
@@ -205,6 +191,63 @@ class Catalog:
             [self._written(c) for c in candidates.values()] + [a.last_write for a in scan.artifacts],
             default=st.st_mtime,
         )
+        managed, written = self._managed(run, candidates, committed, info, held)
+        newest_write = max(newest_write, written)
+        # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
+        # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
+        hashed = {
+            cand.name: self._try_hash(run_dir, cand, commit, part)
+            for cand, commit, part in managed
+            if self._state_of(cand, commit, now, part) is CheckpointState.COMPLETE
+            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
+        }
+        with self.index.transaction():
+            for cand, commit, part in managed:
+                row = existing.pop(cand.name, None)
+                self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
+            self._forget_removed(run, existing, scan, report)
+            self.index.replace_artifacts(
+                hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
+            )
+            run_held, due = self._update_run_state(run, newest_write, now, hook, hooked=bool(scan.hook_dirs))
+            held.extend(run_held)
+            self.index.replace_quarantine(hot, held, run=run)
+        self._state_due[run] = due  # only once the state it describes is committed
+        report.quarantined += len(held)
+        return report
+
+    def _hook_commits(
+        self, run: str, run_dir: Path, scan: layouts.RunScan
+    ) -> tuple[list[protocol.Commit], list[Quarantined]]:
+        """The hook's commit lines of the run, and a quarantine entry per file with bad lines."""
+        commits, commit_errors = hookfiles.read_hook_commits(run_dir, scan.hook_dirs)
+        for _rel, errs in commit_errors:
+            for err in errs:  # at most schema.MAX_ERRORS + 1 per file (read_commits caps them)
+                log.warning("malformed hook commit line", run=run, error=err)
+        held = [
+            Quarantined(
+                self.settings.hot.name,
+                f"{run}/{hookfiles.hook_rel(rel, protocol.COMMITS_FILE)}",
+                protocol.COMMITS_FILE,
+                f"{len(errs)} line(s) ignored: " + "; ".join(errs[:5]),
+                run=run,
+            )
+            for rel, errs in commit_errors
+        ]
+        return commits, held
+
+    def _managed(
+        self,
+        run: str,
+        candidates: dict[str, layouts.Candidate],
+        committed: dict[str, protocol.Commit],
+        info: protocol.RunInfo | None,
+        held: list[Quarantined],
+    ) -> tuple[list[tuple[layouts.Candidate, protocol.Commit | None, NodePart | None]], float]:
+        """The candidates the catalog manages, each with its commit and node part (what it will not
+        manage is added to ``held``, or logged), and the newest write among them."""
+        hot = self.settings.hot.name
+        newest_write = 0.0
         managed: list[tuple[layouts.Candidate, protocol.Commit | None, NodePart | None]] = []
         for name, cand in sorted(candidates.items()):
             if cand.step > MAX_STEP:
@@ -238,42 +281,27 @@ class Catalog:
                 # checkpoint_N counts saves; the step the training script committed is the real one.
                 cand = replace(cand, step=commit.step)
             managed.append((cand, commit, hookfiles.node_part(cand, commit, info)))
-        # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
-        # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
-        hashed = {
-            cand.name: self._try_hash(run_dir, cand, commit, part)
-            for cand, commit, part in managed
-            if self._state_of(cand, commit, now, part) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
-        }
-        with self.index.transaction():
-            for cand, commit, part in managed:
-                row = existing.pop(cand.name, None)
-                self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
-            # Whatever the index knew in hot that is no longer there was removed (by us or by hand),
-            # unless part of the run could not be read: then absence proves nothing.
-            if scan.errors:
-                log.warning(
-                    "parts of the run could not be read; nothing marked removed",
-                    run=run,
-                    errors=list(scan.errors)[:5],
-                )
-                existing.clear()
-            for row in existing.values():
-                if hot in row.locations:
-                    self.index.remove_location(row.id, hot)
-                    report.removed += 1
-                if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
-                    self.index.delete_checkpoint(row.id)
-            self.index.replace_artifacts(
-                hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
+        return managed, newest_write
+
+    def _forget_removed(
+        self, run: str, existing: dict[str, CheckpointRow], scan: layouts.RunScan, report: ReconcileReport
+    ) -> None:
+        """Whatever the index knew in hot that is no longer there was removed (by us or by hand),
+        unless part of the run could not be read: then absence proves nothing."""
+        hot = self.settings.hot.name
+        if scan.errors:
+            log.warning(
+                "parts of the run could not be read; nothing marked removed",
+                run=run,
+                errors=list(scan.errors)[:5],
             )
-            run_held, due = self._update_run_state(run, newest_write, now, hook, hooked=bool(scan.hook_dirs))
-            held.extend(run_held)
-            self.index.replace_quarantine(hot, held, run=run)
-        self._state_due[run] = due  # only once the state it describes is committed
-        report.quarantined += len(held)
-        return report
+            return
+        for row in existing.values():
+            if hot in row.locations:
+                self.index.remove_location(row.id, hot)
+                report.removed += 1
+            if row.state is not CheckpointState.COMPLETE or not (set(row.locations) - {hot}):
+                self.index.delete_checkpoint(row.id)
 
     def _written(self, cand: layouts.Candidate) -> float:
         """When a checkpoint was last written, for settling and for partial and run ages: by mtime

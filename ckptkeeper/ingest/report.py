@@ -3,8 +3,10 @@ tiers' listing (``tiers``), and what the watcher and the daemon add up and repor
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from dataclasses import dataclass, field
+from typing import Any
 
 HOSTILE = (
     ValueError,
@@ -35,6 +37,10 @@ class ReconcileReport:
     quarantined: int = 0
     parts: int = 0
     """Checkpoints that are one node's share of a checkpoint spanning nodes (complete or kept)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``scan --json``: every field, in declaration order."""
+        return dataclasses.asdict(self)
 
     def merge(self, other: ReconcileReport) -> None:
         for name in (
