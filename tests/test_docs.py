@@ -260,3 +260,29 @@ def test_the_configs_shown_are_valid(page: str) -> None:
     assert block is not None
     settings = settings_from_mapping(tomllib.loads(block.group(1)))
     assert [t.name for t in settings.tiers] == ["hot", "warm", "cold"]
+
+
+def test_the_readme_pictures_the_pass_as_the_code_runs_it() -> None:
+    """The Architecture picture (participants x phases) is the code's: a participant added, moved
+    or given another phase changes the picture, or this fails."""
+    import inspect
+
+    from ckptkeeper.actions.pruning import participants as chosen
+    from ckptkeeper.actions.pruning.state import PHASES, Participant
+
+    hooks = {phase: phase for phase in PHASES if phase not in ("lock", "execute")} | {"execute": "guard"}
+    classes = [
+        c
+        for c in vars(chosen).values()
+        if inspect.isclass(c) and issubclass(c, Participant) and c is not Participant
+    ]
+    readme = (ROOT / "README.md").read_text()
+    header = " " * 17 + "  ".join(PHASES)
+    assert header in readme
+    for cls in classes:
+        marks = []
+        for phase in PHASES:
+            hook = hooks.get(phase)
+            took_part = hook is not None and getattr(cls, hook) is not getattr(Participant, hook)
+            marks.append(("●" if took_part else "·").center(len(phase)))
+        assert f"{cls.__name__:<17}" + "  ".join(marks).rstrip() in readme, cls.__name__
