@@ -1,8 +1,8 @@
 """``python -m bench``: run the benchmarks, print one table (and optionally JSON).
 
-    python -m bench                 # full run (large data, >= 5 alternating runs per ratio)
-    python -m bench --quick         # a few minutes: smaller data, 3 runs, shorter idle windows
-    python -m bench --only planning,campaign --json results.json
+python -m bench                 # full run (large data, >= 5 alternating runs per ratio)
+python -m bench --quick         # a few minutes: smaller data, 3 runs, shorter idle windows
+python -m bench --only planning,campaign --json results.json
 """
 
 from __future__ import annotations
@@ -23,12 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a few minutes: smaller data, 3 runs")
-    size.add_argument("--tiny", action="store_true", help="smallest configuration (smoke tests; no meaningful timings)")
+    size.add_argument(
+        "--tiny", action="store_true", help="smallest configuration (smoke tests; no meaningful timings)"
+    )
     parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     parser.add_argument("--reps", type=int, default=5, help="alternating runs per ratio in full mode (>= 5)")
-    parser.add_argument("--json", metavar="PATH", help="also write rows + machine info as JSON ('-' = stdout)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write rows + machine info as JSON ('-' = stdout)"
+    )
     parser.add_argument("--fast-dir", default="/dev/shm", help="tmpfs standing in for the hot NVMe tier")
-    parser.add_argument("--disk-dir", default=None, help="a directory on a real disk (default: $TMPDIR or /tmp)")
+    parser.add_argument(
+        "--disk-dir", default=None, help="a directory on a real disk (default: $TMPDIR or /tmp)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="progress and raw samples on stderr")
     args = parser.parse_args(argv)
 
@@ -58,13 +64,26 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one broken benchmark must not hide the others' results
             traceback.print_exc()
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
-            rows.append(Row(metric=f"{name} (error)", baseline=None, ours=None, unit="", target="-", ok=False,
-                            note=f"{type(exc).__name__}: {exc}"))
+            rows.append(
+                Row(
+                    metric=f"{name} (error)",
+                    baseline=None,
+                    ours=None,
+                    unit="",
+                    target="-",
+                    ok=False,
+                    note=f"{type(exc).__name__}: {exc}",
+                )
+            )
         cfg.log(f"== {name} took {time.perf_counter() - t0:.0f} s")
 
-    mode = {"full": "full run", "quick": "quick run (--quick)", "tiny": "tiny run (--tiny, smoke only)"}[cfg.mode]
-    print(f"ckptkeeper bench, {mode}: {info['nproc']} x {info['cpu']}, Linux {info['kernel']}, "
-          f"Python {info['python']}, load {info['loadavg_at_start']}")
+    mode = {"full": "full run", "quick": "quick run (--quick)", "tiny": "tiny run (--tiny, smoke only)"}[
+        cfg.mode
+    ]
+    print(
+        f"ckptkeeper bench, {mode}: {info['nproc']} x {info['cpu']}, Linux {info['kernel']}, "
+        f"Python {info['python']}, load {info['loadavg_at_start']}"
+    )
     print()
     print(table(rows))
     if args.json:

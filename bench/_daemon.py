@@ -33,15 +33,24 @@ def write_hf_checkpoint(run_dir: Path, step: int, payload: bytes, when: float | 
 def _safetensors(payload: bytes) -> bytes:
     import struct
 
-    header = json.dumps({"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}
+    ).encode()
     return struct.pack("<Q", len(header)) + header + payload
 
 
 class DaemonProcess:
     """``python -m ckptkeeper.cli --config <tmp> daemon`` on ``hot`` (+ a warm tier), stopped with SIGTERM."""
 
-    def __init__(self, root: Path, *, tiers: list[dict[str, Any]] | None = None, daemon: dict[str, Any] | None = None,
-                 nice: int = 0, hot: Path | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        tiers: list[dict[str, Any]] | None = None,
+        daemon: dict[str, Any] | None = None,
+        nice: int = 0,
+        hot: Path | None = None,
+    ) -> None:
         self.root = root
         self.hot = hot or root / "hot"
         self.warm = root / "warm"
@@ -92,7 +101,9 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon not ready after {ready_timeout} s: {self.log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"daemon not ready after {ready_timeout} s: {self.log.read_text()[-3000:]}"
+                )
             time.sleep(0.1)
 
     def _ready(self) -> bool:

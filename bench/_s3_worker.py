@@ -101,7 +101,9 @@ def main() -> None:
         os.environ[name] = value
     wall, cpu, total = (_boto3 if job["client"] == "boto3" else _ckptkeeper)(job)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"wall": wall, "cpu": cpu, "maxrss": maxrss, "bytes": total, "setup_rss": _SETUP_RSS[0]}))
+    print(
+        json.dumps({"wall": wall, "cpu": cpu, "maxrss": maxrss, "bytes": total, "setup_rss": _SETUP_RSS[0]})
+    )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ def _commit_to_index(cfg: Config, root: Path, n: int) -> list[float]:
                         time.sleep(0.001)
                     if i >= 3:
                         latencies.append(time.perf_counter() - t0)
-                    cfg.log(f"commit {step} visible after {(time.perf_counter() - t0) * 1e3:.1f} ms") if i % 20 == 0 else None
+                    cfg.log(
+                        f"commit {step} visible after {(time.perf_counter() - t0) * 1e3:.1f} ms"
+                    ) if i % 20 == 0 else None
         finally:
             db.close()
     return latencies

@@ -201,7 +201,9 @@ def run(cfg: Config) -> list[Row]:
         with_keeps = [t + k for t, k in both]
         per_checkpoint = median(times) / len(snapshot.checkpoints) * 1e6
         del snapshot
-        cfg.log(f"plan() at {n}: {[round(t, 3) for t in times]}; with keeps read: {[round(t, 3) for t in with_keeps]}")
+        cfg.log(
+            f"plan() at {n}: {[round(t, 3) for t in times]}; with keeps read: {[round(t, 3) for t in with_keeps]}"
+        )
         is_target = n == 1_000_000
         rows.append(
             Row(

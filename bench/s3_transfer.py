@@ -63,7 +63,9 @@ def moto_server(tmp: Path) -> Iterator[str]:
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: {(tmp / 'moto.log').read_text()[-2000:]}") from None
+                    raise RuntimeError(
+                        f"moto server did not start: {(tmp / 'moto.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.2)
         yield url
     finally:
@@ -129,16 +131,26 @@ class _Jobs:
         _reset(self.url)
         return self._run(
             "boto3 upload",
-            {"client": "boto3", "op": "upload", "root": str(self.root / RUN / CKPT), "files": self.files,
-             "prefix": f"boto3/{RUN}/{CKPT}"},
+            {
+                "client": "boto3",
+                "op": "upload",
+                "root": str(self.root / RUN / CKPT),
+                "files": self.files,
+                "prefix": f"boto3/{RUN}/{CKPT}",
+            },
         )
 
     def upload_ckptkeeper(self) -> float:
         _reset(self.url)
         return self._run(
             "ckptkeeper upload",
-            {"client": "ckptkeeper", "op": "upload", "url": f"s3://{BUCKET}/ckpt", "hot_root": str(self.root),
-             "manifest": self.manifest},
+            {
+                "client": "ckptkeeper",
+                "op": "upload",
+                "url": f"s3://{BUCKET}/ckpt",
+                "hot_root": str(self.root),
+                "manifest": self.manifest,
+            },
         )
 
     def _clean_dest(self) -> None:
@@ -151,16 +163,27 @@ class _Jobs:
         self._clean_dest()
         return self._run(
             "boto3 download",
-            {"client": "boto3", "op": "download", "root": "", "files": self.files, "dest": str(self.dest),
-             "prefix": f"ckpt/{RUN}/{CKPT}"},
+            {
+                "client": "boto3",
+                "op": "download",
+                "root": "",
+                "files": self.files,
+                "dest": str(self.dest),
+                "prefix": f"ckpt/{RUN}/{CKPT}",
+            },
         )
 
     def download_ckptkeeper(self) -> float:
         self._clean_dest()
         return self._run(
             "ckptkeeper download",
-            {"client": "ckptkeeper", "op": "download", "url": f"s3://{BUCKET}/ckpt", "dest": str(self.dest),
-             "manifest": self.manifest},
+            {
+                "client": "ckptkeeper",
+                "op": "download",
+                "url": f"s3://{BUCKET}/ckpt",
+                "dest": str(self.dest),
+                "manifest": self.manifest,
+            },
         )
 
 
@@ -232,7 +255,10 @@ def run(cfg: Config) -> list[Row]:
                     f"{b_setup:.0f} MiB (s3fs/aiobotocore/aiohttp stack), the transfer itself adds "
                     f"{o_rss - o_setup:.0f} MiB vs boto3 {b_rss - b_setup:.0f} MiB"
                 ),
-                samples={"baseline": [r["maxrss"] / MiB for r in b_res], "ckptkeeper": [r["maxrss"] / MiB for r in o_res]},
+                samples={
+                    "baseline": [r["maxrss"] / MiB for r in b_res],
+                    "ckptkeeper": [r["maxrss"] / MiB for r in o_res],
+                },
             )
         )
 

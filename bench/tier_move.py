@@ -482,6 +482,7 @@ def cold_rows(cfg: Config) -> list[Row]:
         small = _many_files_template(fast / "small-template", n_small, 64 * 1024)
         many = _ColdMover(small, fast / "node-small", url)
         many.move()
+
         def head_each() -> float:
             elapsed = many.recheck(head_each=True)
             counts["head_each"] = many.requests

@@ -18,7 +18,9 @@ from bench._harness import Config, MiB, Row, alternate, median, python_env, read
 
 
 class _Bench:
-    def __init__(self, cfg: Config, daemon: DaemonProcess, staging: Path, window: float, n: int, size: int) -> None:
+    def __init__(
+        self, cfg: Config, daemon: DaemonProcess, staging: Path, window: float, n: int, size: int
+    ) -> None:
         self.cfg = cfg
         self.daemon = daemon
         self.staging = staging
@@ -94,7 +96,9 @@ def run(cfg: Config) -> list[Row]:
             daemon.start()
             bench = _Bench(cfg, daemon, hot / "staging", window, n, size)
             try:
-                alone, loaded = alternate(bench.alone, bench.under_load, reps, log=cfg.log, names=("alone", "loaded"))
+                alone, loaded = alternate(
+                    bench.alone, bench.under_load, reps, log=cfg.log, names=("alone", "loaded")
+                )
             finally:
                 bench.run.finish()
     slowdown = (1 - median(loaded) / median(alone)) * 100

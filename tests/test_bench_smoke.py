@@ -14,8 +14,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "planning,campaign,hook_latency,daemon_idle",
-         "--json", str(out), "--disk-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--tiny",
+            "--only",
+            "planning,campaign,hook_latency,daemon_idle",
+            "--json",
+            str(out),
+            "--disk-dir",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -26,7 +36,12 @@ def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| metric"))
     assert [c.strip() for c in lines[header].split("|")[1:-1]] == [
-        "metric", "baseline", "ckptkeeper", "ratio", "target", "result",
+        "metric",
+        "baseline",
+        "ckptkeeper",
+        "ratio",
+        "target",
+        "result",
     ]
     body = [line for line in lines[header + 2 :] if line.startswith("|")]
     metrics = " ".join(body)
@@ -51,8 +66,20 @@ def test_tiny_prune_e2e_times_the_whole_cli_against_its_baselines(tmp_path: Path
     fast = tmp_path / "fast"
     fast.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "prune_e2e", "--json", str(out),
-         "--disk-dir", str(tmp_path), "--fast-dir", str(fast)],
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--tiny",
+            "--only",
+            "prune_e2e",
+            "--json",
+            str(out),
+            "--disk-dir",
+            str(tmp_path),
+            "--fast-dir",
+            str(fast),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -66,7 +93,9 @@ def test_tiny_prune_e2e_times_the_whole_cli_against_its_baselines(tmp_path: Path
     for what in ("prune hot→cold", "restore from cold", "prune hot→warm"):
         for shape in ("4 ckpts x 2 x 1 MiB", "4 ckpts x 4 files"):
             assert any(m.startswith(what) and (shape in m or what == "restore from cold") for m in metrics), (
-                what, shape, metrics,
+                what,
+                shape,
+                metrics,
             )
     assert metrics.count("  same, CPU (user + sys, whole process)") == 6
     assert metrics.count("  same, peak RSS") == 6

@@ -181,7 +181,9 @@ def test_a_copy_beats_several_times_within_the_ttl_others_judge_it_by(
     ckpt = tmp_path / "hot" / "exp" / "checkpoint-1"
     ckpt.mkdir(parents=True)
     (ckpt / "model.bin").write_bytes(os.urandom(1000))
-    sink = s3_transfer._S3Sink(cold, "exp/checkpoint-1", manifest_of(tmp_path / "hot", "exp", 1), with_manifest=True)  # type: ignore[arg-type]
+    sink = s3_transfer._S3Sink(
+        cold, "exp/checkpoint-1", manifest_of(tmp_path / "hot", "exp", 1), with_manifest=True
+    )  # type: ignore[arg-type]
     try:
         assert sink.beat_every == beat <= settings.fleet.heartbeat_ttl / 4
     finally:

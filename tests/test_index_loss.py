@@ -318,7 +318,9 @@ def test_a_hot_only_node_that_lost_its_index_keeps_its_pins(tmp_path: Path) -> N
     node.tmp, node.hot, node.warm = tmp_path, hot, tmp_path / "no-warm"
     node.index = tmp_path / "state" / "index.db"
     node.config = tmp_path / "config.toml"
-    write_config(node.config, index=node.index, daemon=FAST_DAEMON, tiers=[local_tier("hot", hot, keep_last=1)])
+    write_config(
+        node.config, index=node.index, daemon=FAST_DAEMON, tiers=[local_tier("hot", hot, keep_last=1)]
+    )
     for step in (1, 2):
         node.checkpoint(step)
     assert node.cli("scan").returncode == 0

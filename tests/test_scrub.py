@@ -333,6 +333,7 @@ def test_budget_limits_a_pass_and_the_next_pass_continues(tmp_path: Path) -> Non
     sizes = {s: c["bytes"] for s, c in node.ls().items()}
     budget = sizes[1] + sizes[2] + 100  # steps grow with the step number: two copies fit, not three
     assert budget < sum(sizes.values())
+
     def oldest_check() -> float | None:
         doc = json.loads(node.ok("status", "--json").stdout)["scrub"]
         assert doc["oldest_check"].keys() == {"warm"}, doc
