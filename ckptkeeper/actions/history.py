@@ -113,8 +113,11 @@ def read_history(
     if own:
         events += [e for e in trash_events(settings, index, run, step) if e.matches(run, step, since)]
     remote, notes = fleet_events(settings, owner, run, step, since)
-    seen = {(e.action, e.tier, e.path, e.node, round(e.at)) for e in events}
-    events += [e for e in remote if (e.action, e.tier, e.path, e.node, round(e.at)) not in seen]
+    # A record this node left as lease holder repeats an event of its own index. Matched without
+    # the time: the record is dated by the store's clock, the index by this node's, and the two may
+    # be hours apart (a path adopted twice by this node is shown once while its index has it).
+    seen = {(e.action, e.tier, e.path, e.node) for e in events}
+    events += [e for e in remote if (e.action, e.tier, e.path, e.node) not in seen]
     events.sort(key=lambda e: e.at)
     return HistoryView(owner, events, notes)
 
