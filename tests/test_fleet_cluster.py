@@ -251,3 +251,30 @@ def test_an_s3_delete_that_cannot_see_its_prefix_empty_says_so_and_leaves_its_ma
     assert "its delete marker stays for the reaper" in failed
     left = [k for k in _keys(s3_client, s3_bucket) if "checkpoint-1" in k]
     assert len(left) == 1 and ".ckptkeeper-tmp-" in left[0], left  # the marker; the copy's data is gone
+
+
+def test_request_timeout_bounds_a_restore_too(tmp_path: Path, s3_bucket: str, s3_reset: str) -> None:
+    """``request_timeout`` is the deadline of every command's requests, not only a prune's: a
+    restore whose data GET is never answered ends non-zero within the setting, naming the hung
+    request, and leaves no checkpoint behind."""
+    hold = {"on": False}
+
+    def black_hole(request: Request) -> str | None:
+        data = request.method == "GET" and request.path.endswith("/checkpoint-1/model.bin")
+        return "hold" if hold["on"] and data else None
+
+    with FaultProxy(s3_reset, rate=0.0, rules=[black_hole], timeout=120.0) as proxy:
+        cfg = fleet_node(tmp_path, "node-a", s3_bucket, proxy.url, cold_keep_last=None)
+        cfg.write_text('request_timeout = "3s"\n' + cfg.read_text())
+        for step in (1, 2):
+            hf_checkpoint(tmp_path / "node-a" / "hot" / "exp", step, f"a-{step}".encode() * 100)
+        done = run_cli(cfg, "prune")
+        assert done.returncode == 0, done.stderr
+        assert not (tmp_path / "node-a" / "hot" / "exp" / "checkpoint-1").exists()  # only in cold now
+        hold["on"] = True
+        out = tmp_path / "restored"
+        stuck = run_cli(cfg, "restore", "exp", "--step", "1", "--to", str(out), timeout=100)
+    assert stuck.returncode != 0, stuck.stdout
+    assert "no answer within request_timeout (3s)" in stuck.stderr, stuck.stderr[-3000:]
+    assert "Traceback" not in stuck.stderr
+    assert not (out / "checkpoint-1" / "model.bin").exists()

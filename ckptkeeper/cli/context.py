@@ -83,6 +83,9 @@ class Context:
                     click.echo(f"config error: {line}", err=True)
                 sys.exit(EXIT_USAGE)
             logs.configure(self._settings.log_level)
+            from ckptkeeper.storage import deadline
+
+            deadline.configure(self._settings.request_timeout)  # every command's requests, not only a pass's
         return self._settings
 
     @contextmanager

@@ -502,6 +502,9 @@ class Daemon(PruneJob):
                 return True
             self.settings = new
             logs.configure(new.log_level, stream=new.daemon.log_stream)
+            from ckptkeeper.storage import deadline
+
+            deadline.configure(new.request_timeout)
             assert self.index is not None
             if watch_keys_changed(old, new) or self.watcher is None:
                 self._restart_watcher(new)
