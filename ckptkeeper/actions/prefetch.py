@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptkeeper.actions.restore import restore_to
+from ckptkeeper.actions.restore import find_checkpoint, restore_to
 from ckptkeeper.config import Settings
 from ckptkeeper.index import Index
 from ckptkeeper.ingest.catalog import Catalog
@@ -43,12 +43,27 @@ class Prefetched:
 def prefetch(
     settings: Settings, index: Index, run: str, *, step: str | int = "latest", part: int | None = None
 ) -> Prefetched:
-    """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified."""
+    """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified.
+
+    With ``part``: a node that still holds that part of the newest checkpoint, verified, in its
+    hot tier (a 2-node job requeued onto the same nodes) keeps it; else part ``part`` is fetched
+    from the shared tiers."""
     started = time.monotonic()
     target = settings.hot.local_path / run
     if target.is_dir():
         Catalog(settings, index).reconcile_run(run)
+        if part is not None and _own_part_in_hot(settings, index, run, step, part):
+            part = None  # the in-place path below returns the hot copy itself
     got = restore_to(settings, index, run, step, target, part=part, own_part=part is None)
     if got.tier is not None:
         Catalog(settings, index).reconcile_run(run)  # the copy is now a hot checkpoint of the run
     return Prefetched(run, got.step, got.path, got.tier, got.bytes, time.monotonic() - started)
+
+
+def _own_part_in_hot(settings: Settings, index: Index, run: str, step: str | int, part: int) -> bool:
+    """The index's newest (or ``step``) checkpoint of ``run`` is part ``part`` with a verified hot copy."""
+    try:
+        row = find_checkpoint(index, run, step)
+    except LookupError:
+        return False
+    return settings.hot.name in row.verified_tiers and row.part is not None and row.part.index == part
