@@ -273,7 +273,7 @@ def prefetch(app: Context, run: str, step: str, part: int | None, as_json: bool)
             wanted = int(step)
         except ValueError:
             fail(f"--step must be a number or 'latest', not {step!r}")
-    with app.index() as ix:
+    with app.index(rebuild=True) as ix:  # it writes: a node without an index gets one
         try:
             got = do_prefetch(app.settings, ix, run, step=wanted, part=part)
         except LookupError as exc:
