@@ -290,3 +290,52 @@ def test_a_prestaged_copy_on_another_node_is_what_the_jobs_latest_finds(
         )
         assert found.stdout.strip() == str(local), found.stderr
     assert local.read_bytes() == bytes([2]) * 100
+
+
+@pytest.mark.parametrize(
+    ("gate", "keep_last", "prolog_exit", "status", "refused"),
+    [
+        ("off", 1_000_000, 0, None, None),
+        ("check", 1_000_000, 0, "fail", False),
+        ("drain", 1_000_000, 1, "fail", True),
+        ("drain", 2, 0, "warn", False),  # warnings (no slower tier) never refuse
+    ],
+)
+def test_the_prolog_fails_only_when_told_to_drain_on_a_failing_preflight(
+    tmp_path: Path, gate: str, keep_last: int, prolog_exit: int, status: str | None, refused: bool | None
+) -> None:
+    """The shipped Prolog with ``CKPTKEEPER_PREFLIGHT``: a hot tier asked to keep a million 1 GiB
+    checkpoints fails the quick preflight's capacity check."""
+    (tmp_path / "hot").mkdir()
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        node="n1",
+        tiers=[local_tier("hot", tmp_path / "hot", keep_last=keep_last)],
+    )
+    defaults = tmp_path / "ckptkeeper.defaults"
+    defaults.write_text(
+        f"PYTHONPATH={REPO}\nCKPTKEEPER='{sys.executable} -m ckptkeeper.cli'\n"
+        f"CKPTKEEPER_CONFIG={config}\nCKPTKEEPER_PREFLIGHT={gate}\n"
+        f"CKPTKEEPER_HOOK_LOG={tmp_path / 'hook.log'}\n"
+    )
+    env = {
+        "CKPTKEEPER_DEFAULTS": str(defaults),
+        "SLURM_JOB_ID": "77",
+        "SLURMD_NODENAME": "n1",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
+    done = subprocess.run(
+        ["/bin/sh", str(REPO / "deploy" / "slurm" / "prolog")], env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == prolog_exit, (tmp_path / "hook.log").read_text()
+    log = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()]
+    start = log[-1]
+    assert (start["event"], start["job"]) == ("start", "77")
+    if gate == "off":
+        assert start["preflight"] is None
+        return
+    assert (start["preflight"]["status"], start["preflight"]["refused"]) == (status, refused)
+    if status == "fail":
+        assert [f.split(":")[0] for f in start["preflight"]["failed"]] == ["hot_capacity"]
+        assert start["errors"][0].startswith("preflight failed: hot_capacity: needs 1000000 kept")
