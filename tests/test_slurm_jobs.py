@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
