@@ -15,6 +15,7 @@ BENCHMARKS = (
     "campaign",
     "fleet",
     "job_end",
+    "prestage",
     "history",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

@@ -52,6 +52,8 @@ NOT_SETTINGS = frozenset(
         "CKPTKEEPER_DEFAULTS",
         "CKPTKEEPER_HOOK_LOG",
         "CKPTKEEPER_PRESTAGE_TIMEOUT",
+        "CKPTKEEPER_PREFLIGHT",
+        "CKPTKEEPER_PREFLIGHT_TIMEOUT",
         "CKPTKEEPER_RESUME",
         # knobs of the test suite, which runs commands in-process with them set
         "CKPTKEEPER_UPDATE_GOLDEN",

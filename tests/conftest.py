@@ -359,6 +359,7 @@ TEST_KINDS: dict[str, str] = {
     "test_node_versions_deepspeed": "e2e",
     "test_reaper_campaign": "e2e",
     "test_rename_crash": "e2e",
+    "test_slurm_gate": "e2e",
     "test_slurm_jobs": "e2e",
     "test_tiering_e2e": "e2e",
     "test_training_e2e": "e2e",

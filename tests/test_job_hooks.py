@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import local_tier, write_config
+from builders import local_tier, s3_tier, write_config
 
 from ckptkeeper.core.jobs import JobEvent, judge_run, outcome, parse_scontrol, slurm_event
 
@@ -236,3 +236,106 @@ def test_prefetch_brings_the_latest_verified_checkpoint_back_to_hot(tmp_path: Pa
     missing = _hook(["--config", str(config), "prefetch", "nope"], {})
     assert missing.returncode == 1
     assert "nope" in missing.stderr
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["node-with-index", "node-without-index"])
+def test_a_prestaged_copy_on_another_node_is_what_the_jobs_latest_finds(
+    tmp_path: Path, s3_server: str, indexed: bool
+) -> None:
+    """The job lands on a node that never held the run: the Prolog's pre-stage fetches it from the
+    shared cold tier, and the training script's ``latest()`` right after (well within the default
+    settle_seconds, by ctime) finds that local copy, not nothing."""
+    import boto3
+
+    bucket = f"prestage-{int(indexed)}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    configs = {}
+    for node in ("train", "resume"):
+        (tmp_path / node / "hot").mkdir(parents=True)
+        configs[node] = write_config(
+            tmp_path / node / "config.toml",
+            index=tmp_path / node / "index.db",
+            node=node,
+            tiers=[
+                local_tier("hot", tmp_path / node / "hot", keep_last=2),
+                s3_tier("cold", bucket, s3_server, replicate=True, keep_last=5) | {"shared": True},
+            ],
+        )
+    run = tmp_path / "train" / "hot" / "r"
+    trainer = (
+        "import os, ckptkeeper\n"
+        f"with ckptkeeper.track_run({str(run)!r}) as t:\n"
+        "    for s in (1, 2):\n"
+        f"        p = os.path.join({str(run)!r}, f'ckpt-{{s}}.bin'); open(p, 'wb').write(bytes([s]) * 100)\n"
+        "        t.commit(p, step=s)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", trainer], env=env, check=True)
+    assert _hook(["--config", str(configs["train"]), "prune"], env).returncode == 0
+    if indexed:  # a node in service: its daemon built its index
+        assert _hook(["--config", str(configs["resume"]), "scan"], env).returncode == 0
+    done = _hook(["--config", str(configs["resume"]), "prefetch", "r", "--json"], env)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    local = tmp_path / "resume" / "hot" / "r" / "ckpt-2.bin"
+    assert (got["step"], got["from_tier"], got["path"]) == (2, "cold", str(local))
+    script = "import ckptkeeper; print(ckptkeeper.latest('r'))"
+    for _ in range(2):  # and again: a call's own look at the run dir keeps it found
+        found = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**env, "CKPTKEEPER_CONFIG": str(configs["resume"])},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert found.stdout.strip() == str(local), found.stderr
+    assert local.read_bytes() == bytes([2]) * 100
+
+
+@pytest.mark.parametrize(
+    ("gate", "keep_last", "prolog_exit", "status", "refused"),
+    [
+        ("off", 1_000_000, 0, None, None),
+        ("check", 1_000_000, 0, "fail", False),
+        ("drain", 1_000_000, 1, "fail", True),
+        ("drain", 2, 0, "warn", False),  # warnings (no slower tier) never refuse
+    ],
+)
+def test_the_prolog_fails_only_when_told_to_drain_on_a_failing_preflight(
+    tmp_path: Path, gate: str, keep_last: int, prolog_exit: int, status: str | None, refused: bool | None
+) -> None:
+    """The shipped Prolog with ``CKPTKEEPER_PREFLIGHT``: a hot tier asked to keep a million 1 GiB
+    checkpoints fails the quick preflight's capacity check."""
+    (tmp_path / "hot").mkdir()
+    config = write_config(
+        tmp_path / "config.toml",
+        index=tmp_path / "index.db",
+        node="n1",
+        tiers=[local_tier("hot", tmp_path / "hot", keep_last=keep_last)],
+    )
+    defaults = tmp_path / "ckptkeeper.defaults"
+    defaults.write_text(
+        f"PYTHONPATH={REPO}\nCKPTKEEPER='{sys.executable} -m ckptkeeper.cli'\n"
+        f"CKPTKEEPER_CONFIG={config}\nCKPTKEEPER_PREFLIGHT={gate}\n"
+        f"CKPTKEEPER_HOOK_LOG={tmp_path / 'hook.log'}\n"
+    )
+    env = {
+        "CKPTKEEPER_DEFAULTS": str(defaults),
+        "SLURM_JOB_ID": "77",
+        "SLURMD_NODENAME": "n1",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
+    done = subprocess.run(
+        ["/bin/sh", str(REPO / "deploy" / "slurm" / "prolog")], env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == prolog_exit, (tmp_path / "hook.log").read_text()
+    log = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()]
+    start = log[-1]
+    assert (start["event"], start["job"]) == ("start", "77")
+    if gate == "off":
+        assert start["preflight"] is None
+        return
+    assert (start["preflight"]["status"], start["preflight"]["refused"]) == (status, refused)
+    if status == "fail":
+        assert [f.split(":")[0] for f in start["preflight"]["failed"]] == ["hot_capacity"]
+        assert start["errors"][0].startswith("preflight failed: hot_capacity: needs 1000000 kept")

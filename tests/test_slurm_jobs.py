@@ -8,8 +8,10 @@ Skipped only where the Slurm programs are not installed (``.ci/slurm.sh`` instal
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -38,15 +40,6 @@ node, job = os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
 restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 hot = base / "nodes" / node / "hot"
 os.environ["CKPTKEEPER_CONFIG"] = str(base / "nodes" / node / "config.toml")  # this task's node
-if mode == "span":  # one task per node, each saving its part of every checkpoint
-    part = int(os.environ["SLURM_NODEID"])
-    with ckptkeeper.track_run(hot / run) as tracked:
-        for step in (1, 2, 3):
-            (hot / run / f"step-{step}").mkdir(parents=True)
-            (hot / run / f"step-{step}" / "shard.bin").write_bytes(part.to_bytes(1, "big") * 4096)
-            tracked.commit(hot / run / f"step-{step}", step=step)
-        (hot / run / "step-4.bin.tmp").write_bytes(b"x" * 1000)
-        sys.exit(3)
 found = ckptkeeper.latest(run)  # before the first step: what a resuming script finds
 (base / f"seen-{job}-{restart}").write_text(str(found or ""))
 first = 1 if found is None else int(found.name.split("-")[1].split(".")[0]) + 1
@@ -71,6 +64,65 @@ with ckptkeeper.track_run(hot / run) as tracked:
 """
 
 
+DCP_TRAINER = """\
+import os, sys, time
+from pathlib import Path
+
+# One task per node (srun --ntasks-per-node=1): torch.distributed over gloo on 127.0.0.1, ranks
+# from Slurm; each rank saves its shard of a tiny FSDP2 model with torch DCP into its own node's
+# hot dir (rank 0 also writes .metadata) and commits it with the hook, as docs/spanning-nodes.md says.
+base, run, mode, port = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+node, job = os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
+restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+hot = base / "nodes" / node / "hot"
+os.environ["CKPTKEEPER_CONFIG"] = str(base / "nodes" / node / "config.toml")
+os.environ.update(
+    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=os.environ["SLURM_PROCID"],
+    WORLD_SIZE=os.environ["SLURM_NTASKS"], LOCAL_RANK=os.environ["SLURM_LOCALID"], OMP_NUM_THREADS="1",
+)
+import ckptkeeper
+
+rank = int(os.environ["RANK"])
+found = ckptkeeper.latest(run)  # before the first step: this node's part, found locally
+seen = {"path": str(found or ""), "files": sorted(p.name for p in found.iterdir()) if found else []}
+(base / f"seen-{job}-{restart}-{rank}").write_text(repr(seen))
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+first = 1 if found is None else int(found.name.split("-")[1]) + 1
+with ckptkeeper.track_run(hot / run) as tracked:  # every rank, every node
+    for step in range(first, first + 3):
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        path = hot / run / f"step-{step}"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(path))
+        tracked.commit(path, step=step)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, base / f"full-{job}-{restart}.pt")  # what the last checkpoint holds
+    dist.barrier()
+    if mode == "dcp-requeue" and restart > 0:
+        dist.destroy_process_group()
+        sys.exit(0)
+    (hot / run / f"step-{first + 3}.tmp").write_bytes(b"x" * 1000)  # a save cut short
+    if mode == "dcp":
+        sys.exit(3)
+    (base / f"ready-{job}-{restart}-{rank}").write_text("")
+    while True:
+        time.sleep(0.2)
+"""
+
+
 @dataclass
 class Fleet:
     cluster: SlurmCluster
@@ -86,11 +138,19 @@ class Fleet:
     def config(self, node: str) -> Path:
         return self.base / "nodes" / node / "config.toml"
 
-    def submit(self, run: str, mode: str, *options: str, launcher: str = "") -> str:
+    def submit(
+        self,
+        run: str,
+        mode: str,
+        *options: str,
+        launcher: str = "",
+        trainer: str = "trainer.py",
+        extra: str = "",
+    ) -> str:
         script = (
             "#!/bin/sh\n"
             f"export PYTHONPATH={REPO}\n"
-            f"exec {launcher}{sys.executable} {self.base / 'trainer.py'} {self.base} {run} {mode}\n"
+            f"exec {launcher}{sys.executable} {self.base / trainer} {self.base} {run} {mode} {extra}\n"
         )
         return self.cluster.sbatch(script, "-J", run, *options)
 
@@ -159,6 +219,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, s3_server: str) -> Iterator[
     for node in NODES:
         fleet_node(base / "nodes", node, bucket, s3_server, hot_keep_last=1, cold_keep_last=10, reaper=reaper)
     (base / "trainer.py").write_text(TRAINER)
+    (base / "dcp_trainer.py").write_text(DCP_TRAINER)
     env_file = base / "ckptkeeper.env"
     env_file.write_text(
         f"PYTHONPATH={REPO}\n"
@@ -238,21 +299,65 @@ def test_scancel_fails_the_run_as_cancelled(fleet: Fleet) -> None:
     fleet.assert_hooks_ok(job)
 
 
-def test_job_spanning_two_nodes_fails_on_both(fleet: Fleet) -> None:
-    job = fleet.submit("span-run", "span", "-N", "2", launcher="srun --ntasks-per-node=1 ")
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _submit_dcp(fleet: Fleet, run: str, mode: str, *options: str) -> str:
+    """A 2-node job, one task per node (``srun``), saving a DCP checkpoint spanning both nodes."""
+    return fleet.submit(
+        run,
+        mode,
+        "-N",
+        "2",
+        *options,
+        launcher="srun --ntasks-per-node=1 ",
+        trainer="dcp_trainer.py",
+        extra=str(_free_port()),
+    )
+
+
+PARTS = {"n1": (0, {".metadata", "__0_0.distcp"}), "n2": (1, {"__1_0.distcp"})}
+"""Each node's share of a 2-rank DCP checkpoint: rank 0's node also holds the marker."""
+
+
+def _assert_whole(fleet: Fleet, run: str, step: int, expected: Path, tmp: Path) -> None:
+    """The two nodes' parts of ``step``, put together, are the checkpoint the job saved."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    whole = tmp / f"{run}-whole"
+    for node in NODES:
+        for shard in (fleet.hot(node) / run / f"step-{step}").iterdir():
+            whole.mkdir(exist_ok=True)
+            (whole / shard.name).write_bytes(shard.read_bytes())
+    saved = torch.load(expected)
+    state = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(state, checkpoint_id=str(whole), no_dist=True)
+    assert all(torch.equal(state["model"][k], v) for k, v in saved.items())
+
+
+def test_dcp_checkpoint_spanning_two_nodes_fails_on_both(fleet: Fleet, tmp_path: Path) -> None:
+    job = _submit_dcp(fleet, "span-run", "dcp")
     fleet.cluster.wait(job, "FAILED")
-    for node, part in (("n1", 0), ("n2", 1)):
+    for node in NODES:
+        part, files = PARTS[node]
         fleet.wait_log(node, job, "pass")
         run = fleet.ls(node, "span-run")
         assert run["state"] == "failed"
         assert f"slurm job {job} on {node}: exit code 3" in run["state_reason"]
         assert run["job"]["outcome"] == "failed"
-        # Each node keeps its own part of the newest checkpoint; the save cut short is gone.
-        assert (fleet.hot(node) / "span-run" / "step-3" / "shard.bin").read_bytes() == bytes([part]) * 4096
-        assert not (fleet.hot(node) / "span-run" / "step-1").exists()
-        assert not (fleet.hot(node) / "span-run" / "step-4.bin.tmp").exists()
+        # Each node keeps its own part of the newest checkpoint; older parts and the save cut
+        # short are reaped (keep_last_of_failed = 1).
+        assert _names(fleet.hot(node) / "span-run") == {"step-3"}
+        assert _names(fleet.hot(node) / "span-run" / "step-3") == files
         newest = [c for c in run["checkpoints"] if c["step"] == 3]
-        assert newest and newest[0]["part"]["index"] == part, newest
+        assert newest and newest[0]["layout"] == "dcp", newest
+        assert newest[0]["part"]["index"] == part and newest[0]["part"]["count"] == 2, newest
+        assert newest[0]["part"]["job"] == job
+    _assert_whole(fleet, "span-run", 3, fleet.base / f"full-{job}-0.pt", tmp_path)
     fleet.assert_hooks_ok(job)
     assert {(k, n) for k, _, n, _ in fleet.cluster.hook_exits(job)} == {
         ("prolog", "n1"),
@@ -260,6 +365,36 @@ def test_job_spanning_two_nodes_fails_on_both(fleet: Fleet) -> None:
         ("epilog", "n1"),
         ("epilog", "n2"),
     }
+
+
+def test_requeued_dcp_job_prestages_each_nodes_own_part(fleet: Fleet, tmp_path: Path) -> None:
+    job = _submit_dcp(fleet, "span-requeue", "dcp-requeue", "--requeue")
+    for rank in (0, 1):
+        fleet.wait_file(fleet.base / f"ready-{job}-0-{rank}", timeout=120)
+    fleet.cluster.run("scontrol", "requeuehold", job)
+    fleet.cluster.wait_hooks(job, "epilog", 2)
+    for node in NODES:
+        end = fleet.wait_log(node, job, "end")
+        assert end["outcome"] == "requeued", end
+        assert end["runs"] == [
+            {"run": "span-requeue", "action": "interrupt", "reason": end["runs"][0]["reason"]}
+        ]
+        assert "step-3" in _names(fleet.hot(node) / "span-requeue")  # nothing it needs is reaped
+    fleet.cluster.run("scontrol", "release", job)
+    fleet.cluster.wait(job, "COMPLETED", timeout=180)
+    for node in NODES:
+        part, files = PARTS[node]
+        # Before its first step, each rank found its own node's part in local hot.
+        seen = ast.literal_eval((fleet.base / f"seen-{job}-1-{part}").read_text())
+        assert seen == {"path": str(fleet.hot(node) / "span-requeue" / "step-3"), "files": sorted(files)}
+        start = [d for d in fleet.job_log(node) if d.get("job") == job and d.get("event") == "start"]
+        assert start[-1]["errors"] == [], start[-1]
+        # Requeued onto the same nodes: each keeps its own part, already in hot (from_tier null).
+        assert [(p["step"], p["from_tier"]) for p in start[-1]["prestaged"]] == [(3, None)], start[-1]
+        assert fleet.ls(node, "span-requeue")["state"] == "finished"
+        assert _names(fleet.hot(node) / "span-requeue") >= {"step-4", "step-5", "step-6"}
+    _assert_whole(fleet, "span-requeue", 6, fleet.base / f"full-{job}-1.pt", tmp_path)
+    fleet.assert_hooks_ok(job)
 
 
 def test_requeued_job_resumes_on_the_other_node_from_local_hot(fleet: Fleet) -> None:

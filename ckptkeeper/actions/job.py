@@ -67,6 +67,9 @@ class JobReport:
     seconds: float = 0.0
     restarts: int | None = None
     """The job's restart count (job start: what ``job end`` compares to tell a requeue)."""
+    preflight: dict[str, Any] | None = None
+    """``job start --preflight``: the quick preflight's status, its failing checks, and whether
+    the job was refused."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +83,7 @@ class JobReport:
             "followup_pid": self.followup,
             "errors": self.errors,
             "restarts": self.restarts,
+            "preflight": self.preflight,
             "seconds": round(self.seconds, 3),
             "time": time.time(),
         }

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptkeeper.actions.restore import restore_to
+from ckptkeeper.actions.restore import find_checkpoint, restore_to
 from ckptkeeper.config import Settings
 from ckptkeeper.index import Index
 from ckptkeeper.ingest.catalog import Catalog
@@ -43,12 +43,40 @@ class Prefetched:
 def prefetch(
     settings: Settings, index: Index, run: str, *, step: str | int = "latest", part: int | None = None
 ) -> Prefetched:
-    """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified."""
+    """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified.
+
+    With ``part``: a node that still holds that part of the newest checkpoint, verified, in its
+    hot tier (a 2-node job requeued onto the same nodes) keeps it; else part ``part`` is fetched
+    from the shared tiers."""
     started = time.monotonic()
     target = settings.hot.local_path / run
     if target.is_dir():
         Catalog(settings, index).reconcile_run(run)
+        if part is not None and _own_part_in_hot(settings, index, run, step, part):
+            part = None  # the in-place path below returns the hot copy itself
+    fresh = not target.exists()
     got = restore_to(settings, index, run, step, target, part=part, own_part=part is None)
-    if got.tier is not None:
-        Catalog(settings, index).reconcile_run(run)  # the copy is now a hot checkpoint of the run
+    if got.tier is not None:  # the copy is now a hot checkpoint of the run
+        Catalog(_settled_now(settings) if fresh else settings, index).reconcile_run(run)
     return Prefetched(run, got.step, got.path, got.tier, got.bytes, time.monotonic() - started)
+
+
+def _own_part_in_hot(settings: Settings, index: Index, run: str, step: str | int, part: int) -> bool:
+    """The index's newest (or ``step``) checkpoint of ``run`` is part ``part`` with a verified hot copy."""
+    try:
+        row = find_checkpoint(index, run, step)
+    except LookupError:
+        return False
+    return settings.hot.name in row.verified_tiers and row.part is not None and row.part.index == part
+
+
+def _settled_now(settings: Settings) -> Settings:
+    """``settings`` with no settling time, for the catalog of a run dir this prefetch created.
+
+    Nothing of the run was on this node before: its dir holds only the copy just fetched, verified
+    against its manifest and renamed into place whole, so no writer can be mid-save in it. Judged
+    with the usual ``settle_seconds`` (by ctime, which a fetch cannot back-date) it would stay
+    ``writing`` that long, and the job's ``ckptkeeper.latest()`` right after the Prolog would not
+    find it (a second fetch refuses to overwrite it)."""
+    daemon = settings.daemon.model_copy(update={"settle_seconds": 0.0})
+    return settings.model_copy(update={"daemon": daemon})

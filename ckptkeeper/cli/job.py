@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, Context, emit_json, fail, pass_ctx
+from ckptkeeper.cli.context import (
+    EXIT_ACTION_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    Context,
+    emit_json,
+    fail,
+    pass_ctx,
+)
 
 if TYPE_CHECKING:
     from ckptkeeper.actions.job import JobReport
@@ -133,26 +141,50 @@ def job_end(app: Context, scheduler: str, as_json: bool, no_pass: bool, push_tim
     show_default=True,
     help="Seconds the pre-stage of the runs the job resumes may take before the job starts anyway.",
 )
+@click.option(
+    "--preflight",
+    "gate",
+    type=click.Choice(["off", "check", "drain"]),
+    default="off",
+    show_default=True,
+    help="Run `preflight --quick` first: `check` records its result; `drain` also refuses the job "
+    "on a failing check (exit 3: the shipped Prolog then fails, so Slurm DRAINS THIS NODE and requeues the job).",
+)
+@click.option(
+    "--preflight-timeout",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds the preflight may take; one cut short refuses nothing.",
+)
 @pass_ctx
-def job_start(app: Context, scheduler: str, as_json: bool, prestage_timeout: float) -> None:
+def job_start(
+    app: Context, scheduler: str, as_json: bool, prestage_timeout: float, gate: str, preflight_timeout: float
+) -> None:
     """The job starts on this node (Prolog): pre-stage what it resumes into the hot tier.
 
     A restarted job (requeued), or one that declares the run it resumes
     (``--comment=ckptkeeper:resume=RUN``), finds the latest verified checkpoint of that run (this
     node's part, for a checkpoint spanning nodes) in the hot tier before its first step. Bounded
-    by --prestage-timeout. Always exits 0.
+    by --prestage-timeout. Exits 0, except with ``--preflight drain`` when a check failed (3).
     """
     started = time.monotonic()
     from ckptkeeper.actions.job import JobReport
 
     report = JobReport("start", None, None)
     settings = None
+    refused = False
     try:
         from ckptkeeper.actions.job import ask_controller, resumes, runs_of_job
 
         settings = _settings(app)
         event = _event(scheduler)
         report.job, report.node, report.restarts = event.job, event.node, event.restarts
+        if gate != "off":
+            report.preflight = _preflight(app, gate, preflight_timeout, report)
+            refused = bool(report.preflight.get("refused"))
+        if refused:
+            raise _Refused
         ctl, problem = ask_controller(event.job)
         if problem:
             report.errors.append(problem)
@@ -163,6 +195,8 @@ def job_start(app: Context, scheduler: str, as_json: bool, prestage_timeout: flo
         deadline = started + prestage_timeout
         for run in wanted:
             report.prestaged.append(_prestage(app, run, part, deadline, report))
+    except _Refused:
+        pass
     except BaseException as exc:  # a hook must exit 0
         report.errors.append(f"{type(exc).__name__}: {exc}")
     report.runs = [
@@ -170,7 +204,58 @@ def job_start(app: Context, scheduler: str, as_json: bool, prestage_timeout: flo
         for p in report.prestaged
     ]
     _finish(app, report, started, as_json, settings)
-    sys.exit(EXIT_OK)
+    sys.exit(EXIT_REFUSED if refused else EXIT_OK)
+
+
+class _Refused(Exception):
+    """The preflight gate refused the job: nothing else is done."""
+
+
+_PREFLIGHT_EXIT = {0: "pass", 5: "warn", 6: "fail"}
+
+
+def _preflight(app: Context, gate: str, timeout: float, report: JobReport) -> dict[str, Any]:
+    """``ckptkeeper preflight --quick`` in a child process, killed after ``timeout`` seconds.
+    Only its own verdict "fail" (exit 6) refuses, and only with ``gate == "drain"``: one that
+    could not run (locked, cut short, unreadable) is recorded as an error."""
+    args = [sys.executable, "-m", "ckptkeeper.cli"]
+    if app.config_path:
+        args += ["--config", app.config_path]
+    args += ["preflight", "--quick", "--json"]
+    doc: dict[str, Any] = {"mode": gate, "status": None, "exit": None, "failed": [], "refused": False}
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # its SIGTERM handler removes the scratch
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        report.errors.append(f"preflight cut at {timeout:g}s: nothing refused")
+        return doc
+    doc["exit"] = proc.returncode
+    doc["status"] = _PREFLIGHT_EXIT.get(proc.returncode)
+    if doc["status"] is None:
+        why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        report.errors.append(f"preflight did not run: {why[0]}; nothing refused")
+        return doc
+    try:
+        checks = json.loads(out).get("checks", [])
+    except (ValueError, AttributeError):
+        checks = []
+    doc["failed"] = [
+        f"{c.get('name')}: {c.get('detail')}"
+        for c in checks
+        if isinstance(c, dict) and c.get("status") == "fail"
+    ]
+    if doc["status"] == "fail":
+        report.errors.append(
+            "preflight failed: " + ("; ".join(doc["failed"]) or "see `ckptkeeper preflight`")
+        )
+        doc["refused"] = gate == "drain"
+    return doc
 
 
 def _node_part(event: Any, ctl: dict[str, str] | None) -> int | None:
@@ -273,7 +358,7 @@ def prefetch(app: Context, run: str, step: str, part: int | None, as_json: bool)
             wanted = int(step)
         except ValueError:
             fail(f"--step must be a number or 'latest', not {step!r}")
-    with app.index() as ix:
+    with app.index(rebuild=True) as ix:  # it writes: a node without an index gets one
         try:
             got = do_prefetch(app.settings, ix, run, step=wanted, part=part)
         except LookupError as exc:

@@ -363,6 +363,10 @@ class Catalog:
         hot = self.settings.hot.name
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         state = self._state_of(cand, commit, now, part)
+        if state is CheckpointState.WRITING and _unchanged_in_hot(row, cand, hot, self._written(cand)):
+            # Recorded complete (a fetch verified it whole: ``prefetch``) and untouched since:
+            # the settling time, by ctime, must not undo that.
+            state = CheckpointState.COMPLETE
         report.parts += part is not None
 
         def record(
