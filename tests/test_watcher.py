@@ -185,7 +185,12 @@ def test_heartbeat_touches_cause_no_reconcile(env: Env) -> None:
     try:
         with ckptkeeper.track_run(env.hot / "beating", heartbeat_interval=0.02):
             heartbeat = env.hot / "beating" / ".ckptkeeper" / "heartbeat"
-            assert w.wait_idle(3.0)
+            # A barrier, not a pause: inotify delivers events in order, so once another run created
+            # after the hook's own files has been reconciled and the watcher is idle, every event
+            # of the run's start has been handled (under load they could arrive after wait_idle).
+            (env.hot / "barrier").mkdir()
+            assert wait_for(lambda: w.stats.reconcile_count("barrier") >= 1, 10.0)
+            assert w.wait_idle(10.0)
             before = w.stats.reconcile_count("beating")
             first_beat = heartbeat.stat().st_mtime_ns
             time.sleep(1.0)  # ~50 heartbeats
