@@ -121,6 +121,29 @@ def test_a_committed_dir_moves_and_restores_with_its_temp_named_files(tmp_path: 
     assert _digests(hot_run / "step-4") == written[4]
 
 
+def test_a_committed_framework_checkpoint_moves_with_its_temp_named_files(tmp_path: Path) -> None:
+    """An HF ``checkpoint-N`` the hook committed: a layout recognises it, the commit makes it whole."""
+    config = _config(tmp_path, hot_keep=1)
+    run_dir = tmp_path / "hot" / "hf-hooked"
+    run = ckptkeeper.track_run(run_dir, heartbeat_interval=3600)
+    written = {}
+    for step in (10, 20):
+        ckpt = make_hf(run_dir, step)
+        for name in (*TEMP_NAMED, ".tmpabc123"):
+            (ckpt / name).write_bytes(os.urandom(1024))
+        run.commit(ckpt, step=step)
+        written[step] = _digests(ckpt)
+    run.finish()
+    _age(run_dir, 2 * HOUR)
+
+    assert _cli(config, "scan")[0] == 0
+    code, out = _cli(config, "prune")
+    assert code == 0, out
+    assert _tiers(config, "hf-hooked") == {10: ["warm"], 20: ["hot"]}
+    assert _digests(tmp_path / "warm" / "hf-hooked" / "checkpoint-10") == written[10]
+    assert _digests(run_dir / "checkpoint-20") == written[20]
+
+
 def test_committed_temp_names_in_a_failed_runs_kept_checkpoint_are_never_reaped(tmp_path: Path) -> None:
     config = _config(tmp_path, hot_keep=5)
     run_dir = tmp_path / "hot" / "failed"
@@ -177,7 +200,7 @@ def test_a_warm_copy_cataloged_before_the_rule_is_kept_and_hot_is_never_let_go(
 
     with monkeypatch.context() as old:  # the catalog as it was: temp names outside the manifest
         old.setattr(hookfiles, "_every_file", _old_listing, raising=False)
-        old.setattr(hookfiles, "_whole", lambda _run_dir, cand: cand, raising=False)
+        old.setattr(hookfiles, "whole_checkpoint", lambda _run_dir, cand: cand, raising=False)
         old.setattr(hookfiles, "outside_commits", lambda _run, arts, _names: list(arts), raising=False)
         assert _cli(config, "scan")[0] == 0
         code, out = _cli(config, "prune")

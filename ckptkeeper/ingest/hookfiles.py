@@ -167,7 +167,7 @@ def with_commits(
     committed one. Here a candidate inside a committed path is dropped, and so is a commit inside
     a recognised checkpoint or inside another commit (it is part of that one, which it marks
     committed: see the catalog). A committed checkpoint directory lists every regular file under
-    it, temp-like names included (:func:`_whole`).
+    it, temp-like names included (:func:`whole_checkpoint`).
     """
     commits = list(commits)
     claimed = {c.path for c in commits}
@@ -180,7 +180,7 @@ def with_commits(
             candidates[extra.name] = extra
     whole = committed_names(candidates, claimed)
     return {
-        name: _whole(run_dir, cand) if cand.layout != "committed" and name in whole else cand
+        name: whole_checkpoint(run_dir, cand) if cand.layout != "committed" and name in whole else cand
         for name, cand in candidates.items()
     }
 
@@ -196,7 +196,7 @@ def outside_commits(
     run: str, artifacts: Iterable[model.Artifact], committed: AbstractSet[str]
 ) -> list[model.Artifact]:
     """The run's temp artifacts but those inside a hook-committed checkpoint (``committed``: names
-    relative to the run dir): there they are files of the checkpoint (:func:`_whole`), never reaped
+    relative to the run dir): there they are files of the checkpoint (:func:`whole_checkpoint`), never reaped
     on their own. Our own staging names stay artifacts: they are never the user's."""
     prefix = f"{run}/"
     return [
@@ -208,8 +208,9 @@ def outside_commits(
     ]
 
 
-def _whole(run_dir: Path, cand: layouts.Candidate) -> layouts.Candidate:
-    """A hook-committed checkpoint directory holds every regular file under it.
+def whole_checkpoint(run_dir: Path, cand: layouts.Candidate) -> layouts.Candidate:
+    """A hook-committed checkpoint directory holds every regular file under it (the catalog, and the
+    executor re-checking the hot copy before it lets it go, list it so).
 
     The user said the directory is complete, so a name that looks like a temp (``model.part``,
     ``weights.tmp``, a safetensors ``.tmpXXXXXX``) is only a guess: it is a file of the checkpoint
