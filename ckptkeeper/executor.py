@@ -29,7 +29,7 @@ from ckptkeeper.core.history import ACTION_EVENT, DONE, FAILED, HistoryEvent
 from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState, Plan, TierSpec
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
-from ckptkeeper.ingest import layouts
+from ckptkeeper.ingest import hookfiles, layouts
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
 from ckptkeeper.undo import TrashSteps
 from ckptkeeper.util.logs import get_logger
@@ -543,6 +543,8 @@ class Executor(TrashSteps):
         never moved or deleted from hot."""
         run_dir = Path(self._hot_path(row.run))
         cand = layouts.recognize(run_dir / row.name, run_dir, row.run)
+        if cand is not None and row.committed:  # every regular file is the hook's checkpoint's
+            cand = hookfiles.whole_checkpoint(run_dir, cand)
         if cand is None:
             return _newest_mtime(str(run_dir / row.name)) != row.last_write
         written = cand.last_write if self.trust_mtimes else max(cand.last_write, cand.changed_at)

@@ -327,6 +327,7 @@ TEST_KINDS: dict[str, str] = {
     "test_lineage": "integration",
     "test_mounts": "integration",
     "test_nested_checkpoints": "integration",
+    "test_committed_temp_names": "integration",
     "test_node_parts": "integration",
     "test_operator_cli": "integration",
     "test_operator_ops": "integration",

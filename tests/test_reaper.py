@@ -517,6 +517,29 @@ def test_framework_temp_inside_kept_checkpoint_is_reaped_alone(path: str, kind: 
     assert [(a.path, a.rule, a.step) for a in d.actions] == [(path, kind, None)]
 
 
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("r/checkpoint-100/.tmpd1FjiO", "safetensors-tmp"),
+        ("r/checkpoint-100/sub/default.orbax-checkpoint-tmp", "orbax-tmp"),
+        ("r/checkpoint-100/model.part", "tmp-file"),
+    ],
+)
+def test_temp_names_inside_a_kept_committed_checkpoint_are_never_reaped(path: str, kind: str) -> None:
+    """The hook committed it: every regular file under it is in its manifest, whatever its name
+    (an artifact row recorded before that rule included); only our own staging names go."""
+    inside = Artifact("hot", path, kind, 5, NOW - 9 * H, run="r")
+    staging = Artifact("hot", "r/checkpoint-100/x.ckptkeeper-tmp-ab12", "ckptkeeper-staging", 5, NOW - 9 * H)
+    d = reap(
+        Snapshot(
+            runs=(run("r", RunState.ACTIVE),),
+            checkpoints=(ckpt("r", 100, committed=True),),
+            artifacts=(inside, staging),
+        )
+    )
+    assert [a.path for a in d.actions] == [staging.path]
+
+
 def test_framework_temp_kind_at_a_kept_checkpoint_path_is_never_reaped() -> None:
     """A path the hook committed is a checkpoint, whatever its name looks like."""
     at = Artifact("hot", "r/checkpoint-100", "tmp-file", 5, NOW - 9 * H, run="r")

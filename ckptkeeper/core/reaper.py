@@ -82,8 +82,9 @@ a deletion tool must not guess. The catalog should use these ids for :attr:`Arti
 DETACHED_KINDS: frozenset[str] = frozenset(
     {"orbax-tmp", "safetensors-tmp", "tmp-checkpoint", "tmp-file", "ckptkeeper-staging"}
 )
-"""Artifact kinds the catalog keeps out of every checkpoint's files (and so its manifest): one of
-these inside a kept checkpoint is reaped on its own without touching what the manifest lists."""
+"""Artifact kinds the catalog keeps out of a framework checkpoint's files (and so its manifest): one
+of these inside a kept checkpoint is reaped on its own without touching what the manifest lists.
+Not inside a checkpoint the hook committed: there every regular file is in the manifest."""
 
 NO_RUN = "(no run)"
 """Key of :attr:`ReclaimSummary.by_run` for artifacts that belong to no run."""
@@ -386,7 +387,9 @@ def plan_reaps(
     ``partial_after``; multipart uploads carry their ``upload_id`` (skipped without one: nothing
     to abort). An artifact at or inside a checkpoint that is not reaped is left alone (deleting a
     file inside a kept checkpoint would break its manifest) unless its kind is one the catalog keeps
-    out of manifests (:data:`DETACHED_KINDS`: a framework temp left inside a checkpoint dir), and one inside a checkpoint reaped in
+    out of manifests (:data:`DETACHED_KINDS`: a framework temp left inside a checkpoint dir) and the
+    checkpoint is not one the hook committed (there every regular file is in the manifest; only our
+    own staging names are reaped), and one inside a checkpoint reaped in
     the same tier is already covered; multipart uploads are exempt from both, since aborting one
     never touches a committed object.
 
@@ -402,6 +405,7 @@ def plan_reaps(
     reaped: set[tuple[str, int]] = set()
     keep_reasons: dict[tuple[str, int], tuple[str, ...]] = {}
     spared_paths: set[str] = set()
+    committed_paths: set[str] = set()
     covered: set[tuple[str, str]] = set()
 
     for c in sorted(snapshot.checkpoints, key=lambda c: c.key):
@@ -426,11 +430,13 @@ def plan_reaps(
                 )
             continue
         spared_paths.add(c.rel_path.rstrip("/"))
+        if c.committed:
+            committed_paths.add(c.rel_path.rstrip("/"))
         if isinstance(verdict, _Spare):
             keep_reasons[c.key] = verdict.reasons
 
     for a in _distinct_artifacts(snapshot.artifacts):
-        action = _artifact_action(a, actionable, spared_paths, covered, policy, now)
+        action = _artifact_action(a, actionable, (spared_paths, committed_paths), covered, policy, now)
         if action is not None:
             actions.append(action)
 
@@ -466,12 +472,16 @@ def _distinct_artifacts(artifacts: Iterable[Artifact]) -> list[Artifact]:
 def _artifact_action(
     a: Artifact,
     actionable: set[str],
-    spared_paths: set[str],
+    spared: tuple[set[str], set[str]],
     covered: set[tuple[str, str]],
     policy: ReaperPolicy,
     now: float,
 ) -> Action | None:
-    """The REAP action for one artifact, or None when it must (or need) not be reaped."""
+    """The REAP action for one artifact, or None when it must (or need) not be reaped.
+
+    ``spared``: the paths of the checkpoints kept, and of those among them the hook committed.
+    """
+    spared_paths, committed_paths = spared
     description = ARTIFACT_KINDS.get(a.kind)
     if description is None or a.tier not in actionable or not _is_safe_relpath(a.path):
         return None
@@ -488,6 +498,8 @@ def _artifact_action(
             a.kind not in DETACHED_KINDS or ancestors[-1] in spared_paths
         ):
             return None
+        if a.kind != "ckptkeeper-staging" and any(p in committed_paths for p in ancestors):
+            return None  # in a checkpoint the hook committed, a temp-like name is one of its files
         if any((a.tier, p) in covered for p in ancestors):
             return None
         reason = f"{a.kind}: {description}, no write for {quiet}"

@@ -206,8 +206,16 @@ class Catalog:
                 row = existing.pop(cand.name, None)
                 self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
             self._forget_removed(run, existing, scan, report)
+            # A temp name inside a hook-committed checkpoint is one of its files, never reaped alone.
+            whole = hookfiles.committed_names(candidates, committed.keys())
             self.index.replace_artifacts(
-                hot, [a for a in scan.artifacts if not _has_surrogates(a.path)], run=run
+                hot,
+                [
+                    a
+                    for a in hookfiles.outside_commits(run, scan.artifacts, whole)
+                    if not _has_surrogates(a.path)
+                ],
+                run=run,
             )
             run_held, due = self._update_run_state(run, newest_write, now, hook, hooked=bool(scan.hook_dirs))
             held.extend(run_held)

@@ -11,22 +11,25 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
 
+from ckptkeeper.core import model
 from ckptkeeper.core.model import NodePart
 from ckptkeeper.hook import protocol
-from ckptkeeper.hook.protocol import STATE_DIR
+from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import Quarantined
 from ckptkeeper.ingest import layouts
-from ckptkeeper.ingest.layouts import temps
 from ckptkeeper.util.logs import get_logger
 from ckptkeeper.util.mounts import mounts_under
 
 log = get_logger("ckptkeeper.ingest.hookfiles")
 
 _STATE_RANK = {protocol.ACTIVE: 3, protocol.FAILED: 2, protocol.FINISHED: 1}
+_STAGING_KIND = "ckptkeeper-staging"
+"""The artifact kind of our own interrupted copies (``layouts.temps``)."""
 _HOOKED_LAYOUTS = frozenset({"hf", "torch"})
 """Layouts our framework callbacks commit (HF Trainer, Lightning): without a hook in such a run the
 state is a guess from write times, and after ``failed_after`` a finished run reads as stale."""
@@ -163,7 +166,8 @@ def with_commits(
     ``rank_0.pt`` came out as a checkpoint at step 0 that the reaper then deleted from inside the
     committed one. Here a candidate inside a committed path is dropped, and so is a commit inside
     a recognised checkpoint or inside another commit (it is part of that one, which it marks
-    committed: see the catalog).
+    committed: see the catalog). A committed checkpoint directory lists every regular file under
+    it, temp-like names included (:func:`whole_checkpoint`).
     """
     commits = list(commits)
     claimed = {c.path for c in commits}
@@ -174,7 +178,59 @@ def with_commits(
         extra = committed_candidate(run_dir, run, c)
         if extra is not None:
             candidates[extra.name] = extra
-    return candidates
+    whole = committed_names(candidates, claimed)
+    return {
+        name: whole_checkpoint(run_dir, cand) if cand.layout != "committed" and name in whole else cand
+        for name, cand in candidates.items()
+    }
+
+
+def committed_names(names: Iterable[str], claimed: AbstractSet[str]) -> set[str]:
+    """Those of ``names`` the catalog records as committed: the hook committed the checkpoint
+    itself or a path inside it (``claimed``: the committed paths, relative to the run dir)."""
+    holding = {"/".join(parts[:i]) for parts in (p.split("/") for p in claimed) for i in range(1, len(parts))}
+    return {n for n in names if n in claimed or n in holding}
+
+
+def outside_commits(
+    run: str, artifacts: Iterable[model.Artifact], committed: AbstractSet[str]
+) -> list[model.Artifact]:
+    """The run's temp artifacts but those inside a hook-committed checkpoint (``committed``: names
+    relative to the run dir): there they are files of the checkpoint (:func:`whole_checkpoint`), never reaped
+    on their own. Our own staging names stay artifacts: they are never the user's."""
+    prefix = f"{run}/"
+    return [
+        a
+        for a in artifacts
+        if a.kind == _STAGING_KIND
+        or not a.path.startswith(prefix)
+        or not (a.path[len(prefix) :] in committed or layouts.lies_inside(a.path[len(prefix) :], committed))
+    ]
+
+
+def whole_checkpoint(run_dir: Path, cand: layouts.Candidate) -> layouts.Candidate:
+    """A hook-committed checkpoint directory holds every regular file under it (the catalog, and the
+    executor re-checking the hot copy before it lets it go, list it so).
+
+    The user said the directory is complete, so a name that looks like a temp (``model.part``,
+    ``weights.tmp``, a safetensors ``.tmpXXXXXX``) is only a guess: it is a file of the checkpoint
+    — hashed, copied, restored — not an artifact to reap. Symlinks, special files, mount points
+    and our own staging names (``protocol.STAGING_MARK``) are left out as everywhere else.
+    """
+    if not cand.is_dir:
+        return cand
+    try:
+        files, total, newest, changed = _every_file(run_dir / cand.name)
+    except FileNotFoundError:
+        return cand
+    return replace(
+        cand,
+        files=files,
+        bytes=total,
+        last_write=max(cand.last_write, newest),
+        changed_at=max(cand.changed_at, changed),
+        temps=tuple(t for t in cand.temps if t[1] == _STAGING_KIND),
+    )
 
 
 def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> layouts.Candidate | None:
@@ -209,32 +265,7 @@ def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> lay
         )
     if not stat.S_ISDIR(st.st_mode):
         return None
-    files: list[str] = []
-    total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)  # ctime: see changed_at
-    mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
-    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-        base = os.path.relpath(dirpath, path).replace(os.sep, "/")
-        # Framework temps are reported (and reaped) as artifacts: never part of a checkpoint.
-        # Mount points are not ours: never walked.
-        dirnames[:] = [
-            d
-            for d in dirnames
-            if temps.dir_kind(d) is None and (d if base == "." else f"{base}/{d}") not in mounts
-        ]
-        for fname in filenames:
-            if temps.file_kind(fname, in_candidate=True) is not None:
-                continue
-            full = os.path.join(dirpath, fname)
-            fst = os.lstat(full)
-            if stat.S_ISREG(fst.st_mode):
-                files.append(os.path.relpath(full, path).replace(os.sep, "/"))
-                total += fst.st_size
-                newest = max(newest, fst.st_mtime)
-                changed = max(changed, fst.st_mtime, fst.st_ctime)
-        for dname in dirnames:
-            dst = os.lstat(os.path.join(dirpath, dname))
-            newest = max(newest, dst.st_mtime)
-            changed = max(changed, dst.st_mtime, dst.st_ctime)
+    files, total, newest, changed = _every_file(path)
     return layouts.Candidate(
         run=run,
         step=commit.step,
@@ -242,13 +273,50 @@ def committed_candidate(run_dir: Path, run: str, commit: protocol.Commit) -> lay
         layout="committed",
         is_dir=True,
         complete=True,
-        files=tuple(sorted(files)),
+        files=files,
         last_write=newest,
         changed_at=changed,
         bytes=total,
         metrics={},
         problem=None,
     )
+
+
+def _every_file(path: Path) -> tuple[tuple[str, ...], int, float, float]:
+    """(every regular file under the directory ``path`` relative to it, their total size, newest
+    mtime, newest change — ctime included, see ``Candidate.changed_at``) without following links.
+    Mount points are not ours (never walked); neither is anything carrying our staging mark (an
+    interrupted copy of ours, reaped as such)."""
+    st = os.lstat(path)
+    files: list[str] = []
+    total, newest, changed = 0, st.st_mtime, max(st.st_mtime, st.st_ctime)
+    mounts = mounts_under(path)  # bind mounts share st_dev: only the mount table tells
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        base = os.path.relpath(dirpath, path).replace(os.sep, "/")
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if STAGING_MARK not in d and (d if base == "." else f"{base}/{d}") not in mounts
+        ]
+        for fname in filenames:
+            full = os.path.join(dirpath, fname)
+            try:
+                fst = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(fst.st_mode) and STAGING_MARK not in fname:
+                files.append(os.path.relpath(full, path).replace(os.sep, "/"))
+                total += fst.st_size
+                newest = max(newest, fst.st_mtime)
+                changed = max(changed, fst.st_mtime, fst.st_ctime)
+        for dname in dirnames:
+            try:
+                dst = os.lstat(os.path.join(dirpath, dname))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, dst.st_mtime)
+            changed = max(changed, dst.st_mtime, dst.st_ctime)
+    return tuple(sorted(files)), total, newest, changed
 
 
 def _leaves_run_dir(run_dir: Path, rel: str) -> bool:

@@ -488,6 +488,17 @@ def _other_version(tier: str, rel: str, existing: Manifest, manifest: Manifest) 
 
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(existing.created_at))
     whose = f"node {existing.node}'s" if existing.node else "a"
+    missing = sorted({e.path for e in manifest.files} - {e.path for e in existing.files})
+    if missing and set(existing.files) < set(manifest.files):
+        # Every file of that copy is in this version, byte for byte: an older listing of the same
+        # checkpoint (cataloged before a committed checkpoint's temp-named files were its files).
+        return (
+            f"tier {tier!r} holds an older listing of {rel} (version {existing.digest[:12]}, saved {when}) "
+            f"without {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}; every file it has is "
+            f"in this version ({manifest.digest[:12]}) too. It is kept and this one stays where it is: "
+            "remove that copy (and its manifest) by hand, then scan, to have it copied whole "
+            "(docs/concepts.md, Completeness)"
+        )
     return (
         f"tier {tier!r} already holds another version of {rel}: {whose} version {existing.digest[:12]} "
         f"(saved {when}), not this one ({manifest.digest[:12]}). Both are kept (that copy may be the only "

@@ -40,7 +40,9 @@ Temp artifacts (``RunScan.artifacts``), each reported once; the names each frame
 writes are documented in ``layouts.temps``. A temp name is not a checkpoint: the real one appears
 under its final name by rename, so these are artifacts only, never candidates and never descended
 into (``recognize`` returns None for them). Inside a checkpoint dir they are not part of the
-checkpoint either (not in ``files``, hashed or copied) and are reported as artifacts of their own:
+checkpoint either (not in ``files``, hashed or copied) and are reported as artifacts of their own —
+unless the hook committed that checkpoint: then the catalog lists every regular file under it and
+drops these artifacts (``hookfiles.with_commits``, ``hookfiles.outside_commits``):
 
 * ``ckptkeeper-staging`` — any name containing ``.ckptkeeper-tmp-`` (``protocol.STAGING_MARK``) (our interrupted copies);
 * ``orbax-tmp`` — ``*.orbax-checkpoint-tmp`` (Orbax 0.12) and ``*.orbax-checkpoint-tmp-<ts>`` (older),
