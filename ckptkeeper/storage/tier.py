@@ -493,10 +493,11 @@ def _other_version(tier: str, rel: str, existing: Manifest, manifest: Manifest) 
         # Every file of that copy is in this version, byte for byte: an older listing of the same
         # checkpoint (cataloged before a committed checkpoint's temp-named files were its files).
         return (
-            f"tier {tier!r} holds an older listing of {rel} (version {existing.digest[:12]}, saved {when}) "
-            f"without {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}; every file it has is "
-            f"in this version ({manifest.digest[:12]}) too. It is kept and this one stays where it is: "
-            "remove that copy (and its manifest) by hand, then scan, to have it copied whole "
+            f"tier {tier!r} holds an older listing of {rel}, {whose} copy (version {existing.digest[:12]}, "
+            f"saved {when}) without {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}; every file it "
+            f"has is in this version ({manifest.digest[:12]}) too, byte for byte. It is kept and this one stays "
+            "where it is. Removing that copy (and its manifest) by hand loses nothing this version does not "
+            "hold while this copy stays in its tier; then scan, to have it copied whole "
             "(docs/concepts.md, Completeness)"
         )
     return (
