@@ -23,15 +23,29 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import FileEntry, Manifest
 from ckptkeeper.storage.base import Progress, StorageError, VerificationError, _describe, log
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
+    from s3fs import S3FileSystem
+
     from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
-    from ckptkeeper.storage.s3 import S3TierStorage
+
+
+class S3TierStorage(Protocol):
+    """What a ranged restore uses of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
+
+    name: str
+    bucket: str
+
+    @property
+    def fs(self) -> S3FileSystem: ...
+    def _redact(self, text: str) -> str: ...
+    def _key(self, rel: str) -> str: ...
+
 
 RANGE_SIZE = 8 * 2**20
 """Bytes per ranged GET of a large object (boto3's default chunk as well): large enough that a
