@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import FileEntry, Manifest
-from ckptkeeper.storage.base import Progress, StorageError, VerificationError, _describe, log
+from ckptkeeper.storage import deadline
+from ckptkeeper.storage.base import (
+    Progress,
+    StorageError,
+    TierUnavailable,
+    VerificationError,
+    _describe,
+    log,
+)
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
@@ -161,8 +169,8 @@ async def _fetch_all(
                         await f.moved.wait()
                     await _get_range(tier, f, r, progress, failed)
                     f.finished(r)
-                    if not f.left:
-                        _check(f)
+                    if not f.left:  # off the loop: finishing may fsync older files
+                        await asyncio.to_thread(_check, f)
                 except BaseException as exc:  # the first one is raised below
                     failed.append(exc)
                     for g in files:  # wake every waiter so it sees the failure
@@ -267,10 +275,18 @@ async def _get_range(
 
 
 async def _call(tier: S3TierStorage, method: str, **kwargs: Any) -> Any:
-    """One request through the s3fs client (its retries for transient errors), errors named."""
+    """One request through the s3fs client (its retries for transient errors) within the request
+    deadline (:mod:`ckptkeeper.storage.deadline`), errors named."""
     call: Callable[..., Awaitable[Any]] = tier.fs._call_s3
+    what = f"{method} {kwargs.get('Key', '')}"
     try:
-        return await call(method, **kwargs)
+        timeout = deadline.remaining(what, tier.name)
+    except TimeoutError as exc:
+        raise TierUnavailable(tier._redact(str(exc))) from None
+    try:
+        return await asyncio.wait_for(call(method, **kwargs), timeout)
+    except TimeoutError:
+        raise TierUnavailable(tier._redact(deadline.hung(tier.name, what, timeout))) from None
     except Exception as exc:
         raise StorageError(
             tier._redact(f"tier {tier.name!r}: {method} {kwargs.get('Key', '')}: {_describe(exc)}")
