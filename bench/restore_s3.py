@@ -8,8 +8,8 @@ then the next round), each one a fresh process measured from spawn to exit with 
 
 * **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
   place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
-* **ckptkeeper, one GET per object**: the same command with ``CKPTKEEPER_S3_FETCH=stream``, the
-  restore path before ranged GETs (4 objects at a time, each one streamed GET);
+* **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
+  puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
 * **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
   (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification.
 
@@ -63,7 +63,13 @@ def seaweedfs_server(data: Path) -> Iterator[str]:
     try:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=_AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -133,7 +139,7 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
         sides = {
             "boto3": (boto3_job, env),
             "ckptkeeper": (restore, env),
-            "before": (restore, {**env, "CKPTKEEPER_S3_FETCH": "stream"}),
+            "before": ([sys.executable, "-m", "bench._restore_stream", *restore[3:]], env),
         }
         results: dict[str, list[Usage]] = {name: [] for name in sides}
         order = list(sides)

@@ -160,11 +160,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     # -- primitives -------------------------------------------------------------------------
 
     def _fetch_files(self, rel: str, manifest: Manifest, sink: _LocalSink, progress: Progress | None) -> None:
-        """Parallel ranged GETs written in place and hashed as they arrive (:mod:`.s3_fetch`);
-        ``CKPTKEEPER_S3_FETCH=stream`` keeps the one-GET-per-object streams of the other tiers."""
-        if os.environ.get("CKPTKEEPER_S3_FETCH") == "stream":
-            super()._fetch_files(rel, manifest, sink, progress)
-            return
+        """Parallel ranged GETs written in place and hashed as they arrive (:mod:`.s3_fetch`)."""
         from ckptkeeper.storage.s3_fetch import fetch_ranged
 
         fetch_ranged(self, rel, manifest, sink, progress)
