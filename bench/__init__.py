@@ -8,6 +8,7 @@ BENCHMARKS = (
     "tier_move",
     "s3_transfer",
     "prune_e2e",
+    "restore_s3",
     "hook_latency",
     "planning",
     "daemon_idle",

@@ -103,3 +103,30 @@ def test_tiny_prune_e2e_times_the_whole_cli_against_its_baselines(tmp_path: Path
         assert row["ours"] is not None and row["ours"] > 0 and row["baseline"] > 0, row
         assert len(row["samples"]["ckptkeeper"]) == 1 == len(row["samples"]["baseline"])
     assert list(fast.iterdir()) == []  # every hot tree, home and restore removed
+
+
+def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(tmp_path: Path) -> None:
+    """bench/restore_s3.py: `ckptkeeper restore` from SeaweedFS, both data shapes, each against
+    boto3 and the one-GET-per-object path (every run checks the restored byte count)."""
+    out = tmp_path / "bench.json"
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "restore_s3", "--json", str(out)]
+    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
+    proc = subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    metrics = [row["metric"] for row in doc["rows"]]
+    assert [m for m in metrics if m.startswith("restore from S3")] == [
+        "restore from S3 (SeaweedFS), 4 large files, 4 MiB (wall, whole process)",
+        "restore from S3 (SeaweedFS), 4 small files, 5 MiB (wall, whole process)",
+    ], metrics
+    assert metrics.count("  same, against the one-GET-per-object restore (wall)") == 2

@@ -23,6 +23,7 @@ from ckptkeeper.storage.base import (
     _MAX_PIN_BYTES,
     DAMAGED_COPY,
     PIN_SUFFIX,
+    Progress,
     StorageError,
     TierUnavailable,
     _check_manifest,
@@ -45,6 +46,8 @@ from ckptkeeper.storage.tier import TierStorage, _compare_sizes
 
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
+
+    from ckptkeeper.storage.localfs import _LocalSink
 
 # fsspec and s3fs are imported where used: the CLI imports this package and local tiers need neither.
 
@@ -155,6 +158,12 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
         self._call("put_object", Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")
 
     # -- primitives -------------------------------------------------------------------------
+
+    def _fetch_files(self, rel: str, manifest: Manifest, sink: _LocalSink, progress: Progress | None) -> None:
+        """Parallel ranged GETs written in place and hashed as they arrive (:mod:`.s3_fetch`)."""
+        from ckptkeeper.storage.s3_fetch import fetch_ranged
+
+        fetch_ranged(self, rel, manifest, sink, progress)
 
     def _open_read(self, rel: str, file_path: str) -> _Reader:
         if file_path:

@@ -255,12 +255,8 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
-        workers = min(self.fetch_workers, len(manifest.files))
         try:
-            if workers > 1:
-                _stream_concurrently(self, rel, manifest, sink, progress, workers)
-            else:
-                _stream_checkpoint(self, rel, manifest, sink, progress)
+            self._fetch_files(rel, manifest, sink, progress)
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()  # every worker has stopped: the staging directory goes, nothing partial stays
@@ -268,6 +264,15 @@ class TierStorage:
                 raise
             raise StorageError(f"restore of {rel} from {self.name!r} failed: {_describe(exc)}") from exc
         return to_dir / manifest.name
+
+    def _fetch_files(self, rel: str, manifest: Manifest, sink: _LocalSink, progress: Progress | None) -> None:
+        """Write every file of ``manifest`` into ``sink``, each checked against its entry (size and
+        hash) as it is written; not committed. A backend may fetch its own way (S3: ranged GETs)."""
+        workers = min(self.fetch_workers, len(manifest.files))
+        if workers > 1:
+            _stream_concurrently(self, rel, manifest, sink, progress, workers)
+        else:
+            _stream_checkpoint(self, rel, manifest, sink, progress)
 
     def verify(self, manifest: Manifest, *, deep: bool = True, on_bytes: Progress | None = None) -> list[str]:
         """Check this tier's copy against ``manifest``; return mismatch descriptions ([] = ok).

@@ -1,0 +1,206 @@
+"""``ckptkeeper restore`` from S3, timed whole, on a SeaweedFS server (Go: not itself the bound,
+as a Python moto server would be).
+
+One checkpoint per shape is pruned from a hot tmpfs tier to ``s3://bench/<shape>`` with the real
+CLI, then restored again and again, round-robin (boto3, ckptkeeper, ckptkeeper's previous path,
+then the next round), each one a fresh process measured from spawn to exit with ``os.wait4``
+(wall, client CPU of every thread, peak RSS):
+
+* **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
+  place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
+* **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
+  puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
+* **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
+  (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification.
+
+Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB-4 MiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench._harness import Config, GiB, MiB, Row, median, python_env
+from bench.prune_e2e import Usage, _random_bytes, _safetensors, measure, write_config
+from bench.s3_transfer import _AWS_ENV
+
+BUCKET = "bench"
+RUN = "run-a"
+STEP = 400
+MANIFEST = ".ckptkeeper-manifest.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def seaweedfs_server(data: Path) -> Iterator[str]:
+    """``weed server`` (master, volume, filer, S3 gateway) on 127.0.0.1 with a ``bench`` bucket."""
+    weed = str(Path(sys.executable).parent / "weed")
+    if not Path(weed).exists():
+        weed = shutil.which("weed") or weed
+    ports = {f"{n}.port{g}": _free_port() for n in ("master", "volume", "filer", "s3") for g in ("", ".grpc")}
+    args = [
+        weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-volume.max=0",
+        "-master.volumeSizeLimitMB=1024", "-s3", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+    ]  # fmt: skip
+    log = (data / "weed.log").open("wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=_AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                client.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"weed server did not come up: see {data / 'weed.log'}") from None
+                time.sleep(0.5)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _make_checkpoint(hot: Path, shape: str, large: int, files: int) -> int:
+    """``hot/run-a/checkpoint-400`` (HF layout), settled an hour ago; returns its bytes."""
+    rng = random.Random(31)
+    ckpt = hot / RUN / f"checkpoint-{STEP}"
+    ckpt.mkdir(parents=True)
+    if shape == "large":
+        _safetensors(ckpt / "model.safetensors", large, rng)
+        for k in range(3):
+            with open(ckpt / f"optimizer-{k}.pt", "wb") as f:
+                _random_bytes(f, large, rng)
+    else:
+        _safetensors(ckpt / "model.safetensors", 4 * MiB, rng)
+        for k in range(files - 1):
+            sub = ckpt / f"shard-{k % 8}"
+            sub.mkdir(exist_ok=True)
+            with open(sub / f"part-{k:04d}.bin", "wb") as f:
+                _random_bytes(f, int(2 ** rng.uniform(16, 22)), rng)
+    (ckpt / "trainer_state.json").write_text(f'{{"global_step": {STEP}, "log_history": []}}')
+    when = time.time() - 3600
+    total = 0
+    for p in [*ckpt.rglob("*"), ckpt]:
+        total += p.stat().st_size if p.is_file() else 0
+        os.utime(p, (when, when))
+    return total
+
+
+def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> list[Row]:
+    env = {**python_env(), **_AWS_ENV}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # both sides run from cached bytecode
+    with cfg.tempdir(cfg.fast_dir, f"restore-{shape}") as home:
+        total = _make_checkpoint(
+            home / "hot", shape, cfg.pick(128 * MiB, 32 * MiB, 1 * MiB), cfg.pick(200, 60, 4)
+        )
+        lower: dict[str, object] = {
+            "name": "cold",
+            "url": f"s3://{BUCKET}/{shape}",
+            "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+        }
+        config = write_config(home, home / "hot", lower)
+        prune = measure([sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "prune"], env)
+        cfg.log(f"restore_s3 {shape}: pruned {total / MiB:.0f} MiB to S3 in {prune.wall:.1f} s")
+        dest = home / "restore"
+        restore = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "restore", RUN]
+        restore += ["--step", str(STEP), "--to", str(dest)]
+        boto3_job = [sys.executable, "-m", "bench._boto3_job", "download", endpoint, BUCKET]
+        boto3_job += [f"{shape}/{RUN}/checkpoint-{STEP}", str(dest), MANIFEST]
+        sides = {
+            "boto3": (boto3_job, env),
+            "ckptkeeper": (restore, env),
+            "before": ([sys.executable, "-m", "bench._restore_stream", *restore[3:]], env),
+        }
+        results: dict[str, list[Usage]] = {name: [] for name in sides}
+        order = list(sides)
+        for i in range(reps):
+            for name in order if i % 2 == 0 else order[::-1]:
+                shutil.rmtree(dest, ignore_errors=True)
+                argv, side_env = sides[name]
+                results[name].append(measure(argv, side_env))
+                got = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+                if name != "boto3" and got != total:
+                    raise RuntimeError(f"{name} restored {got} bytes of {total}")
+            cfg.log(f"restore_s3 {shape}: round {i + 1} of {reps}")
+    gib = total / GiB
+    wall = {k: median([u.wall for u in v]) for k, v in results.items()}
+    cpu = {k: median([u.cpu / gib for u in v]) for k, v in results.items()}
+    what = f"restore from S3 (SeaweedFS), {label}, {total / MiB:.0f} MiB"
+    note = (
+        f"one GET per object (before): {wall['before']:.2f} s, {cpu['before']:.2f} CPU-s/GiB; "
+        "whole processes, imports and config included"
+    )
+    return [
+        Row(
+            metric=f"{what} (wall, whole process)",
+            baseline=wall["boto3"],
+            ours=wall["ckptkeeper"],
+            unit="s",
+            ratio=wall["boto3"] / wall["ckptkeeper"],
+            target=">= 1.0x",
+            ok=wall["boto3"] / wall["ckptkeeper"] >= 1.0,
+            baseline_label="boto3 download_file",
+            note=note,
+            samples={k: [u.wall for u in v] for k, v in results.items()},
+        ),
+        Row(
+            metric="  same, client CPU per GiB",
+            baseline=cpu["boto3"],
+            ours=cpu["ckptkeeper"],
+            unit="cpu-s/GiB",
+            ratio=cpu["ckptkeeper"] / cpu["boto3"],
+            target="<= 1.0x",
+            ok=cpu["ckptkeeper"] <= cpu["boto3"],
+            baseline_label="boto3",
+            samples={k: [u.cpu / gib for u in v] for k, v in results.items()},
+        ),
+        Row(
+            metric="  same, against the one-GET-per-object restore (wall)",
+            baseline=wall["before"],
+            ours=wall["ckptkeeper"],
+            unit="s",
+            ratio=wall["before"] / wall["ckptkeeper"],
+            target="info",
+            ok=None,
+            baseline_label="ckptkeeper before",
+        ),
+    ]
+
+
+def run(cfg: Config) -> list[Row]:
+    reps = cfg.pick(cfg.reps, 3, 1)
+    rows: list[Row] = []
+    with cfg.tempdir(cfg.disk_dir, "restore-weed") as data, seaweedfs_server(data) as endpoint:
+        for shape, label in (("large", "4 large files"), ("small", f"{cfg.pick(200, 60, 4)} small files")):
+            rows += _shape(cfg, endpoint, shape, label, reps)
+    return rows

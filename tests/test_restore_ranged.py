@@ -1,0 +1,197 @@
+"""Restores from S3 through parallel ranged GETs (ckptkeeper/storage/s3_fetch.py), end to end.
+
+A checkpoint is pruned from hot to an S3 tier with the real CLI, then restored with
+``ckptkeeper restore``: byte-identical on moto and SeaweedFS, for one object of many ranges and
+for many small objects; a changed byte in the store, or a ranged GET that keeps breaking, fails the
+restore (exit 1) and leaves nothing that looks like a restored checkpoint; a GET broken once is
+resumed and the restore succeeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from builders import local_tier, s3_tier, write_config
+from click.testing import CliRunner
+from faultproxy import FaultProxy, Request
+
+from ckptkeeper.cli import main
+from ckptkeeper.storage import s3_fetch
+
+RUN = "run-a"
+STEP = 100
+CKPT = f"checkpoint-{STEP}"
+RANGE = 64 * 1024
+"""A small range size for the tests, so a few MiB already span more ranges than the window."""
+
+
+@pytest.fixture(autouse=True)
+def _small_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(s3_fetch, "RANGE_SIZE", RANGE)
+
+
+def _client(endpoint: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+class Node:
+    """A hot tier keeping nothing and an S3 tier keeping everything, driven through the CLI."""
+
+    def __init__(self, tmp: Path, bucket: str, endpoint: str, files: dict[str, int]) -> None:
+        self.tmp = tmp
+        self.bucket = bucket
+        self.hot = tmp / "hot"
+        ckpt = self.hot / RUN / CKPT
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": STEP, "log_history": []}))
+        for rel, size in files.items():
+            (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ckpt / rel).write_bytes(os.urandom(size))
+        when = time.time() - 3600
+        for p in [*ckpt.rglob("*"), ckpt]:
+            os.utime(p, (when, when))
+        self.original = _tree(ckpt)
+        self.config = write_config(
+            tmp / "config.toml",
+            index=tmp / "index.db",
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            tiers=[local_tier("hot", self.hot, keep_last=0), s3_tier("cold", bucket, endpoint)],
+        )
+        code, out = self.cli("prune")
+        assert code == 0, out
+        assert not ckpt.exists(), "the prune moved the checkpoint to the S3 tier"
+
+    def cli(self, *args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(main, ["--config", str(self.config), *args], catch_exceptions=False)
+        return result.exit_code, result.output
+
+    def restore(self, to: Path) -> tuple[int, str]:
+        return self.cli("restore", RUN, "--step", str(STEP), "--to", str(to))
+
+    def key(self, rel: str) -> str:
+        return f"ckpt/{RUN}/{CKPT}/{rel}"
+
+    def with_endpoint(self, endpoint: str) -> None:
+        """Point the S3 tier at another endpoint (a fault proxy in front of the same store)."""
+        write_config(
+            self.config,
+            index=self.tmp / "index.db",
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            tiers=[local_tier("hot", self.hot, keep_last=0), s3_tier("cold", self.bucket, endpoint)],
+        )
+
+
+def _nothing_restored(dest: Path) -> None:
+    """No checkpoint (nor a staging directory that could pass for one) was left in ``dest``."""
+    assert not dest.exists() or os.listdir(dest) == []
+
+
+def test_a_large_object_restores_byte_identical_over_many_ranges(
+    tmp_path: Path, store: tuple[str, dict[str, Any]]
+) -> None:
+    bucket, options = store
+    # 4 MiB + 123 bytes: 65 ranges, many more than the window ahead of the hash frontier
+    node = Node(tmp_path, bucket, options["endpoint_url"], {"model.bin": 4 * 2**20 + 123, "empty.bin": 0})
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    restored = tmp_path / "restored" / CKPT
+    assert Path(out.strip().splitlines()[-1]) == restored
+    assert _tree(restored) == node.original
+
+
+def test_many_small_files_restore_byte_identical(tmp_path: Path, store: tuple[str, dict[str, Any]]) -> None:
+    bucket, options = store
+    files = {f"shard-{i % 8}/part-{i:03d}.bin": 1 + (i * 997) % 20_000 for i in range(200)}
+    node = Node(tmp_path, bucket, options["endpoint_url"], files)
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert _tree(tmp_path / "restored" / CKPT) == node.original
+
+
+def test_a_changed_byte_in_the_store_fails_the_restore_and_leaves_nothing(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    node = Node(tmp_path, s3_bucket, s3_reset, {"model.bin": 1 * 2**20 + 7})
+    s3 = _client(s3_reset)
+    body = bytearray(s3.get_object(Bucket=s3_bucket, Key=node.key("model.bin"))["Body"].read())
+    body[len(body) // 2] ^= 0xFF  # same size: only the hash can tell
+    s3.put_object(Bucket=s3_bucket, Key=node.key("model.bin"), Body=bytes(body))
+    dest = tmp_path / "restored"
+    code, out = node.restore(dest)
+    assert code == 1, out
+    assert "model.bin: hash" in out and "changed since cataloged" in out
+    _nothing_restored(dest)
+
+
+@pytest.fixture
+def proxies(s3_reset: str) -> Iterator[list[FaultProxy]]:
+    started: list[FaultProxy] = []
+    yield started
+    for proxy in started:
+        proxy.stop()
+
+
+def _ranged_gets_of(key: str, times: int | None) -> Any:
+    """A rule cutting short (half the body, then a reset) the first ``times`` ranged GETs of
+    ``key`` past its first range (None: every one of them)."""
+    seen = [0]
+
+    def rule(req: Request) -> str | None:
+        ranged = any(k.lower() == "range" and not v.startswith("bytes=0-") for k, v in req.headers)
+        if req.method != "GET" or not req.path.endswith(key) or not ranged:
+            return None
+        seen[0] += 1
+        return "truncate" if times is None or seen[0] <= times else None
+
+    return rule
+
+
+def test_a_ranged_get_broken_once_is_resumed(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy]
+) -> None:
+    node = Node(tmp_path, s3_bucket, s3_reset, {"model.bin": 2 * 2**20 + 5})
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[_ranged_gets_of(node.key("model.bin"), 1)])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start())
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert [f.kind for f in proxy.faults] == ["truncate"]
+    assert _tree(tmp_path / "restored" / CKPT) == node.original
+
+
+def test_a_ranged_get_that_keeps_breaking_fails_cleanly(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(s3_fetch, "RETRIES", 2)
+    node = Node(tmp_path, s3_bucket, s3_reset, {"model.bin": 1 * 2**20 + 5, "small.bin": 100})
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[_ranged_gets_of(node.key("model.bin"), None)])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start())
+    dest = tmp_path / "restored"
+    code, out = node.restore(dest)
+    assert code == 1, out
+    assert "model.bin: read broke at byte" in out
+    assert proxy.faults, "the ranged GETs were cut short"
+    _nothing_restored(dest)
