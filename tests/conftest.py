@@ -297,6 +297,7 @@ TEST_KINDS: dict[str, str] = {
     "test_concurrency": "integration",
     "test_config_safety": "integration",
     "test_copy_paths": "integration",
+    "test_upload_resume": "integration",
     "test_restore_ranged": "integration",
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Artifact
@@ -25,6 +26,10 @@ from ckptkeeper.storage.base import (
 )
 from ckptkeeper.storage.s3_client import S3Objects
 
+_COPY_OP = "copy"
+_RESUME_OP = "resume"
+"""A marker's ``op`` once its interrupted copy was discarded but uploads it can resume were kept."""
+
 _NO_UPLOAD_LISTING = (
     "abandoned multipart uploads cannot be found or aborted by ckptkeeper on this tier: add a bucket "
     "lifecycle rule AbortIncompleteMultipartUpload; copies go on"
@@ -34,34 +39,73 @@ _NO_UPLOAD_LISTING = (
 class StagingObjects(S3Objects):
     """Markers, interrupted copies and multipart uploads under the tier's prefix."""
 
-    def _abort_uploads_under(self, key: str) -> None:
-        """Abort every multipart upload in progress for ``key`` or a key under ``key/``.
+    def _abort_uploads_under(self, key: str, keep: Collection[str] = ()) -> set[str]:
+        """Abort every multipart upload in progress for ``key`` or a key under ``key/``, except
+        those whose id is in ``keep``; returns the ids of ``keep`` found still in progress.
 
         Called only by whoever holds the checkpoint's staging marker (a copy, or the discard of an
         interrupted one), so every such upload is a leftover of ours: an interrupted copy, or a
-        CreateMultipartUpload whose reply was lost and that s3fs/botocore then retried.
+        CreateMultipartUpload whose reply was lost and that s3fs/botocore then retried. ``keep``:
+        this node's uploads that a copy may still resume (docs/uploads.md).
         """
+        kept: set[str] = set()
+        for upload in self._uploads_under(key):
+            if upload["UploadId"] in keep:
+                kept.add(upload["UploadId"])
+                continue
+            with contextlib.suppress(FileNotFoundError):  # completed or aborted meanwhile
+                self._call(
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=upload["Key"],
+                    UploadId=upload["UploadId"],
+                )
+        return kept
+
+    def _uploads_under(self, key: str) -> list[dict[str, Any]]:
+        """Multipart uploads in progress for ``key`` or a key under ``key/`` (every page)."""
+        out: list[dict[str, Any]] = []
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": key}
         while True:
             try:
                 resp = self._call("list_multipart_uploads", **kw)
             except Exception as exc:
                 if self._degraded("ListMultipartUploads", exc, _NO_UPLOAD_LISTING):
-                    return
+                    return out
                 raise
             for upload in resp.get("Uploads", []):
                 if upload["Key"] == key or upload["Key"].startswith(key + "/"):
-                    with contextlib.suppress(FileNotFoundError):  # completed or aborted meanwhile
-                        self._call(
-                            "abort_multipart_upload",
-                            Bucket=self.bucket,
-                            Key=upload["Key"],
-                            UploadId=upload["UploadId"],
-                        )
+                    out.append(upload)
             if not resp.get("IsTruncated"):
-                return
+                return out
             kw["KeyMarker"] = resp.get("NextKeyMarker")
             kw["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+
+    def _resumable_uploads(self, key: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """What an interrupted copy of ``key`` by this node left to resume, for a new copy of it.
+
+        Returns (object key -> resume record of an upload still in progress, the staging markers
+        of this node on ``key``: the new copy's marker supersedes them). Records come only from
+        this node's markers, each checked for shape and for naming an object of ``key``; whether
+        one fits the file being copied (size, content hash, part size) the writer checks.
+        """
+        markers = [o["Key"] for o in self._list_objects(key + STAGING_MARK)]
+        ours: list[str] = []
+        records: dict[str, dict[str, Any]] = {}
+        for marker, doc in self._marker_docs(markers).items():
+            if doc.get("node") != self.node or doc.get("op") not in (_COPY_OP, _RESUME_OP):
+                continue
+            ours.append(marker)
+            for record in _resume_records(doc, key):
+                records.setdefault(record["upload"], record)
+        if not records:
+            return {}, ours
+        live = {(u["Key"], u["UploadId"]) for u in self._uploads_under(key)}
+        out: dict[str, dict[str, Any]] = {}
+        for upload_id, record in sorted(records.items()):
+            if (record["key"], upload_id) in live:
+                out.setdefault(record["key"], record)
+        return out, ours
 
     def _other_writers(self, key: str) -> list[str]:
         """Other nodes with a staging marker on ``key`` (a copy in progress, or its litter):
@@ -126,15 +170,40 @@ class StagingObjects(S3Objects):
         target_key = self._key(target)
         with self._errors(f"discarding {artifact.path}"):
             freed = 0
-            if self._head(target_key + MANIFEST_SUFFIX) is None:
+            committed = self._head(target_key + MANIFEST_SUFFIX) is not None
+            if not committed:
                 objs = self._target_objects(target_key)
                 self._delete_keys([k for k, _, _ in objs])
                 freed = sum(size for _, size, _ in objs)
-            # uploads are never part of a committed copy: whatever is in progress under the target
-            # belongs to the interrupted copy this marker records
-            self._abort_uploads_under(target_key)
+            # Uploads are never part of a committed copy: whatever is in progress under the target
+            # belongs to the interrupted copy this marker records, and is aborted unless this
+            # node's copy can resume it (docs/uploads.md).
+            keep, doc = ({}, {}) if committed else self._resume_keep(marker, target_key)
+            kept = self._abort_uploads_under(target_key, keep)
+            if kept and doc.get("op") == _COPY_OP:
+                # Once: the marker stays as a resume marker, fresh, naming only the uploads kept;
+                # the next discard of it (the reaper's, once it is stale) aborts them.
+                records = [r for r in _resume_records(doc, target_key) if r["upload"] in kept]
+                doc.update(op=_RESUME_OP, uploads=sorted(kept), resume=records, heartbeat=time.time())
+                self._put_json(marker, doc)
+                return freed
             self._delete_keys([marker])
         return freed
+
+    def _resume_keep(self, marker: str, target_key: str) -> tuple[set[str], dict[str, Any]]:
+        """Ids of uploads under ``target_key`` a copy of this node may resume, and ``marker``'s body.
+
+        Those a copy marker of this node records (``marker`` itself, when a copy; others on the
+        same target, whatever ``marker`` is): a resume marker being discarded is stale, and its
+        uploads go with it unless a newer copy took them over.
+        """
+        keys = [o["Key"] for o in self._list_objects(target_key + STAGING_MARK)]
+        docs = self._marker_docs(sorted({*keys, marker}))
+        keep: set[str] = set()
+        for doc in docs.values():
+            if doc.get("node") == self.node and doc.get("op") == _COPY_OP:
+                keep.update(r["upload"] for r in _resume_records(doc, target_key))
+        return keep, docs.get(marker, {})
 
     def list_multipart_uploads(self) -> list[Artifact]:
         out: list[Artifact] = []
@@ -221,6 +290,26 @@ class StagingObjects(S3Objects):
                 Key=self.prefix + artifact.path,
                 UploadId=artifact.upload_id,
             )
+
+
+def _resume_records(doc: Mapping[str, Any], target_key: str) -> list[dict[str, Any]]:
+    """The well-formed resume records of a marker body: each names an upload of an object at
+    ``target_key`` or under ``target_key/``, with the size, content hash and part size of the file
+    it was uploading. Anything else in a body read back from the store is ignored."""
+    out: list[dict[str, Any]] = []
+    records = doc.get("resume")
+    for r in records if isinstance(records, list) else []:
+        if not isinstance(r, dict):
+            continue
+        upload, key, size, digest, part = (r.get(k) for k in ("upload", "key", "size", "hash", "part_size"))
+        if not (isinstance(upload, str) and upload and isinstance(key, str) and isinstance(digest, str)):
+            continue
+        if not digest or not (key == target_key or key.startswith(target_key + "/")):
+            continue
+        if type(size) is not int or type(part) is not int or size <= 0 or part <= 0:
+            continue
+        out.append({"upload": upload, "key": key, "size": size, "hash": digest, "part_size": part})
+    return out
 
 
 def _covering(live: Mapping[str, tuple[str, float]], key: str) -> tuple[str, float] | None:

@@ -154,6 +154,10 @@ class _S3Sink:
         self.committed = False
         self.is_dir = manifest.is_dir
         self.uploads: list[str] = []
+        self.resumable: dict[str, dict[str, Any]] = {}
+        """Object key -> resume record of an upload of an interrupted copy, until a writer takes it."""
+        self.resume: dict[str, dict[str, Any]] = {}
+        """Upload id -> its resume record, for each upload of this copy that has one."""
         self.beat_every = tier.marker_beat
         self.started = time.time()
         self.last_beat = self.started
@@ -164,10 +168,16 @@ class _S3Sink:
                     f"tier {tier.name!r}: node {', '.join(others)} is copying to {rel} too (two nodes share "
                     "the single-node layout: set shared = true on the tier); nothing was written"
                 )
-            tier._put_json(self.marker, _marker_doc("copy", rel, manifest.is_dir, tier.node))
+            # An earlier copy of this node killed mid-upload left uploads it can resume: the new
+            # marker names them before anything else happens, so no reaper takes them for abandoned.
+            self.resumable, superseded = tier._resumable_uploads(self.key)
+            self.resume = {r["upload"]: r for r in self.resumable.values()}
+            self.uploads = sorted(self.resume)
+            self.beat()
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
             tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
-            tier._abort_uploads_under(self.key)
+            tier._abort_uploads_under(self.key, keep=self.resume)
+            tier._delete_keys([m for m in superseded if m != self.marker])
 
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         key = f"{self.key}/{entry.path}" if entry.path else self.key
@@ -176,6 +186,7 @@ class _S3Sink:
             self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
         )
         self.writer.on_upload = self._upload_started
+        self.writer.resume = self.resumable.pop(key, None)
         self.writer.defer_check = bool(entry.path)  # objects under ``key/``: one listing finds them
         self.writer.in_background = self.put_concurrency > 1
         return _GuardedWriter(self, self.writer)
@@ -199,14 +210,23 @@ class _S3Sink:
             guarded.stored()
 
     def _upload_started(self, upload_id: str) -> None:
-        self.uploads.append(upload_id)
+        writer = self.writer
+        if upload_id not in self.uploads:
+            self.uploads.append(upload_id)
+        if writer is not None and writer.resume_record() is not None:
+            self.resume[upload_id] = writer.resume_record()  # type: ignore[assignment]
         self.beat()
 
     def beat(self) -> None:
-        """Rewrite the marker: a fresh heartbeat, this copy's uploads so far."""
+        """Rewrite the marker: a fresh heartbeat, this copy's uploads so far, and for each upload
+        from a local file the record a copy needs to resume it after a kill (docs/uploads.md)."""
         self.last_beat = time.time()
         doc = _marker_doc("copy", self.rel, self.is_dir, self.tier.node)
-        doc.update(started=self.started, uploads=list(self.uploads))
+        doc.update(
+            started=self.started,
+            uploads=list(self.uploads),
+            resume=[self.resume[u] for u in self.uploads if u in self.resume],
+        )
         self.tier._put_json(self.marker, doc)
 
     def maybe_beat(self) -> None:
@@ -289,6 +309,15 @@ class _S3Sink:
                 self.uncertain.append(w.key)
         if self.writer is not None:
             self.writer.abort()
+        for record in self.resumable.values():  # taken over from an interrupted copy, never resumed
+            with contextlib.suppress(Exception):
+                self.tier._call(
+                    "abort_multipart_upload",
+                    Bucket=self.tier.bucket,
+                    Key=record["key"],
+                    UploadId=record["upload"],
+                )
+        self.resumable = {}
         if self.commit_attempted:
             # The manifest PUT failed without a clear answer. All data is uploaded and verified, so
             # the copy is either committed (valid) or staging; deleting data could orphan a manifest.

@@ -13,7 +13,7 @@ import io
 import os
 import stat
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import FileEntry
@@ -59,7 +59,8 @@ class _S3Tier(Protocol):
     def _target_objects(self, key: str) -> list[tuple[str, int, float]]: ...
     def _list_objects(self, prefix: str) -> list[dict[str, Any]]: ...
     def _delete_keys(self, keys: list[str]) -> None: ...
-    def _abort_uploads_under(self, key: str) -> None: ...
+    def _abort_uploads_under(self, key: str, keep: Collection[str] = ()) -> set[str]: ...
+    def _resumable_uploads(self, key: str) -> tuple[dict[str, dict[str, Any]], list[str]]: ...
     def _commit_manifest(self, key: str, body: bytes) -> None: ...
     def _other_writers(self, key: str) -> list[str]: ...
 
@@ -257,7 +258,18 @@ class _S3FileWriter:
         self.upload_id: str | None = None
         self.next_part = 1
         self.parts: list[dict[str, Any]] = []
-        self.part_crcs: list[int] = []
+        self.part_crcs: dict[int, int] = {}
+        self.resume: dict[str, Any] | None = None
+        """Set by the sink: the record of an upload of this key that an interrupted copy of this
+        node left (:func:`~.s3_staging._resume_records`), resumed if it fits this file."""
+        self.stored_parts: dict[int, tuple[int, str, str]] = {}
+        """Part number -> (size, ETag, CRC32 or "" if the store lists none) of the parts a resumed
+        upload already holds."""
+        self.part_md5: Any = None
+        """MD5 of the part being filled, for a stored part listed without a CRC32."""
+        self.reused = 0
+        """Parts of a resumed upload not sent again: the store holds them, checked against the
+        CRC32 of the bytes this copy hashed."""
         self.pending: deque[tuple[int, int, Future[Any], bytearray | None]] = deque()
         self.trusted = True
         """False when the store echoed no checksum: then the object is read back before commit."""
@@ -283,6 +295,8 @@ class _S3FileWriter:
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
+        if self.resume is not None and not self.single:
+            self._prepare_resume()  # before the first part's bytes: a part checked by MD5 needs them
         while view:
             n = min(len(view), self.capacity - self.filled)
             if n == 0:  # only a single-PUT object can fill its one part before finish()
@@ -297,6 +311,8 @@ class _S3FileWriter:
                     self.part_hash = hashing.new_hasher()
                 self.part_hash.update(take)
             self.crc = hashing.crc32(take, self.crc)
+            if self.stored_parts:
+                self._md5_for_reuse(take)
             self.filled += n
             view = view[n:]
             if self.filled == self.capacity and not self.single:
@@ -317,17 +333,124 @@ class _S3FileWriter:
         self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
         return taken
 
+    def resume_record(self) -> dict[str, Any] | None:
+        """What a later copy needs to resume this object's multipart upload after a kill: the
+        upload, and the file it uploads (size, content hash, part size). None when nothing could be
+        checked against it (no content hash) or there is no upload."""
+        if self.upload_id is None or not self.entry.hash:
+            return None
+        return {
+            "upload": self.upload_id,
+            "key": self.key,
+            "size": self.entry.size,
+            "hash": self.entry.hash,
+            "part_size": self.part_size,
+        }
+
+    def _prepare_resume(self) -> None:
+        """Resume the interrupted upload the sink handed over if it is of this very file (its
+        parts are then listed in :attr:`stored_parts`), else abort it."""
+        tier = self.tier
+        record, self.resume = self.resume, None
+        if record is None:
+            return
+        fits = (record["key"], record["size"], record["hash"], record["part_size"]) == (
+            self.key,
+            self.entry.size,
+            self.entry.hash,
+            self.part_size,
+        )
+        if fits and self.entry.hash and self._list_stored_parts(record["upload"]):
+            self.upload_id = record["upload"]
+            log.info(
+                "%s: resuming multipart upload %s: %d parts stored",
+                self.where,
+                record["upload"],
+                len(self.stored_parts),
+            )
+            return
+        log.info("%s: an interrupted upload is of other content or gone; starting again", self.where)
+        with contextlib.suppress(Exception):  # the reaper aborts it if this fails
+            tier._call("abort_multipart_upload", Bucket=tier.bucket, Key=self.key, UploadId=record["upload"])
+
+    def _start_upload(self) -> None:
+        """Create the multipart upload, unless one is resumed; tell the sink its id."""
+        tier = self.tier
+        upload_id = self.upload_id
+        if upload_id is None:
+            resp = tier._call(
+                "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
+            )
+            upload_id = self.upload_id = str(resp["UploadId"])
+        if self.on_upload is not None:
+            self.on_upload(upload_id)
+
+    def _md5_for_reuse(self, data: memoryview) -> None:
+        """Hash the part being filled with MD5 when the store lists it without a CRC32: its ETag
+        (the MD5 of the part, for uploads without SSE-KMS/SSE-C) is then what it is checked by."""
+        stored = self.stored_parts.get(self.next_part)
+        if stored is None or stored[2]:
+            return
+        if self.part_md5 is None:
+            import hashlib
+
+            self.part_md5 = hashlib.md5(usedforsecurity=False)
+        self.part_md5.update(data)
+
+    def _list_stored_parts(self, upload_id: str) -> bool:
+        """ListParts (every page) of an upload to resume into :attr:`stored_parts`; False if it is
+        gone (completed or aborted since) or cannot be listed: then it is not resumed."""
+        tier = self.tier
+        kw: dict[str, Any] = {"Bucket": tier.bucket, "Key": self.key, "UploadId": upload_id}
+        stored: dict[int, tuple[int, str, str]] = {}
+        try:
+            while True:
+                resp = tier._call("list_parts", **kw)
+                for part in resp.get("Parts", []):
+                    number, size, etag = part.get("PartNumber"), part.get("Size"), part.get("ETag")
+                    crc = part.get("ChecksumCRC32")
+                    if type(number) is int and type(size) is int and isinstance(etag, str):
+                        stored[number] = (size, etag, crc if isinstance(crc, str) else "")
+                if not resp.get("IsTruncated"):
+                    break
+                kw["PartNumberMarker"] = resp["NextPartNumberMarker"]
+        except Exception as exc:
+            log.info("%s: cannot list the parts of upload %s: %s", self.where, upload_id, _describe(exc))
+            return False
+        self.stored_parts = stored
+        return True
+
+    def _reuse_part(self) -> bool:
+        """Take the part filled so far from a resumed upload if the store holds it: same size, and
+        the store's CRC32 of what it received equals the CRC32 of the bytes this copy read and
+        hashed (the upload's record already tied it to this file's size and content hash)."""
+        number = self.next_part
+        stored = self.stored_parts.get(number)
+        crc = _crc32_b64(self.crc)
+        md5, self.part_md5 = self.part_md5, None
+        if stored is None or stored[0] != self.filled:
+            return False
+        if stored[2] != crc and (stored[2] or md5 is None or stored[1].strip('"') != md5.hexdigest()):
+            return False
+        if self.buf is not None:
+            self.pool.put(self.buf)
+        self.part_crcs[number] = self.crc
+        self.parts.append({"PartNumber": number, "ETag": stored[1], "ChecksumCRC32": crc})
+        self.offset += self.filled
+        self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
+        self.next_part += 1
+        self.reused += 1
+        return True
+
     def _send_part(self) -> None:
         import asyncio
 
         tier = self.tier
         if self.upload_id is None:
-            resp = tier._call(
-                "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
-            )
-            self.upload_id = resp["UploadId"]
-            if self.on_upload is not None:
-                self.on_upload(self.upload_id)
+            self._start_upload()
+        assert self.upload_id is not None
+        if self.stored_parts and self._reuse_part():
+            return
         self._drain(tier.max_inflight - 1)
         body, crc, buf = self._take_part()
         number = self.next_part
@@ -395,7 +518,7 @@ class _S3FileWriter:
                 self.pool.put(buf)  # the request is over: nothing reads the buffer any more
             self._check_echo(resp, _crc32_b64(crc), f"part {number}")
             self.parts.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _crc32_b64(crc)})
-            self.part_crcs.append(crc)
+            self.part_crcs[number] = crc
 
     def _check_echo(self, resp: Mapping[str, Any], expected: str, what: str) -> None:
         echoed = resp.get("ChecksumCRC32")
@@ -429,7 +552,8 @@ class _S3FileWriter:
             if self.filled:
                 self._send_part()
             self._drain(0)
-            combined = b"".join(c.to_bytes(4, "big") for c in self.part_crcs)
+            self.parts.sort(key=lambda p: int(p["PartNumber"]))  # resumed parts came in unsent
+            combined = b"".join(self.part_crcs[n].to_bytes(4, "big") for n in sorted(self.part_crcs))
             expected = f"{_crc32_b64(hashing.crc32(combined))}-{len(self.parts)}"
             try:
                 tier._call(
