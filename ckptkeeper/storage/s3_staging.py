@@ -84,8 +84,8 @@ class StagingObjects(S3Objects):
     def _resumable_uploads(self, key: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """What an interrupted copy of ``key`` by this node left to resume, for a new copy of it.
 
-        Returns (object key -> resume record of an upload still in progress, the staging markers
-        of this node on ``key``: the new copy's marker supersedes them). Records come only from
+        Returns (object key -> resume record of an upload still in progress, this node's resume
+        markers on ``key``: the new copy's marker supersedes them). Records come only from
         this node's markers, each checked for shape and for naming an object of ``key``; whether
         one fits the file being copied (size, content hash, part size) the writer checks.
         """
@@ -95,7 +95,8 @@ class StagingObjects(S3Objects):
         for marker, doc in self._marker_docs(markers).items():
             if doc.get("node") != self.node or doc.get("op") not in (_COPY_OP, _RESUME_OP):
                 continue
-            ours.append(marker)
+            if doc.get("op") == _RESUME_OP:
+                ours.append(marker)
             for record in _resume_records(doc, key):
                 records.setdefault(record["upload"], record)
         if not records:
