@@ -7,6 +7,7 @@ them in order and prints one table (metric, baseline, ckptkeeper, ratio, target,
 BENCHMARKS = (
     "tier_move",
     "s3_transfer",
+    "upload_resume",
     "prune_e2e",
     "restore_s3",
     "hook_latency",

@@ -59,7 +59,9 @@ class Node:
         hf_checkpoint(run, 2, b"small")
         self.config = tmp / "config.toml"
 
-    def prune(self, rule: Callable[[Request], str | None], pid: list[int]) -> subprocess.CompletedProcess[str]:
+    def prune(
+        self, rule: Callable[[Request], str | None], pid: list[int]
+    ) -> subprocess.CompletedProcess[str]:
         """``prune`` through a proxy applying ``rule`` to every request (``pid`` gets the process id)."""
         with FaultProxy(self.upstream, rate=0.0, rules=[rule]) as proxy:
             options = {k: v for k, v in self.options.items() if k != "endpoint_url"}
@@ -134,7 +136,9 @@ def stored_parts(s3: Any, bucket: str) -> list[int]:
 def assert_committed(node: Node, s3: Any, content: bytes) -> None:
     assert s3.get_object(Bucket=node.bucket, Key=KEY)["Body"].read() == content
     manifest = json.loads(
-        s3.get_object(Bucket=node.bucket, Key="ckpt/run-a/checkpoint-1.ckptkeeper-manifest.json")["Body"].read()
+        s3.get_object(Bucket=node.bucket, Key="ckpt/run-a/checkpoint-1.ckptkeeper-manifest.json")[
+            "Body"
+        ].read()
     )
     assert {f["path"]: f["size"] for f in manifest["files"]}["model.bin"] == SIZE
     assert s3.list_multipart_uploads(Bucket=node.bucket).get("Uploads", []) == []
@@ -197,3 +201,83 @@ def test_a_source_changed_since_the_kill_is_uploaded_again_whole(
     uploads = s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert old_upload["UploadId"] not in {u["UploadId"] for u in uploads}
     assert_committed(node, s3, content)
+
+
+# -- the records an interrupted copy leaves, read back by recovery, the reaper and the next copy --
+
+
+def _interrupted(s3: Any, bucket: str, node: str, **record: Any) -> tuple[str, str]:
+    """An upload of ``cold/run/ck/w.bin`` with one stored part, and a copy marker of ``node``
+    naming it with ``record`` over a well-formed resume record; returns (upload id, marker key)."""
+    key = "cold/run/ck/w.bin"
+    upload = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")["UploadId"]
+    s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * PART)
+    good = {"upload": upload, "key": key, "size": 2 * PART, "hash": "abc", "part_size": PART}
+    doc = {
+        "op": "copy",
+        "target": "run/ck",
+        "node": node,
+        "uploads": [upload],
+        "resume": [{**good, **record}],
+    }
+    marker = "cold/run/ck.ckptkeeper-tmp-0123456789ab"
+    s3.put_object(Bucket=bucket, Key=marker, Body=json.dumps(doc).encode())
+    return upload, marker
+
+
+def _cold(bucket: str, endpoint: str) -> Any:
+    """The S3 tier of an unnamed node (markers of node "" are its own)."""
+    from builders import tier
+
+    from ckptkeeper.storage import TierStorage
+
+    return TierStorage(tier("cold", f"s3://{bucket}/cold", storage_options={"endpoint_url": endpoint}))
+
+
+def _uploads(s3: Any, bucket: str) -> list[str]:
+    return [u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def test_recovery_keeps_the_upload_once_then_the_reaper_aborts_it(
+    moto_store: tuple[str, dict[str, Any]],
+) -> None:
+    """Discarding the interrupted copy keeps its resumable upload under a fresh resume marker;
+    discarding that marker (the reaper, once it is stale) aborts the upload and leaves nothing."""
+    bucket, options = moto_store
+    s3 = client(options)
+    upload, marker = _interrupted(s3, bucket, "")
+    cold = _cold(bucket, options["endpoint_url"])
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)
+    assert _uploads(s3, bucket) == [upload]
+    doc = json.loads(s3.get_object(Bucket=bucket, Key=marker)["Body"].read())
+    assert (doc["op"], doc["uploads"]) == ("resume", [upload])
+    assert [(a.upload_id, a.node) for a in cold.list_multipart_uploads()] == [(upload, "")]
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)
+    assert _uploads(s3, bucket) == []
+    assert s3.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
+@pytest.mark.parametrize(
+    ("node", "record"),
+    [
+        ("other", {}),  # another node's copy
+        ("", {"key": "cold/run/elsewhere.bin"}),  # an object outside the checkpoint
+        ("", {"size": "10485760"}),  # not a number
+        ("", {"part_size": 0}),
+        ("", {"hash": ""}),
+    ],
+)
+def test_an_upload_not_recorded_as_resumable_by_this_node_is_aborted(
+    moto_store: tuple[str, dict[str, Any]], node: str, record: dict[str, Any]
+) -> None:
+    bucket, options = moto_store
+    s3 = client(options)
+    _interrupted(s3, bucket, node, **record)
+    cold = _cold(bucket, options["endpoint_url"])
+    assert cold._resumable_uploads("cold/run/ck")[0] == {}
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)
+    assert _uploads(s3, bucket) == []
+    assert s3.list_objects_v2(Bucket=bucket).get("Contents", []) == []
