@@ -23,6 +23,7 @@ from ckptkeeper.storage.base import (
     TierUnavailable,
     _split_rel,
     _staging_artifact,
+    log,
 )
 from ckptkeeper.storage.s3_client import S3Objects
 
@@ -187,6 +188,12 @@ class StagingObjects(S3Objects):
                 records = [r for r in _resume_records(doc, target_key) if r["upload"] in kept]
                 doc.update(op=_RESUME_OP, uploads=sorted(kept), resume=records, heartbeat=time.time())
                 self._put_json(marker, doc)
+                log.info(
+                    "%s: kept %d multipart upload(s) of %s for the next copy to resume",
+                    self.name,
+                    len(records),
+                    artifact.path.rsplit(STAGING_MARK, 1)[0],
+                )
                 return freed
             self._delete_keys([marker])
         return freed
