@@ -210,11 +210,10 @@ class _S3Sink:
             guarded.stored()
 
     def _upload_started(self, upload_id: str) -> None:
-        writer = self.writer
-        if upload_id not in self.uploads:
-            self.uploads.append(upload_id)
-        if writer is not None and writer.resume_record() is not None:
-            self.resume[upload_id] = writer.resume_record()  # type: ignore[assignment]
+        self.uploads.append(upload_id)
+        record = self.writer.resume_record() if self.writer is not None else None
+        if record is not None:
+            self.resume[upload_id] = record
         self.beat()
 
     def beat(self) -> None:

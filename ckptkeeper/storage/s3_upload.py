@@ -374,14 +374,12 @@ class _S3FileWriter:
             tier._call("abort_multipart_upload", Bucket=tier.bucket, Key=self.key, UploadId=record["upload"])
 
     def _start_upload(self) -> None:
-        """Create the multipart upload, unless one is resumed; tell the sink its id."""
+        """Create the multipart upload and tell the sink its id (a resumed one its marker names)."""
         tier = self.tier
-        upload_id = self.upload_id
-        if upload_id is None:
-            resp = tier._call(
-                "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
-            )
-            upload_id = self.upload_id = str(resp["UploadId"])
+        resp = tier._call(
+            "create_multipart_upload", Bucket=tier.bucket, Key=self.key, ChecksumAlgorithm="CRC32"
+        )
+        upload_id = self.upload_id = str(resp["UploadId"])
         if self.on_upload is not None:
             self.on_upload(upload_id)
 
