@@ -9,6 +9,7 @@ BENCHMARKS = (
     "s3_transfer",
     "prune_e2e",
     "restore_s3",
+    "restore_daemon",
     "hook_latency",
     "planning",
     "daemon_idle",

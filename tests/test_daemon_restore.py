@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 RUN = "run-a"
 STEP = 100
 CKPT = f"checkpoint-{STEP}"
+_CLI = (sys.executable, "-X", "importtime", "-m", "ckptkeeper.cli")
 FILES = {"model.bin": 300_000, "optimizer.bin": 200_000, "shard/extra.bin": 1000}
 
 
@@ -44,7 +45,9 @@ def _tree(root: Path) -> dict[str, str]:
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("CKPTKEEPER_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith(("CKPTKEEPER_", "NOTIFY_SOCKET", "WATCHDOG_"))
+    }
 
 
 class Node:
@@ -194,8 +197,7 @@ def test_prefetch_by_the_daemon_and_its_client_imports_little(node: Node) -> Non
     assert json.loads(again.stdout)["from_tier"] is None
     # The thin client: a restore served by the daemon never loads the heavy libraries.
     timed = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ckptkeeper.cli", "--config", str(node.config)]
-        + ["restore", RUN, "--to", str(node.tmp / "thin")],
+        [*_CLI, "--config", str(node.config), "restore", RUN, "--to", str(node.tmp / "thin")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -204,7 +206,9 @@ def test_prefetch_by_the_daemon_and_its_client_imports_little(node: Node) -> Non
     assert timed.returncode == 0, timed.stderr
     assert len(node.served()) == 2
     modules = {line.split("|")[-1].strip() for line in timed.stderr.splitlines() if "import time:" in line}
-    assert not {m for m in modules if m.split(".")[0] in ("s3fs", "fsspec", "pydantic", "structlog", "botocore")}
+    assert not {
+        m for m in modules if m.split(".")[0] in ("s3fs", "fsspec", "pydantic", "structlog", "botocore")
+    }
 
 
 def test_with_the_daemon_gone_the_command_runs_alone(node: Node) -> None:
@@ -326,7 +330,9 @@ def test_another_user_is_refused_even_through_an_open_socket(node: Node) -> None
     assert node.event("restore socket: refused another user")
 
 
-def test_a_client_killed_mid_restore_leaves_nothing_behind(tmp_path: Path, s3_bucket: str, s3_reset: str) -> None:
+def test_a_client_killed_mid_restore_leaves_nothing_behind(
+    tmp_path: Path, s3_bucket: str, s3_reset: str
+) -> None:
     entered, release = threading.Event(), threading.Event()
 
     def hold(data: bytes) -> bytes:
@@ -344,9 +350,9 @@ def test_a_client_killed_mid_restore_leaves_nothing_behind(tmp_path: Path, s3_bu
         node.start()
         try:
             dest = tmp_path / "dest"
+            argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "restore", RUN]
             client = subprocess.Popen(
-                [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config)]
-                + ["restore", RUN, "--to", str(dest)],
+                [*argv, "--to", str(dest)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env=_env(),
@@ -355,7 +361,9 @@ def test_a_client_killed_mid_restore_leaves_nothing_behind(tmp_path: Path, s3_bu
             assert node.event("restore socket: serving")
             client.kill()
             client.wait(timeout=10)
-            assert wait_for(lambda: node.event("restore socket: client went away; cancelling"), 30), node.log()
+            assert wait_for(lambda: node.event("restore socket: client went away; cancelling"), 30), (
+                node.log()
+            )
             release.set()
             assert wait_for(lambda: bool(node.served()), 60), node.log()
             assert node.served()[0]["cancelled"] is True
