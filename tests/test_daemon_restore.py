@@ -8,13 +8,18 @@ leaves nothing in the destination; a daemon running another config is not asked.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import pty
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -209,6 +214,33 @@ def test_prefetch_by_the_daemon_and_its_client_imports_little(node: Node) -> Non
     assert not {
         m for m in modules if m.split(".")[0] in ("s3fs", "fsspec", "pydantic", "structlog", "botocore")
     }
+
+
+def test_on_a_terminal_the_daemon_s_progress_is_drawn(node: Node) -> None:
+    node.start()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "restore", RUN]
+    dest = node.tmp / "tty"
+    proc = subprocess.Popen([*argv, "--to", str(dest)], stdin=slave, stdout=slave, stderr=slave, env=_env())
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0
+    out = b"".join(chunks).decode()
+    lines = out.replace("\r\n", "\n").split("\n")
+    screen = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line.split("\r")[-1]) for line in lines]
+    assert any(line.startswith(f"restore {RUN}@latest: ") and "(100%)" in line for line in screen), out
+    assert str(dest / CKPT) in screen
+    assert len(node.served()) == 1
 
 
 def test_with_the_daemon_gone_the_command_runs_alone(node: Node) -> None:
