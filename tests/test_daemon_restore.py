@@ -8,6 +8,7 @@ leaves nothing in the destination; a daemon running another config is not asked.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -200,6 +201,11 @@ def test_prefetch_by_the_daemon_and_its_client_imports_little(node: Node) -> Non
     assert doc["from_tier"] == "cold" and doc["step"] == STEP
     again = node.cli("prefetch", RUN, "--json", "--no-daemon")  # now in hot: kept as it is
     assert json.loads(again.stdout)["from_tier"] is None
+    subprocess.run(["rm", "-rf", str(node.hot / RUN)], check=True)
+    alone = node.cli("prefetch", RUN, "--json", "--no-daemon")
+    assert alone.returncode == 0, alone.stderr
+    assert {**json.loads(alone.stdout), "seconds": 0} == {**doc, "seconds": 0}  # all but the timing
+    assert list(json.loads(alone.stdout)) == list(doc)
     # The thin client: a restore served by the daemon never loads the heavy libraries.
     timed = subprocess.run(
         [*_CLI, "--config", str(node.config), "restore", RUN, "--to", str(node.tmp / "thin")],
@@ -243,6 +249,15 @@ def test_on_a_terminal_the_daemon_s_progress_is_drawn(node: Node) -> None:
     assert len(node.served()) == 1
 
 
+def test_prefetch_after_the_hot_copy_was_removed_behind_the_index_fetches_it_again(node: Node) -> None:
+    assert node.cli("prefetch", RUN, "--no-daemon").returncode == 0
+    subprocess.run(["rm", "-rf", str(node.hot / RUN)], check=True)  # the index still lists it in hot
+    got = node.cli("prefetch", RUN, "--json", "--no-daemon")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["from_tier"] == "cold"
+    assert _tree(node.hot / RUN / CKPT) == node.original
+
+
 def test_with_the_daemon_gone_the_command_runs_alone(node: Node) -> None:
     proc = node.start()
     proc.send_signal(signal.SIGTERM)
@@ -266,7 +281,9 @@ def _ask(path: Path, payload: bytes) -> dict[str, Any] | None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
         s.connect(str(path))
-        s.sendall(payload)
+        # Answered (and closed) before all of it was read: the answer is queued all the same.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(payload)
         data = b""
         while b"\n" not in data:
             chunk = s.recv(65536)
@@ -316,7 +333,7 @@ def test_bad_requests_get_an_error_and_the_daemon_goes_on_serving(node: Node) ->
 
 
 def test_a_daemon_running_another_config_is_not_used(node: Node, s3_reset: str) -> None:
-    node.start()
+    proc = node.start()
     other = node.write_config(node.tmp / "other.toml", s3_reset)  # the same text, another file
     assert other.read_text() == node.config.read_text()
     got = node.cli("restore", RUN, "--to", "a", "--json", config=other)
@@ -329,6 +346,15 @@ def test_a_daemon_running_another_config_is_not_used(node: Node, s3_reset: str) 
         "the daemon runs another config"
     ] * 2
     assert _tree(node.tmp / "a" / CKPT) == _tree(node.tmp / "b" / CKPT) == node.original
+    # Its own file, edited but not reloaded yet: not what the daemon runs. Reloaded: served again.
+    with node.config.open("a") as f:
+        f.write("# edited\n")
+    assert node.cli("restore", RUN, "--to", "c", "--json").returncode == 0
+    assert node.served() == [] and len(node.events("restore socket: declined")) == 3
+    proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: node.event("config reloaded: nothing changed"), 60), node.log()
+    assert node.cli("restore", RUN, "--to", "d", "--json").returncode == 0
+    assert [e["exit"] for e in node.served()] == [0]
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
@@ -338,7 +364,7 @@ def test_another_user_is_refused_even_through_an_open_socket(node: Node) -> None
     dirfd = os.open(node.socket.parent, os.O_RDONLY | os.O_DIRECTORY)
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: become nobody, then connect (SO_PEERCRED records who connected)
+    if pid == 0:  # the child: become nobody, connect (SO_PEERCRED records who connected), read the answer
         code = 1
         try:
             os.setgid(65534)
@@ -346,9 +372,10 @@ def test_another_user_is_refused_even_through_an_open_socket(node: Node) -> None
             with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(30)
                 s.connect(f"/proc/self/fd/{dirfd}/{node.socket.name}")
-                s.sendall(b"{}\n")
                 os.write(write_end, s.recv(4096))
             code = 0
+        except BaseException as exc:
+            os.write(write_end, repr(exc).encode())
         finally:
             os._exit(code)
     os.close(write_end)
@@ -357,7 +384,7 @@ def test_another_user_is_refused_even_through_an_open_socket(node: Node) -> None
     while chunk := os.read(read_end, 4096):
         answer += chunk
     os.close(read_end)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, answer
     assert json.loads(answer) == {"event": "error", "message": "refused: only the daemon's user and group"}
     assert node.event("restore socket: refused another user")
 

@@ -300,7 +300,12 @@ def _restore_row(
         in_place = hot.local_path / run
         if target.resolve() == in_place.resolve():
             storage = TierStorage(hot.to_spec(), hot=True)
-            if not storage.verify(manifest, deep=False):
+            try:
+                intact = not storage.verify(manifest, deep=False)
+            except StorageError as exc:  # the run dir went since it was cataloged: the next tier
+                log.warning("hot copy unreadable; restoring from the next tier", run=run, error=str(exc))
+                intact = False
+            if intact:
                 return Restored(in_place / row.name, run, row.step, row.name, None, total)
     errors = []
     for tier in order:
