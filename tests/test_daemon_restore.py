@@ -249,6 +249,25 @@ def test_on_a_terminal_the_daemon_s_progress_is_drawn(node: Node) -> None:
     assert len(node.served()) == 1
 
 
+def test_the_prologs_prestage_is_served_by_the_daemon(node: Node) -> None:
+    node.start()
+    bin_dir = node.tmp / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "scontrol"  # the job's controller record: it resumes RUN
+    stub.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1 $2 $3" = "-o show job" ] && echo "JobId=$4 JobState=RUNNING Comment=ckptkeeper:resume={RUN}"\n'
+    )
+    stub.chmod(0o755)
+    env = {**_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "n1"}
+    got = node.cli("job", "start", "--json", env=env)
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert doc["errors"] == [] and [(p["run"], p["from_tier"]) for p in doc["prestaged"]] == [(RUN, "cold")]
+    assert [(e["op"], e["exit"]) for e in node.served()] == [("prefetch", 0)]
+    assert _tree(node.hot / RUN / CKPT) == node.original
+
+
 def test_prefetch_after_the_hot_copy_was_removed_behind_the_index_fetches_it_again(node: Node) -> None:
     assert node.cli("prefetch", RUN, "--no-daemon").returncode == 0
     subprocess.run(["rm", "-rf", str(node.hot / RUN)], check=True)  # the index still lists it in hot
