@@ -408,9 +408,12 @@ def test_another_user_is_refused_even_through_an_open_socket(node: Node) -> None
     assert node.event("restore socket: refused another user")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_client_killed_mid_restore_leaves_nothing_behind(
-    tmp_path: Path, s3_bucket: str, s3_reset: str
+    tmp_path: Path, s3_bucket: str, s3_reset: str, sig: signal.Signals
 ) -> None:
+    """kill -9: the daemon sees the connection close and cleans up. Ctrl-C: the client also waits
+    for that before it exits (1, "Aborted!", as a restore run alone does)."""
     entered, release = threading.Event(), threading.Event()
 
     def hold(data: bytes) -> bytes:
@@ -430,19 +433,19 @@ def test_a_client_killed_mid_restore_leaves_nothing_behind(
             dest = tmp_path / "dest"
             argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "restore", RUN]
             client = subprocess.Popen(
-                [*argv, "--to", str(dest)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=_env(),
+                [*argv, "--to", str(dest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()
             )
             assert entered.wait(60), node.log()
             assert node.event("restore socket: serving")
-            client.kill()
-            client.wait(timeout=10)
+            client.send_signal(sig)
             assert wait_for(lambda: node.event("restore socket: client went away; cancelling"), 30), (
                 node.log()
             )
             release.set()
+            _out, err = client.communicate(timeout=60)
+            if sig == signal.SIGINT:
+                assert client.returncode == 1 and b"Aborted!" in err
+                assert node.served() and node.served()[0]["cancelled"] is True  # before it exited
             assert wait_for(lambda: bool(node.served()), 60), node.log()
             assert node.served()[0]["cancelled"] is True
             assert not dest.exists() or os.listdir(dest) == []  # no checkpoint, no staging

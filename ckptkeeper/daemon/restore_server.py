@@ -175,6 +175,8 @@ class RestoreServer:
         try:
             with conn:
                 self._serve(conn)
+        except OSError as exc:  # the client went away before its answer: nothing was started
+            log.info("restore socket: client gone", error=str(exc))
         except Exception:  # one connection's failure never reaches the daemon
             log.exception("restore socket: connection failed")
 
