@@ -457,3 +457,15 @@ def test_a_client_killed_mid_restore_leaves_nothing_behind(
         finally:
             release.set()
             node.kill_all()
+
+
+def test_the_thin_clients_defaults_are_the_configs() -> None:
+    """The client finds the socket without loading the config module (pydantic): its copies of
+    the defaults must be the config's."""
+    from ckptkeeper import config, config_checks
+    from ckptkeeper.daemon import wire
+
+    assert str(config.DEFAULT_CONFIG_PATH) == wire.DEFAULT_CONFIG_PATH
+    assert wire.CONFIG_ENV == config.CONFIG_ENV
+    assert wire.ENV_PREFIX == config_checks.ENV_PREFIX
+    assert config.Settings.model_fields["index"].default == wire.DEFAULT_INDEX
