@@ -15,6 +15,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -266,6 +267,40 @@ def test_the_prologs_prestage_is_served_by_the_daemon(node: Node) -> None:
     assert doc["errors"] == [] and [(p["run"], p["from_tier"]) for p in doc["prestaged"]] == [(RUN, "cold")]
     assert [(e["op"], e["exit"]) for e in node.served()] == [("prefetch", 0)]
     assert _tree(node.hot / RUN / CKPT) == node.original
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1) for a mount namespace",
+)
+def test_a_client_in_another_mount_namespace_is_served_only_where_both_see_the_same_directory(
+    node: Node,
+) -> None:
+    node.start()
+    private = node.tmp / "private"  # a tmpfs only the client's namespace has
+    private.mkdir()
+    cli = f"{sys.executable} -m ckptkeeper.cli --config {node.config} restore {RUN} --json"
+    script = (
+        f"mount -t tmpfs none {private} && {cli} --to {private}/r > {node.tmp}/private.json && "
+        f"test -f {private}/r/{CKPT}/model.bin && {cli} --to {node.tmp}/shared > {node.tmp}/shared.json"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    assert not (private / "r").exists()  # it went to the client's tmpfs, restored by the client itself
+    assert [e["reason"] for e in node.events("restore socket: declined")] == [
+        "the destination is another directory in the daemon's mount namespace"
+    ]
+    assert [e["to"] for e in node.served()] == [f"{node.tmp}/shared"]
+    assert _tree(node.tmp / "shared" / CKPT) == node.original
+    private_doc = json.loads((node.tmp / "private.json").read_text())
+    shared_doc = json.loads((node.tmp / "shared.json").read_text())
+    assert {**private_doc, "path": None} == {**shared_doc, "path": None}
 
 
 def test_prefetch_after_the_hot_copy_was_removed_behind_the_index_fetches_it_again(node: Node) -> None:

@@ -7,9 +7,9 @@ opening, the same locks and fallbacks, the same checks of every byte) with the d
 streams progress back and ends with the result the CLI prints.
 
 Who may ask: only a process of the daemon's own user and group (``SO_PEERCRED``; the socket is
-0600), in the daemon's mount namespace, with the daemon's umask, the daemon's ckptkeeper version and
-the very config the daemon runs (its file's bytes and every ``CKPTKEEPER_*`` variable,
-:func:`.wire.config_identity`). Anything else is declined and the client runs the command itself.
+0600) with the daemon's umask, the daemon's ckptkeeper version and the very config the daemon runs
+(its file's bytes and every ``CKPTKEEPER_*`` variable, :func:`.wire.config_identity`), restoring
+into a directory that is the same for both (another mount namespace: :func:`_same_place`). Anything else is declined and the client runs the command itself.
 A request is untrusted input (:func:`.wire.parse_request`); a bad one gets an error and the
 connection closes; no request's failure reaches the daemon. A client that goes away (killed,
 Ctrl-C) cancels its request: the fetch stops at its next chunk and removes its staging directory,
@@ -219,12 +219,12 @@ class RestoreServer:
             return None, f"the daemon runs ckptkeeper {__version__}"
         if request.umask is None or request.umask != self._umask:
             return None, "another umask than the daemon's"
-        ns = _mount_ns(str(pid))
-        if ns is not None and ns != self._mnt_ns:
-            return None, "another mount namespace than the daemon's"
         settings = self._served(request.config)
         if settings is None:
             return None, "the daemon runs another config"
+        where = request.to if request.to is not None else str(settings.hot.local_path)
+        if _mount_ns(str(pid)) != self._mnt_ns and not _same_place(pid, where):
+            return None, "the destination is another directory in the daemon's mount namespace"
         return settings, ""
 
     def _run(self, conn: socket.socket, request: Request, settings: Settings, pid: int) -> None:
@@ -328,6 +328,33 @@ def _mount_ns(pid: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _same_place(pid: int, path: str) -> bool:
+    """``path`` (or its nearest existing ancestor) is the same directory for the client ``pid``
+    (seen through ``/proc/<pid>/root``) and for the daemon, and the daemon may write there.
+
+    A daemon in a namespace of its own (systemd's ``ProtectSystem``, ``PrivateTmp``) sees its
+    tier roots as everyone does, but not ``/tmp`` or a read-only ``/home``: a restore there would
+    land elsewhere or fail, so the client runs it itself."""
+    probe = os.path.normpath(path)
+    while True:
+        try:
+            theirs = os.stat(f"/proc/{pid}/root{probe}")
+        except FileNotFoundError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return False
+            probe = parent
+            continue
+        except OSError:
+            return False  # their view is not ours to see (hidepid, another user): no
+        try:
+            ours = os.stat(probe)
+        except OSError:
+            return False
+        same = (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+        return same and os.access(probe, os.W_OK)
 
 
 def _bind_private(path: str) -> socket.socket:
