@@ -10,6 +10,7 @@ BENCHMARKS = (
     "upload_resume",
     "prune_e2e",
     "restore_s3",
+    "restore_daemon",
     "hook_latency",
     "planning",
     "daemon_idle",

@@ -298,6 +298,9 @@ class DaemonConfig(_Strict):
     """Where the daemon's log lines go: stderr (systemd's journal, a terminal) or stdout (a
     container, whose runtime keeps stdout as the pod's log). Other commands always log to stderr:
     their stdout is their output."""
+    serve_restores: bool = True
+    """Serve this node's ``restore`` and ``prefetch`` commands (same user, same config) in the
+    daemon's process, over the socket ``<index>.daemon.sock``: no start-up cost per command."""
 
     @field_validator("metrics_addr")
     @classmethod

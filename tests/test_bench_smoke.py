@@ -130,3 +130,23 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
         "restore from S3 (SeaweedFS), 4 small files, 5 MiB (wall, whole process)",
     ], metrics
     assert metrics.count("  same, against the one-GET-per-object restore (wall)") == 2
+
+
+def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_alone(tmp_path: Path) -> None:
+    """bench/restore_daemon.py: the same CLI restore, served by a running daemon and with
+    --no-daemon (it fails unless the daemon's log shows every served restore)."""
+    out = tmp_path / "bench.json"
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "restore_daemon", "--json", str(out)]
+    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    metrics = [row["metric"] for row in doc["rows"]]
+    assert metrics[0].startswith("restore of a small checkpoint") and metrics[0].endswith(
+        "served by the daemon (wall, whole CLI process)"
+    )
+    assert metrics[1] == "  same, client CPU"
+    assert all(row["ours"] is not None and row["baseline"] is not None for row in doc["rows"])

@@ -10,6 +10,7 @@ else another node's copy in a shared tier.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +42,19 @@ class Prefetched:
 
 
 def prefetch(
-    settings: Settings, index: Index, run: str, *, step: str | int = "latest", part: int | None = None
+    settings: Settings,
+    index: Index,
+    run: str,
+    *,
+    step: str | int = "latest",
+    part: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Prefetched:
     """Bring ``run@step`` into ``<hot>/<run>``; LookupError when no tier has it verified.
 
     With ``part``: a node that still holds that part of the newest checkpoint, verified, in its
     hot tier (a 2-node job requeued onto the same nodes) keeps it; else part ``part`` is fetched
-    from the shared tiers."""
+    from the shared tiers. ``progress(done, total)`` as in :func:`.restore.restore_to`."""
     started = time.monotonic()
     target = settings.hot.local_path / run
     if target.is_dir():
@@ -55,7 +62,7 @@ def prefetch(
         if part is not None and _own_part_in_hot(settings, index, run, step, part):
             part = None  # the in-place path below returns the hot copy itself
     fresh = not target.exists()
-    got = restore_to(settings, index, run, step, target, part=part, own_part=part is None)
+    got = restore_to(settings, index, run, step, target, part=part, own_part=part is None, progress=progress)
     if got.tier is not None:  # the copy is now a hot checkpoint of the run
         Catalog(_settled_now(settings) if fresh else settings, index).reconcile_run(run)
     return Prefetched(run, got.step, got.path, got.tier, got.bytes, time.monotonic() - started)

@@ -175,6 +175,22 @@ class Restored:
     count: int | None = None
     """Its number of parts (all of them are in ``path`` unless ``--part`` chose one)."""
 
+    def to_json(self) -> dict[str, Any]:
+        """What ``restore --json`` prints (run locally or by the daemon alike)."""
+        doc: dict[str, Any] = {
+            "run": self.run,
+            "step": self.step,
+            "name": self.name,
+            "path": str(self.path),
+            "from_tier": self.tier,
+            "bytes": self.bytes,
+            "skipped": [{"step": s, "error": why} for s, why in self.skipped],
+        }
+        if self.parts is not None:  # a checkpoint spanning nodes: which parts, from which nodes
+            doc["count"] = self.count
+            doc["parts"] = [{"part": k, "node": n, "bytes": b} for k, n, b in self.parts]
+        return doc
+
 
 def _latest_candidates(index: Index, run: str) -> list[CheckpointRow]:
     """Every complete checkpoint with a verified copy, newest first (``latest`` and its fallbacks)."""
@@ -284,7 +300,12 @@ def _restore_row(
         in_place = hot.local_path / run
         if target.resolve() == in_place.resolve():
             storage = TierStorage(hot.to_spec(), hot=True)
-            if not storage.verify(manifest, deep=False):
+            try:
+                intact = not storage.verify(manifest, deep=False)
+            except StorageError as exc:  # the run dir went since it was cataloged: the next tier
+                log.warning("hot copy unreadable; restoring from the next tier", run=run, error=str(exc))
+                intact = False
+            if intact:
                 return Restored(in_place / row.name, run, row.step, row.name, None, total)
     errors = []
     for tier in order:

@@ -346,28 +346,40 @@ def job_pass(app: Context, job_id: str, ended: float, reap: tuple[str, ...], pus
     "--part", type=click.IntRange(min=0), default=None, help="Only part K of a checkpoint spanning nodes."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was fetched as JSON.")
+@click.option(
+    "--no-daemon",
+    is_flag=True,
+    help="Fetch in this process even when this node's daemon could do it.",
+)
 @pass_ctx
-def prefetch(app: Context, run: str, step: str, part: int | None, as_json: bool) -> None:
+def prefetch(app: Context, run: str, step: str, part: int | None, as_json: bool, no_daemon: bool) -> None:
     """Bring RUN's latest verified checkpoint into this node's hot tier (for schedulers without
-    hooks: ``srun --ntasks-per-node=1 ckptkeeper prefetch RUN`` before training)."""
-    from ckptkeeper.actions.prefetch import prefetch as do_prefetch
-
+    hooks: ``srun --ntasks-per-node=1 ckptkeeper prefetch RUN`` before training). This node's
+    daemon does the work when it runs the same config, unless --no-daemon."""
     wanted: str | int = step
     if step != "latest":
         try:
             wanted = int(step)
         except ValueError:
             fail(f"--step must be a number or 'latest', not {step!r}")
-    with app.index(rebuild=True) as ix:  # it writes: a node without an index gets one
-        try:
-            got = do_prefetch(app.settings, ix, run, step=wanted, part=part)
-        except LookupError as exc:
-            fail(str(exc), EXIT_ACTION_FAILED)
+    doc = None
+    if not no_daemon and (wanted == "latest" or int(wanted) >= 0):
+        from ckptkeeper.cli.restore import by_daemon
+
+        doc = by_daemon(app, "prefetch", {"run": run, "step": wanted, "part": part}, None)
+    if doc is None:
+        from ckptkeeper.actions.prefetch import prefetch as do_prefetch
+
+        with app.index(rebuild=True) as ix:  # it writes: a node without an index gets one
+            try:
+                doc = do_prefetch(app.settings, ix, run, step=wanted, part=part).to_json()
+            except LookupError as exc:
+                fail(str(exc), EXIT_ACTION_FAILED)
     if as_json:
-        emit_json(got.to_json())
+        emit_json(doc)
     else:
-        where = "already in the hot tier" if got.from_tier is None else f"from {got.from_tier}"
-        click.echo(f"{run}@{got.step}: {got.path} ({where}, {got.seconds:.1f}s)")
+        where = "already in the hot tier" if doc["from_tier"] is None else f"from {doc['from_tier']}"
+        click.echo(f"{run}@{doc['step']}: {doc['path']} ({where}, {doc['seconds']:.1f}s)")
 
 
 COMMANDS = [job, prefetch]

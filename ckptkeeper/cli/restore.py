@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,11 @@ class _StepType(click.ParamType):
     help="A checkpoint spanning nodes: fetch only part K (from 0) instead of every part.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print where it went as JSON.")
+@click.option(
+    "--no-daemon",
+    is_flag=True,
+    help="Run the restore in this process even when this node's daemon could serve it.",
+)
 @pass_ctx
 def restore(
     app: Context,
@@ -69,15 +76,17 @@ def restore(
     node: str | None,
     part: int | None,
     as_json: bool,
+    no_daemon: bool,
 ) -> None:
     """Materialise a checkpoint from whichever tier holds it, verified.
 
     --step best without --metric takes the framework's own record of its best checkpoint (HF
     best_model_checkpoint, Lightning best_model_path), else the first tier's `metric`. On a
     terminal, stderr shows bytes, rate and ETA while it copies. A checkpoint spanning nodes is
-    gathered whole from the shared tiers (every part), or only --part K.
+    gathered whole from the shared tiers (every part), or only --part K. When this node's daemon
+    runs the same config, it does the work (no start-up cost here); else, or with --no-daemon, this
+    process does.
     """
-    from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
     from ckptkeeper.cli.progress import terminal_progress
 
     bar = terminal_progress()
@@ -89,6 +98,15 @@ def restore(
 
     if (metric is not None or mode is not None) and step != "best":
         fail("--metric and --mode only apply to --step best", EXIT_USAGE)
+    if not no_daemon:
+        args = {"run": run, "step": step, "to": _absolute(to), "metric": metric, "mode": mode}
+        args |= {"node": node, "part": part}
+        served = by_daemon(app, "restore", args, progress if bar is not None else None, to)
+        if served is not None:
+            _print_restored(served, run, as_json)
+            return
+    from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
+
     with app.index() as ix:
         try:
             restored = restore_to(
@@ -105,28 +123,67 @@ def restore(
             )
         except LookupError as exc:
             fail(str(exc), EXIT_ACTION_FAILED)
-    for skipped_step, why in restored.skipped:
+    _print_restored(restored.to_json(), run, as_json)
+
+
+def _print_restored(doc: dict[str, Any], run: str, as_json: bool) -> None:
+    for skipped in doc["skipped"]:
         click.echo(
-            f"ckptkeeper: warning: {run}@{skipped_step} has no verified copy left ({why}); "
-            f"restored the previous checkpoint, {run}@{restored.step}",
+            f"ckptkeeper: warning: {run}@{skipped['step']} has no verified copy left ({skipped['error']}); "
+            f"restored the previous checkpoint, {run}@{doc['step']}",
             err=True,
         )
     if as_json:
-        doc: dict[str, Any] = {
-            "run": restored.run,
-            "step": restored.step,
-            "name": restored.name,
-            "path": str(restored.path),
-            "from_tier": restored.tier,
-            "bytes": restored.bytes,
-            "skipped": [{"step": s, "error": why} for s, why in restored.skipped],
-        }
-        if restored.parts is not None:  # a checkpoint spanning nodes: which parts, from which nodes
-            doc["count"] = restored.count
-            doc["parts"] = [{"part": k, "node": n, "bytes": b} for k, n, b in restored.parts]
         emit_json(doc)
     else:
-        click.echo(str(restored.path))
+        click.echo(doc["path"])
+
+
+def _absolute(to: str) -> str | None:
+    """``to`` as the daemon must see it: joined to our working directory (not normalised: the
+    kernel resolves ``..`` and symlinks for the daemon exactly as it would for us)."""
+    if os.path.isabs(to):
+        return to
+    try:
+        return os.path.join(os.getcwd(), to)
+    except OSError:
+        return None  # no working directory: not expressible, run here
+
+
+def by_daemon(
+    app: Context,
+    op: str,
+    args: dict[str, Any],
+    progress: Callable[[int, int], None] | None,
+    to: str | None = None,
+) -> dict[str, Any] | None:
+    """The result document of ``op`` run by this node's daemon (a failure exits as it would
+    here); None: no daemon served it, run it here. ``to``: restore's ``--to`` as given."""
+    if "to" in args and args["to"] is None:
+        return None
+    from ckptkeeper.daemon.client import call
+
+    served = call(app.config_path, op, args, progress=progress)
+    if served is None:
+        return None
+    if served.exit != EXIT_OK or served.doc is None:
+        message = served.message or "the daemon failed without a reason"
+        fail(_as_given(message, to), served.exit or EXIT_ACTION_FAILED)
+    doc = served.doc
+    if to is not None and doc.get("from_tier") is not None and isinstance(doc.get("path"), str):
+        # The hot copy returned in place (from_tier null) is named by the hot tier, not by --to.
+        doc = {**doc, "path": _as_given(doc["path"], to)}
+    return doc
+
+
+def _as_given(text: str, to: str | None) -> str:
+    """The daemon restored into ``to`` made absolute: name paths under it as a restore run here
+    does, under ``to`` as given (relative stays relative)."""
+    if to is None or os.path.isabs(to):
+        return text
+    base = str(Path(os.path.join(os.getcwd(), to)))
+    given = str(Path(to) / "_")[:-1]  # "out/" for "out", "" for "." (as Path(to) / name reads)
+    return text.replace(base + os.sep, given)
 
 
 @click.command()

@@ -12,6 +12,8 @@ Threads, and why each exists:
   (:mod:`.schedule`);
 - the Prometheus endpoint (with ``/healthz`` and ``/readyz`` for Kubernetes probes) and the
   systemd watchdog pinger;
+- the restore socket (:mod:`.restore_server`): this node's ``restore`` and ``prefetch`` commands
+  run here, a thread per request, instead of paying the start-up in each command;
 - the main thread, which only handles signals: SIGTERM/SIGINT stop (the running job sees
   :attr:`Daemon.stopping` and finishes its current step), SIGHUP reloads the config.
 
@@ -60,6 +62,7 @@ from ckptkeeper.util.logs import get_logger
 # a daemon still importing at start-up must stop it cleanly (exit 0, STOPPING=1), not kill it.
 if TYPE_CHECKING:
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
+    from ckptkeeper.daemon.restore_server import RestoreServer
     from ckptkeeper.index import Index
     from ckptkeeper.ingest.report import ReconcileReport
     from ckptkeeper.ingest.watcher import Watcher
@@ -101,6 +104,10 @@ class Daemon(PruneJob):
         self.pinger: WatchdogPinger | None = None
         self._reconcile_lock = threading.Lock()
         self._last_watcher_restart = 0.0
+        self.restore_server: RestoreServer | None = None
+        self._served: tuple[str | None, Settings] = (_config_identity(config_path), settings)
+        """(identity of the config file and environment, the settings built from them): the restore
+        socket serves a client only when its config has the same identity."""
 
     # -- entry point -----------------------------------------------------------------------
 
@@ -216,6 +223,7 @@ class Daemon(PruneJob):
             self.scheduler = self._make_scheduler()
             self.scheduler.start()
             self._starting = False
+            self._serve_restores(settings)
             notify("READY=1\n" + self._status_line())
             log.info("ready", observer="polling" if self.watcher.polling else "inotify")
             self._main_loop()
@@ -242,6 +250,7 @@ class Daemon(PruneJob):
         notify("STOPPING=1")
         log.info("stopping")
         self.stopping.set()
+        self._stop_restore_server()
         if self.pinger is not None:
             self.pinger.stop()
         if self.scheduler is not None and self.scheduler.running:
@@ -269,6 +278,34 @@ class Daemon(PruneJob):
             log.error("cannot serve metrics", addr=addr, error=str(exc))
             return False
         return True
+
+    def _serve_restores(self, settings: Settings) -> None:
+        """Start the restore socket if the config asks for it; a socket that cannot be made is
+        logged, and the commands run on their own as without a daemon."""
+        if not settings.daemon.serve_restores or self.restore_server is not None:
+            return
+        from ckptkeeper.daemon.restore_server import RestoreServer
+        from ckptkeeper.daemon.wire import socket_path
+
+        server = RestoreServer(socket_path(settings.index), self.settings_for)
+        try:
+            server.start()
+        except OSError as exc:
+            log.error(
+                "cannot serve restores; the commands run on their own", socket=server.path, error=str(exc)
+            )
+            return
+        self.restore_server = server
+
+    def _stop_restore_server(self) -> None:
+        server, self.restore_server = self.restore_server, None
+        if server is not None:
+            server.stop()
+
+    def settings_for(self, identity: str) -> Settings | None:
+        """The running settings when ``identity`` is their config's (restore socket requests)."""
+        current, settings = self._served
+        return settings if current is not None and identity == current else None
 
     def _make_watcher(self, settings: Settings) -> Watcher:
         from ckptkeeper.ingest.catalog import Catalog
@@ -477,6 +514,7 @@ class Daemon(PruneJob):
 
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
+            before = _config_identity(self.config_path)
             try:
                 new = load_settings(self.config_path)
                 parse_addr(new.daemon.metrics_addr)
@@ -494,6 +532,9 @@ class Daemon(PruneJob):
                 )
                 return False
             changes = config_changes(old, new)
+            after = _config_identity(self.config_path)
+            # An edit between the two reads: serve no client until the next reload.
+            self._served = (before if before == after else None, new if changes else old)
             if self.watcher is not None:
                 # SIGHUP doubles as "look again": the one way to force a full reconcile in place.
                 self.watcher.request_full()
@@ -512,6 +553,11 @@ class Daemon(PruneJob):
                 with self._reconcile_lock:
                     self.watcher.catalog = Catalog(new, self.index)
             self._reschedule(old, new)
+            if new.daemon.serve_restores != old.daemon.serve_restores:
+                if new.daemon.serve_restores:
+                    self._serve_restores(new)
+                else:
+                    self._stop_restore_server()
             if self.metrics is not None:
                 self.metrics.collector.set_settings(new)
                 if new.daemon.metrics_addr != old.daemon.metrics_addr:
@@ -590,6 +636,13 @@ class Daemon(PruneJob):
         g = GaugeMetricFamily("ckptkeeper_watcher_up", "1 if the observer and the watcher worker are running")
         g.add_metric([], 1 if watcher is not None and watcher.is_alive() else 0)
         yield g
+
+
+def _config_identity(config_path: str | None) -> str | None:
+    from ckptkeeper.daemon.wire import config_identity
+
+    identity = config_identity(config_path)
+    return None if identity is None else identity[0]
 
 
 def run_daemon(config_path: str | None, settings: Settings) -> int:
