@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckptkeeper.actions.index import read_freeze
+from ckptkeeper.actions.pruning import hot_once
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.ingest.catalog import Catalog
@@ -42,8 +43,11 @@ class NoCatalog(CatalogStep):
 
 class FullReconcile(CatalogStep):
     def catalog(self, state: PassState) -> None:
-        state.catalog = Catalog(state.settings, state.index)
+        defer = hot_once.applies(state)  # new checkpoints moved this pass: hashed while copied
+        state.catalog = Catalog(state.settings, state.index, defer_new=defer)
         state.report = state.catalog.reconcile()
+        if defer:
+            hot_once.resolve(state, state.catalog, state.report)
         state.damaged = state.report.damaged
 
     def after_execute(self, state: PassState, result: ExecResult) -> None:
