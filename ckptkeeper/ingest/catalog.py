@@ -412,7 +412,9 @@ class Catalog:
         ]
         return self._manifest(d.cand, entries, d.metrics, created_at=d.created_at, part=d.part)
 
-    def record_deferred(self, d: Deferred, manifest: Manifest | None, report: ReconcileReport) -> int | None:
+    def record_deferred(
+        self, d: Deferred, manifest: Manifest | None, *, report: ReconcileReport
+    ) -> int | None:
         """Record a deferred checkpoint: with ``manifest`` (hashed while it was copied, by the
         fingerprints the catalog took), or hashed now in place (``None``). Joins the caller's
         transaction; returns the checkpoint's row id (None if it could not be recorded)."""

@@ -26,6 +26,8 @@ loss. Not used in a dry run, nor with a shared tier (its lease decides who copie
 
 from __future__ import annotations
 
+import functools
+
 from ckptkeeper.actions.pruning.planning import _plan, one_per_step
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.actions.status import tier_usage
@@ -70,12 +72,15 @@ def resolve(state: PassState, catalog: Catalog, report: ReconcileReport) -> None
         stopped = state.stop is not None and state.stop.is_set()
         if action is not None and not stopped:
             try:
-                executor.copy_hashing(
-                    action,
-                    catalog.unhashed_manifest(d),
-                    d.fingerprints,
-                    lambda manifest, d=d: catalog.record_deferred(d, manifest, report),  # type: ignore[misc]
-                )
+                # the reconcile lock first, as every reconcile takes it (the record joins the
+                # executor's transaction and takes it again)
+                with state.index.reconcile_lock:
+                    executor.copy_hashing(
+                        action,
+                        catalog.unhashed_manifest(d),
+                        d.fingerprints,
+                        functools.partial(catalog.record_deferred, d, report=report),
+                    )
                 continue
             except (StorageError, OSError) as exc:
                 log.warning(
@@ -84,7 +89,7 @@ def resolve(state: PassState, catalog: Catalog, report: ReconcileReport) -> None
                     to_tier=action.to_tier,
                     error=str(exc),
                 )
-        catalog.record_deferred(d, None, report)
+        catalog.record_deferred(d, None, report=report)
 
 
 def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred]) -> dict[str, Action]:
