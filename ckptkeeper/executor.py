@@ -45,18 +45,21 @@ Progress = Callable[[Action, int, int], None]
 
 
 class _CrashPoints:
-    """Counts crash points; kills the process with SIGKILL at the configured one (tests only)."""
+    """Counts crash points; kills the process with SIGKILL at the configured one (tests only).
+    The count is the process's: a pass's executors (the catalog's hashing moves, then the plan's)
+    pass their points in the order they run."""
+
+    count = 0
 
     def __init__(self) -> None:
         raw = os.environ.get(CRASH_ENV)
         self.target = int(raw) if raw and raw.isdigit() else None
-        self.count = 0
 
     def hit(self, where: str) -> None:
         if self.target is None:
             return
-        self.count += 1
-        if self.count >= self.target:
+        _CrashPoints.count += 1
+        if _CrashPoints.count >= self.target:
             log.warning("test crash point reached", where=where, count=self.count)
             os.kill(os.getpid(), signal.SIGKILL)
 
