@@ -520,15 +520,12 @@ def _sample_room(settings: Settings, index: Index, sample: int) -> pf.Check:
 
 def _stage_caps(settings: Settings) -> dict[str, list[int | None]]:
     """Stage -> the ``max_rate`` of each tier its copies go into or out of (as :class:`_Pipeline`
-    picks them: cold is the last tier, warm the second of three or more)."""
+    picks them: cold is the last tier, warm the second of three or more). A restore is not capped:
+    the job waits for it (docs/bandwidth.md)."""
     specs = settings.tier_specs()
     hot, cold = specs[0].max_rate, specs[-1].max_rate if len(specs) > 1 else None
     warm = specs[1].max_rate if len(specs) > 2 else None
-    return {
-        "cold_upload": [hot, cold],
-        "warm_move": [hot, warm],
-        "restore": [cold if len(specs) > 1 else hot],
-    }
+    return {"cold_upload": [hot, cold], "warm_move": [hot, warm]}
 
 
 def _median(values: list[float]) -> float:

@@ -13,7 +13,7 @@ import threading
 from ckptkeeper.core.model import TierSpec
 from ckptkeeper.util.throttle import TokenBucket
 
-__all__ = ["reset", "tier_bucket"]
+__all__ = ["install", "reset", "tier_bucket"]
 
 _lock = threading.Lock()
 _buckets: dict[tuple[str, str], TokenBucket] = {}
@@ -30,6 +30,12 @@ def tier_bucket(spec: TierSpec) -> TokenBucket | None:
         if bucket is None or bucket.rate != float(spec.max_rate):
             bucket = _buckets[key] = TokenBucket(spec.max_rate)
         return bucket
+
+
+def install(spec: TierSpec, bucket: TokenBucket) -> None:
+    """Use ``bucket`` for ``spec``'s tier from now on (tests: a bucket on an injected clock)."""
+    with _lock:
+        _buckets[(spec.name, spec.url)] = bucket
 
 
 def reset() -> None:
