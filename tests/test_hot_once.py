@@ -292,3 +292,24 @@ def test_copy_from_with_fingerprints_hashes_while_copying(tmp_path: Path) -> Non
     assert committed.files[0].hash == hash_file(src)[1]
     assert warm.read_manifest(f"{RUN}/{OLD}") == committed
     assert (warm_root / RUN / OLD / "w.bin").read_bytes() == src.read_bytes()
+
+
+def test_a_checkpoint_first_seen_while_written_is_also_read_once(shm: Path, tmp_path: Path) -> None:
+    """A prune (cron) that met the checkpoint mid-write recorded it unhashed; the next one, once
+    it has settled, moves it reading it once."""
+    config, hot, warm = _node(shm, tmp_path)
+    rc, idle, err = _cli_rchar(config, "prune", "--json")
+    assert rc == 0, err
+    digests = _hf(hot / RUN, OLD, 16 << 20, time.time())  # just written: settling
+    assert _cli(config, "prune", "--json").returncode == 0
+    assert _index_versions(tmp_path)[OLD][0] is None and (hot / RUN / OLD).is_dir()
+    _hf(hot / RUN, NEW, 4096, time.time() - 600)
+    for p in [*(hot / RUN / OLD).rglob("*"), hot / RUN / OLD]:
+        os.utime(p, (time.time() - 1200, time.time() - 1200))  # now settled
+    moved = sum(p.stat().st_size for p in (hot / RUN / OLD).iterdir())
+
+    rc, rchar, err = _cli_rchar(config, "prune", "--json")
+
+    assert rc == 0, err
+    _assert_moved_exactly(tmp_path, hot, warm, digests)
+    assert rchar - idle <= 1.1 * moved, (rchar, idle, moved)

@@ -15,7 +15,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ckptkeeper.config import Settings
@@ -25,10 +25,9 @@ from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import hookfiles, layouts
+from ckptkeeper.ingest.deferred import Deferred, fingerprints
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
 from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot, record_trash
-from ckptkeeper.util import fingerprint
-from ckptkeeper.util.fingerprint import Fingerprint
 from ckptkeeper.util.hashing import hash_file
 from ckptkeeper.util.logs import get_logger
 
@@ -210,7 +209,12 @@ class Catalog:
                 existing.get(cand.name), cand, hot, self._written(cand)
             ):
                 continue
-            later = self._defer(run_dir, cand, commit, part, now) if cand.name not in existing else None
+            known = existing.get(cand.name)
+            later = (
+                self._defer(run_dir, cand, commit, part, now)
+                if known is None or known.version is None
+                else None
+            )
             if later is not None:
                 self.deferred.append(later)
                 deferred.add(cand.name)
@@ -219,6 +223,7 @@ class Catalog:
         with self.index.transaction():
             for cand, commit, part in managed:
                 if cand.name in deferred:
+                    existing.pop(cand.name, None)  # never hashed (seen while written): not removed
                     continue  # recorded by record_deferred, hashed
                 row = existing.pop(cand.name, None)
                 self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
@@ -386,18 +391,9 @@ class Catalog:
         (not a regular file, or changed too recently: see :func:`fingerprint.settled`)."""
         if not self.defer_new:
             return None
-        base = run_dir / cand.name
-        taken = time.time_ns()
-        prints: dict[str, Fingerprint] = {}
-        for rel in cand.files:
-            try:
-                st = os.lstat(base / rel if rel else base)
-            except OSError:
-                return None
-            fp = fingerprint.of(st)
-            if not stat.S_ISREG(st.st_mode) or not fingerprint.settled(fp, taken):
-                return None
-            prints[rel] = fp
+        prints = fingerprints(run_dir / cand.name, cand.files)
+        if prints is None:
+            return None
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
         created_at = commit.time if commit else _sane_time(cand.last_write)
         return Deferred(run_dir, cand, commit, part, now, prints, metrics, created_at)
@@ -644,26 +640,6 @@ class Catalog:
             for tier in self.settings.tiers[1:]:
                 report.merge(self.reconcile_tier(tier.name))
         return report
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A new complete checkpoint the catalog saw but did not hash (:attr:`Catalog.defer_new`)."""
-
-    run_dir: Path
-    cand: layouts.Candidate
-    commit: protocol.Commit | None
-    part: NodePart | None
-    now: float
-    """The reconcile's clock, which judged it complete."""
-    fingerprints: dict[str, Fingerprint]
-    """File path in the checkpoint -> its fingerprint when the catalog saw it."""
-    metrics: dict[str, float]
-    created_at: float
-
-    @property
-    def path(self) -> str:
-        return f"{self.cand.run}/{self.cand.name}"
 
 
 def _unchanged_in_hot(row: CheckpointRow | None, cand: layouts.Candidate, hot: str, written: float) -> bool:

@@ -32,7 +32,7 @@ from ckptkeeper.actions.pruning.planning import _plan, one_per_step
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.actions.status import tier_usage
 from ckptkeeper.core.model import Action, ActionKind, Plan
-from ckptkeeper.executor import Executor
+from ckptkeeper.executor import Executor, Progress
 from ckptkeeper.ingest.catalog import Catalog, Deferred
 from ckptkeeper.ingest.report import ReconcileReport
 from ckptkeeper.storage import LocalTierStorage, StorageError
@@ -51,7 +51,9 @@ def applies(state: PassState) -> bool:
     return any(t.is_local for t in tiers[1:])
 
 
-def resolve(state: PassState, catalog: Catalog, report: ReconcileReport) -> None:
+def resolve(
+    state: PassState, catalog: Catalog, report: ReconcileReport, *, progress: Progress | None = None
+) -> None:
     """Record every checkpoint ``catalog`` deferred: hashed while moved when the plan moves it,
     hashed in place otherwise. Always records them all (a failure of one step falls back to
     hashing in place), so the plan sees every checkpoint the catalog found."""
@@ -64,13 +66,15 @@ def resolve(state: PassState, catalog: Catalog, report: ReconcileReport) -> None
         copies = _what_if_copies(state, catalog, pending)
     except Exception as exc:  # a what-if that fails costs a second read, nothing else
         log.warning("cannot tell which new checkpoints move; hashing them in place", error=str(exc))
+    settings = state.settings
     executor = Executor(
-        state.index, state.settings.tier_specs(), trust_mtimes=state.settings.daemon.trust_mtimes
+        state.index, settings.tier_specs(), progress=progress, trust_mtimes=settings.daemon.trust_mtimes
     )
     for d in pending:
         action = copies.get(d.path)
         stopped = state.stop is not None and state.stop.is_set()
         if action is not None and not stopped:
+            log.info("copying a new checkpoint while hashing it", path=d.path, to_tier=action.to_tier)
             try:
                 # the reconcile lock first, as every reconcile takes it (the record joins the
                 # executor's transaction and takes it again)
