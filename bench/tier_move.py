@@ -6,6 +6,11 @@ shell commands a cron job would use.
   the source) + ``rm -rf`` of the source. ckptkeeper: ``Executor.apply`` of a copy + delete plan,
   i.e. ``LocalTierStorage.copy_from`` (one read → hash → write pass, source checked against its
   manifest, files and directories fsync-ed, manifest, atomic rename) and ``delete``.
+* ``ckptkeeper prune`` as a user runs it, a whole process (start-up, catalog, plan, the copy that
+  hashes a new checkpoint on the way, journal, re-check, delete) moving a new checkpoint tmpfs →
+  disk, against ``cp -r`` + ``sync`` + ``rm -rf``; and what it reads per byte moved: ``rchar`` of
+  the whole process from ``/proc/<pid>/io``, read while it is a zombie (before this change: 2.0x,
+  the catalog's hash and then the copy). Run as installed: bytecode compiled, after a warm-up.
 * same filesystem: hot and warm on disk. Baseline: ``mv`` + ``sync`` of both parent directories,
   the durable equivalent of what the executor does (a bare ``mv`` flushes nothing and
   is shown for information only). ckptkeeper: the executor's rename path. The three sides rotate
