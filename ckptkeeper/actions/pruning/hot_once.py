@@ -26,7 +26,9 @@ loss. Not used in a dry run, nor with a shared tier (its lease decides who copie
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 from ckptkeeper.actions.pruning.planning import _plan, one_per_step
 from ckptkeeper.actions.pruning.state import PassState
@@ -44,11 +46,21 @@ __all__ = ["applies", "resolve"]
 
 
 def applies(state: PassState) -> bool:
-    """Whether a pass defers hashing: a real pass, no shared tier, some slower local tier."""
+    """Whether a pass defers hashing: a real pass, no shared tier, and a slower local tier on
+    another filesystem than the hot tier (on the same one a move is a rename: nothing is read)."""
     tiers = state.settings.tiers
     if state.dry_run or any(t.shared for t in tiers) or "retention" not in state.kinds:
         return False
-    return any(t.is_local for t in tiers[1:])
+    try:
+        hot = os.stat(tiers[0].local_path).st_dev
+    except OSError:
+        return False
+    for tier in tiers[1:]:
+        if tier.is_local:
+            with contextlib.suppress(OSError):
+                if os.stat(tier.local_path).st_dev != hot:
+                    return True
+    return False
 
 
 def resolve(
