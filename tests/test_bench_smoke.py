@@ -130,26 +130,3 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
         "restore from S3 (SeaweedFS), 4 small files, 5 MiB (wall, whole process)",
     ], metrics
     assert metrics.count("  same, against the one-GET-per-object restore (wall)") == 2
-
-
-def test_tiny_tier_move_measures_the_whole_prune_and_its_reads(tmp_path: Path) -> None:
-    """bench/tier_move.py: `ckptkeeper prune` moving a new checkpoint tmpfs → disk, timed whole
-    against `cp -r` + `sync`, and the bytes it read (rchar) per byte moved."""
-    out = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "tier_move", "--json", str(out)]
-    proc = subprocess.run(
-        [*argv, "--disk-dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
-    rows = {row["metric"]: row for row in doc["rows"]}
-    whole = rows["ckptkeeper prune to warm, 8 MiB (tmpfs→disk), whole process"]
-    reads = rows["  same: bytes read from hot per byte moved (rchar of the process)"]
-    assert whole["ours"] > 0 and whole["baseline"] > 0
-    assert reads["baseline"] >= 1.0 and "net of the" in reads["note"]
