@@ -31,8 +31,9 @@ from ckptkeeper.storage.base import (
 )
 from ckptkeeper.storage.localfs import _LocalSink
 from ckptkeeper.storage.ratelimit import tier_bucket as _tier_bucket
-from ckptkeeper.util import fingerprint, hashing
+from ckptkeeper.util import hashing
 from ckptkeeper.util.fingerprint import Fingerprint
+from ckptkeeper.util.fingerprint import of as _fingerprint_of
 
 _BACKENDS: dict[str, type[TierStorage]] = {}
 """URL scheme → backend class, filled by :meth:`TierStorage.__init_subclass__`."""
@@ -531,7 +532,7 @@ def _check_fingerprint(where: str, reader: _Reader, expected: Fingerprint) -> No
     fileno = getattr(reader, "fileno", None)
     if fileno is None:
         raise StorageError(f"{where}: cannot be checked by its fingerprint (not a local file)")
-    got = fingerprint.of(os.fstat(fileno()))
+    got = _fingerprint_of(os.fstat(fileno()))
     if got != expected:
         raise VerificationError(f"{where}: {_fingerprint_change(got, expected)} (changed since cataloged)")
 
