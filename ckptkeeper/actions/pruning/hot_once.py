@@ -114,12 +114,9 @@ def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred])
     settings = state.settings
     hot = settings.hot.name
     with state.index.in_memory_copy() as scratch:
-        what_if = Catalog(settings, scratch)
-        scratch_report = ReconcileReport()
-        for d in pending:
-            manifest = catalog.unhashed_manifest(d)
-            with scratch.transaction():
-                what_if._apply_candidate(d.cand, d.commit, d.part, None, d.now, manifest, scratch_report)
+        what_if, scratch_report = Catalog(settings, scratch), ReconcileReport()
+        for d in pending:  # placeholders, in the scratch copy only
+            what_if.record_deferred(d, catalog.unhashed_manifest(d), report=scratch_report)
         snapshot, _ = one_per_step(scratch.snapshot([t.name for t in settings.tiers], node=settings.node))
     plan: Plan = _plan(state, settings.tier_specs(), tier_usage(settings), snapshot)
     wanted = {d.path for d in pending}
