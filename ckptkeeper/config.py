@@ -201,6 +201,11 @@ class TierConfig(_Strict):
     copies go under ``<prefix>/<node>/``. A local tier (a Lustre/NFS/Weka mount seen by several
     nodes, hot or warm): exactly one keeper acts on it at a time, the holder of its lease; the
     others only catalog it (:mod:`ckptkeeper.fleet.sharedfs`)."""
+    max_rate: Annotated[int, BeforeValidator(_rate), Field(ge=1)] | None = None
+    """Bandwidth cap of every copy into or out of this tier, bytes per second (``"200MiB"``, binary
+    units, or a number of bytes), shared by all copies of one process, like rclone's
+    ``--bwlimit``; the preflight predicts with it. Unset: as fast as the storage goes
+    (docs/bandwidth.md)."""
     shared_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
     """A shared local tier's name across nodes, naming its lease (default: the tier's name and a hash
     of its path, so every node must mount it at the same path)."""
@@ -248,6 +253,7 @@ class TierConfig(_Strict):
             node=self._node,
             shared=self.shared,
             marker_beat=self._marker_beat,
+            max_rate=self.max_rate,
             policy=TierPolicy(
                 keep_last=self.keep_last,
                 keep_best=self.keep_best,

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptkeeper.core.history import ACTION_EVENT, DONE, FAILED, HistoryEvent
-from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState, Plan, TierSpec
+from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState, Manifest, Plan, TierSpec
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest import hookfiles, layouts
 from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
 from ckptkeeper.undo import TrashSteps
+from ckptkeeper.util.fingerprint import Fingerprint
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.executor")
@@ -44,18 +45,21 @@ Progress = Callable[[Action, int, int], None]
 
 
 class _CrashPoints:
-    """Counts crash points; kills the process with SIGKILL at the configured one (tests only)."""
+    """Counts crash points; kills the process with SIGKILL at the configured one (tests only).
+    The count is the process's: a pass's executors (the catalog's hashing moves, then the plan's)
+    pass their points in the order they run."""
+
+    count = 0
 
     def __init__(self) -> None:
         raw = os.environ.get(CRASH_ENV)
         self.target = int(raw) if raw and raw.isdigit() else None
-        self.count = 0
 
     def hit(self, where: str) -> None:
         if self.target is None:
             return
-        self.count += 1
-        if self.count >= self.target:
+        _CrashPoints.count += 1
+        if _CrashPoints.count >= self.target:
             log.warning("test crash point reached", where=where, count=self.count)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -162,6 +166,10 @@ class Executor(TrashSteps):
             self._discard_staging(dest, rel)
             return f"copy of {rel} to {to_tier} had committed; recorded"
         self._discard_staging(dest, rel)
+        if detail.get("hashing") and manifest is not None:
+            # copy_hashing: the version was computed by the copy, so it is not in the journal; the
+            # committed copy is recorded by the tier's listing (the catalog reads its manifest).
+            return f"copy of {rel} to {to_tier} had committed; recorded when {to_tier} is listed"
         if detail.get("rename"):
             self._discard_staging(self.storage(action["tier"]), rel)
         return f"copy of {rel} to {to_tier} had not committed; staging removed, source untouched"
@@ -381,6 +389,51 @@ class Executor(TrashSteps):
             self.index.journal_done(entry)
         self._crash.hit("copy-recorded")
         return None
+
+    def copy_hashing(
+        self,
+        action: Action,
+        manifest: Manifest,
+        fingerprints: Mapping[str, Fingerprint],
+        record: Callable[[Manifest], int | None],
+    ) -> Manifest:
+        """Copy a checkpoint the catalog has not hashed out of the hot tier, hashing it on the way
+        (one read of its bytes; ``copy_from(fingerprints=...)``), then ``record`` it in the index
+        with the manifest computed (it returns the row id) together with its new location.
+
+        Journaled as any copy. Its version is not known when the journal entry is written, so a
+        crash after the commit leaves a committed copy that recovery does not record: the next
+        listing of the tier does (nothing is deleted on the strength of it before then).
+        """
+        assert action.action is ActionKind.COPY and action.tier == self.hot and action.to_tier
+        started = time.monotonic()
+        src, dst = self.storage(action.tier), self.storage(action.to_tier)
+        entry = self.index.journal_begin(action.to_dict(), "copying", {"version": None, "hashing": True})
+        self._crash.hit("copy-journaled")
+        total, done = manifest.total_bytes, 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            done += n
+            if self.progress:
+                self.progress(action, done, total)
+            self._crash.hit("copy-progress")
+
+        try:
+            hashed = dst.copy_from(src, manifest, progress=on_bytes, fingerprints=fingerprints)
+        except BaseException as exc:
+            self.index.journal_done(entry, "failed")
+            self._trace(action, started, error=str(exc))
+            raise
+        self._crash.hit("copy-committed")
+        with self.index.transaction():
+            row_id = record(hashed)
+            if row_id is not None:
+                self.index.set_location(row_id, action.to_tier, hashed.digest, scrubbed_at=time.time())
+            self.index.journal_done(entry)
+        self._crash.hit("copy-recorded")
+        self._trace(action, started)
+        return hashed
 
     def _delete(self, action: Action) -> str | None:
         assert action.path and action.tier

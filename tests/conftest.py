@@ -366,6 +366,8 @@ TEST_KINDS: dict[str, str] = {
     "test_slurm_gate": "e2e",
     "test_slurm_jobs": "e2e",
     "test_tiering_e2e": "e2e",
+    "test_hot_once": "e2e",
+    "test_max_rate": "integration",
     "test_training_e2e": "e2e",
     "test_watermark_e2e": "e2e",
 }

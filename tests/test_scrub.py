@@ -24,8 +24,8 @@ import pytest
 from builders import local_tier, s3_tier, write_config
 from test_survivor_recheck import tree_digest, write_checkpoint
 
-from ckptkeeper.actions.throttle import Stopped, TokenBucket
 from ckptkeeper.core.scrub import ScrubCandidate, pass_budget, select_for_scrub
+from ckptkeeper.util.throttle import Stopped, TokenBucket
 
 RUN = "r"
 

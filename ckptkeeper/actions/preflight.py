@@ -518,6 +518,16 @@ def _sample_room(settings: Settings, index: Index, sample: int) -> pf.Check:
     return pf.check_sample_room(sample, free, room.needed_bytes, active, _copies_on_hot(settings))
 
 
+def _stage_caps(settings: Settings) -> dict[str, list[int | None]]:
+    """Stage -> the ``max_rate`` of each tier its copies go into or out of (as :class:`_Pipeline`
+    picks them: cold is the last tier, warm the second of three or more). A restore is not capped:
+    the job waits for it (docs/bandwidth.md)."""
+    specs = settings.tier_specs()
+    hot, cold = specs[0].max_rate, specs[-1].max_rate if len(specs) > 1 else None
+    warm = specs[1].max_rate if len(specs) > 2 else None
+    return {"cold_upload": [hot, cold], "warm_move": [hot, warm]}
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     mid = len(s) // 2
@@ -612,9 +622,8 @@ def run_preflight(
                         pf.check_multipart_listing(tier.name, i, probe.multipart_error),
                         pf.check_clock_skew(tier.name, probe.skew),
                     ]
-    throughput: dict[str, float | None] = {
-        s: (round(_median(v), 1) if v else None) for s, v in series.items()
-    }
+    measured: dict[str, float | None] = {s: (round(_median(v), 1) if v else None) for s, v in series.items()}
+    throughput = pf.capped_rates(measured, _stage_caps(settings))
     cold_key = f"tiers[{len(settings.tiers) - 1}].url"
     rpo_check, rpo = pf.check_rpo(size, throughput["cold_upload"], every, cold_key)
     if throughput["cold_upload"] is None and len(settings.tiers) > 1:

@@ -75,7 +75,7 @@ def run_prune(
     ``rescan``). ``on_plan`` sees the final plan before the first byte moves (the CLI prints it
     then, so a long copy is never a silent wait)."""
     if catalog is None:
-        catalog = FullReconcile() if rescan else NoCatalog()
+        catalog = FullReconcile(progress) if rescan else NoCatalog()
     state = PassState(
         settings, index, dry_run=dry_run, force=force, run=run, kinds=tuple(kinds), clock=now, stop=stop
     )

@@ -25,12 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkeeper.actions.throttle import Stopped, TokenBucket
 from ckptkeeper.config import Settings
 from ckptkeeper.core.scrub import ScrubCandidate, ScrubSelection, pass_budget, select_for_scrub
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
+from ckptkeeper.util.throttle import Stopped, TokenBucket
 
 log = get_logger("ckptkeeper.actions.scrub")
 

@@ -336,6 +336,8 @@ class TierSpec:
     """Seconds between rewrites of a copy's staging marker (its heartbeat) while it runs: at most a
     quarter of ``fleet.heartbeat_ttl``, so a lease holder that waits that long for a silent marker
     never takes a live copy for an abandoned one."""
+    max_rate: int | None = None
+    """Bytes per second every copy into or out of this tier may move (``max_rate``); None: no cap."""
 
 
 @dataclass(frozen=True, slots=True)

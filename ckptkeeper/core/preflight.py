@@ -162,6 +162,19 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def capped_rates(
+    measured: Mapping[str, float | None], caps: Mapping[str, Sequence[int | None]]
+) -> dict[str, float | None]:
+    """What each stage will move at: the rate measured, but never more than the ``max_rate`` of a
+    tier it copies into or out of (``caps``: stage -> those tiers' caps). A short measurement fits
+    in the throttle's one-second burst and runs unthrottled; a real save does not."""
+    out: dict[str, float | None] = {}
+    for stage, rate in measured.items():
+        limits = [c for c in caps.get(stage, ()) if c is not None]
+        out[stage] = rate if rate is None or not limits else min(rate, float(min(limits)))
+    return out
+
+
 def check_rpo(size: int, cold_rate: float | None, every: float, cold_key: str) -> tuple[Check, float | None]:
     """One save must reach cold storage before the next one: RPO = size / upload rate."""
     if cold_rate is None:

@@ -25,6 +25,7 @@ from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import hookfiles, layouts
+from ckptkeeper.ingest.deferred import Deferred, fingerprints
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
 from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot, record_trash
 from ckptkeeper.util.hashing import hash_file
@@ -46,8 +47,14 @@ class Catalog:
         *,
         clock: Callable[[], float] = time.time,
         storage_factory: Callable[[str], object] | None = None,
+        defer_new: bool = False,
     ) -> None:
         self.settings = settings
+        self.defer_new = defer_new
+        """Leave new complete checkpoints unhashed and unrecorded (:attr:`deferred`): the caller
+        hashes each while it moves it (one read of its bytes), or records it with
+        :meth:`record_deferred` (hashed then). ``prune`` does (:mod:`ckptkeeper.actions.pruning.hot_once`)."""
+        self.deferred: list[Deferred] = []
         self.index = index
         self.clock = clock
         self.hot_root = settings.hot.local_path
@@ -195,14 +202,29 @@ class Catalog:
         newest_write = max(newest_write, written)
         # Hash before taking the index's write lock: a big checkpoint takes minutes to read, and
         # a `pin` or `prune` in another process must not wait that long (busy timeout: 10 s).
-        hashed = {
-            cand.name: self._try_hash(run_dir, cand, commit, part)
-            for cand, commit, part in managed
-            if self._state_of(cand, commit, now, part) is CheckpointState.COMPLETE
-            and not _unchanged_in_hot(existing.get(cand.name), cand, hot, self._written(cand))
-        }
+        hashed: dict[str, Manifest | OSError] = {}
+        deferred: set[str] = set()
+        for cand, commit, part in managed:
+            if self._state_of(cand, commit, now, part) is not CheckpointState.COMPLETE or _unchanged_in_hot(
+                existing.get(cand.name), cand, hot, self._written(cand)
+            ):
+                continue
+            known = existing.get(cand.name)
+            later = (
+                self._defer(run_dir, cand, commit, part, now)
+                if known is None or known.version is None
+                else None
+            )
+            if later is not None:
+                self.deferred.append(later)
+                deferred.add(cand.name)
+            else:
+                hashed[cand.name] = self._try_hash(run_dir, cand, commit, part)
         with self.index.transaction():
             for cand, commit, part in managed:
+                if cand.name in deferred:
+                    existing.pop(cand.name, None)  # never hashed (seen while written): not removed
+                    continue  # recorded by record_deferred, hashed
                 row = existing.pop(cand.name, None)
                 self._apply_candidate(cand, commit, part, row, now, hashed.get(cand.name), report)
             self._forget_removed(run, existing, scan, report)
@@ -356,6 +378,52 @@ class Catalog:
         except OSError as exc:
             return exc
 
+    def _defer(
+        self,
+        run_dir: Path,
+        cand: layouts.Candidate,
+        commit: protocol.Commit | None,
+        part: NodePart | None,
+        now: float,
+    ) -> Deferred | None:
+        """A new complete checkpoint left unhashed for now, with the fingerprint of each of its
+        files; None (hash it now) unless deferring, or when a fingerprint cannot vouch for a file
+        (not a regular file, or changed too recently: see :func:`fingerprint.settled`)."""
+        if not self.defer_new:
+            return None
+        prints = fingerprints(run_dir / cand.name, cand.files)
+        if prints is None:
+            return None
+        metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}
+        created_at = commit.time if commit else _sane_time(cand.last_write)
+        return Deferred(run_dir, cand, commit, part, now, prints, metrics, created_at)
+
+    def unhashed_manifest(self, d: Deferred) -> Manifest:
+        """The manifest of a deferred checkpoint with a placeholder per hash: unique to its files'
+        fingerprints, never stored anywhere but a dry run's scratch index (a plan's what-if) or
+        handed to a copy that computes the real ones (``copy_from(fingerprints=...)``)."""
+        entries = [
+            FileEntry(path=rel, size=fp.size, hash=f"unhashed:{fp.dev}:{fp.ino}:{fp.ctime_ns}")
+            for rel, fp in d.fingerprints.items()
+        ]
+        return self._manifest(d.cand, entries, d.metrics, created_at=d.created_at, part=d.part)
+
+    def record_deferred(
+        self, d: Deferred, manifest: Manifest | None, *, report: ReconcileReport
+    ) -> int | None:
+        """Record a deferred checkpoint: with ``manifest`` (hashed while it was copied, by the
+        fingerprints the catalog took), or hashed now in place (``None``). Joins the caller's
+        transaction; returns the checkpoint's row id (None if it could not be recorded)."""
+        with self.index.reconcile_lock:
+            hashed: Manifest | OSError = (
+                manifest if manifest is not None else self._try_hash(d.run_dir, d.cand, d.commit, d.part)
+            )
+            with self.index.transaction():
+                row = self.index.checkpoint(d.cand.run, d.cand.name)
+                self._apply_candidate(d.cand, d.commit, d.part, row, d.now, hashed, report)
+                recorded = self.index.checkpoint(d.cand.run, d.cand.name)
+        return recorded.id if recorded is not None else None
+
     def _apply_candidate(
         self,
         cand: layouts.Candidate,
@@ -456,6 +524,17 @@ class Catalog:
         for rel in cand.files:
             size, digest = hash_file(base / rel if rel else base)
             entries.append(FileEntry(path=rel, size=size, hash=digest))
+        return self._manifest(cand, entries, metrics, created_at=created_at, part=part)
+
+    def _manifest(
+        self,
+        cand: layouts.Candidate,
+        entries: list[FileEntry],
+        metrics: Mapping[str, float],
+        *,
+        created_at: float,
+        part: NodePart | None,
+    ) -> Manifest:
         return Manifest(
             run=cand.run,
             step=cand.step,

@@ -4,7 +4,9 @@ read → hash → write pass every copy and restore makes."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,7 +30,10 @@ from ckptkeeper.storage.base import (
     log,
 )
 from ckptkeeper.storage.localfs import _LocalSink
+from ckptkeeper.storage.ratelimit import tier_bucket as _tier_bucket
 from ckptkeeper.util import hashing
+from ckptkeeper.util.fingerprint import Fingerprint
+from ckptkeeper.util.fingerprint import of as _fingerprint_of
 
 _BACKENDS: dict[str, type[TierStorage]] = {}
 """URL scheme → backend class, filled by :meth:`TierStorage.__init_subclass__`."""
@@ -188,8 +193,10 @@ class TierStorage:
         *,
         progress: Progress | None = None,
         replace_damaged: bool = False,
-    ) -> None:
-        """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed.
+        fingerprints: Mapping[str, Fingerprint] | None = None,
+    ) -> Manifest:
+        """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed; return
+        the manifest committed.
 
         One pass over the source: each chunk is read once, hashed and written. The source's size
         and hash must equal the manifest (else :class:`VerificationError`: it changed since it
@@ -200,6 +207,12 @@ class TierStorage:
         its bytes wrong, which the size check here cannot see): it is replaced, never kept.
         On failure nothing is committed, the source is untouched, and staging is removed or left
         where :meth:`list_staging` finds it.
+
+        ``fingerprints`` (file path -> :class:`Fingerprint`, as the catalog saw a local source):
+        the source was not hashed yet. Its hashes are computed in this one pass (``manifest``'s are
+        ignored) and each file must keep its fingerprint from before its first byte is read until
+        the copy is committed, or :class:`VerificationError`: it changed since it was cataloged.
+        The manifest committed (and returned) carries the hashes computed.
         """
         _check_manifest(manifest)
         if self.node and not self.hot and manifest.node != self.node:
@@ -208,13 +221,17 @@ class TierStorage:
         rel = _rel_of(manifest)
         if not self.hot:
             existing = self.read_manifest(rel)
+            if existing is not None and fingerprints is not None:
+                raise StorageError(
+                    f"tier {self.name!r} already holds a copy of {rel}; the source is hashed in place"
+                )
             if existing is not None and existing.digest == manifest.digest:
                 damage = self.recheck(manifest) or (
                     ["bytes do not match the manifest (found by a scrub)"] if replace_damaged else []
                 )
                 if not damage:
                     log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
-                    return
+                    return existing
                 # A committed manifest over missing or changed data is not a copy: drop what is
                 # left of it (de-commit first, as every delete does) and copy it again.
                 log.warning(
@@ -229,8 +246,12 @@ class TierStorage:
             if existing is not None:
                 raise StorageError(_other_version(self.name, rel, existing, manifest))
         sink = self._begin_write(rel, manifest)
+        limit = _limiter(src, self, progress)
         try:
-            _stream_checkpoint(src, rel, manifest, sink, progress)
+            hashed = _stream_checkpoint(src, rel, manifest, sink, limit, fingerprints)
+            if fingerprints is not None:
+                _check_unchanged(src, rel, manifest, fingerprints)
+                manifest = dataclasses.replace(manifest, files=tuple(hashed))
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()
@@ -239,6 +260,7 @@ class TierStorage:
             raise StorageError(
                 f"copy of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
+        return manifest
 
     def fetch(self, manifest: Manifest, to_dir: Path, *, progress: Progress | None = None) -> Path:
         """Restore: verified copy of the checkpoint into ``to_dir/<name>``; returns that path.
@@ -360,16 +382,26 @@ def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None])
 
 
 def _stream_checkpoint(
-    src: TierStorage, rel: str, manifest: Manifest, sink: _Sink, progress: Progress | None
-) -> None:
-    """The single read → hash → write pass over every file of a checkpoint.
+    src: TierStorage,
+    rel: str,
+    manifest: Manifest,
+    sink: _Sink,
+    progress: Progress | None,
+    fingerprints: Mapping[str, Fingerprint] | None = None,
+) -> list[FileEntry]:
+    """The single read → hash → write pass over every file of a checkpoint; returns the entries
+    as hashed (``fingerprints``: the source is checked by them, not by ``manifest``'s hashes).
 
     A local source is read with ``readinto`` into one reused buffer (no allocation per chunk);
     writers get a view of it that is only valid during ``write`` and must copy what they keep.
     """
     buf = bytearray(hashing.CHUNK_SIZE)
+    out = []
     for entry in manifest.files:
-        _stream_file(src, rel, entry, sink, progress, buf)
+        fp = None if fingerprints is None else fingerprints[entry.path]
+        digest = _stream_file(src, rel, entry, sink, progress, buf, fingerprint=fp)
+        out.append(dataclasses.replace(entry, hash=digest))
+    return out
 
 
 def _stream_concurrently(
@@ -438,8 +470,12 @@ def _stream_file(
     progress: Progress | None,
     buf: bytearray,
     stop: threading.Event | None = None,
-) -> None:
-    """Read → hash → write one file of a checkpoint, checked against its manifest entry.
+    *,
+    fingerprint: Fingerprint | None = None,
+) -> str:
+    """Read → hash → write one file of a checkpoint, checked against its manifest entry; returns
+    the hash. With ``fingerprint`` the hash is the one to record (the entry's is not known yet):
+    the open file must show that fingerprint before the first byte is read and after the last.
 
     ``stop`` (set when another file of a concurrent fetch failed) ends the copy early.
     """
@@ -447,6 +483,8 @@ def _stream_file(
     where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
     reader = src._open_read(rel, entry.path)
     try:
+        if fingerprint is not None:
+            _check_fingerprint(where, reader, fingerprint)
         writer = sink.open_file(entry, reader)
         hasher = hashing.new_hasher()
         size = 0
@@ -477,13 +515,63 @@ def _stream_file(
                 f"{where}: {size} bytes, manifest says {entry.size} (changed since cataloged)"
             )
         digest = hasher.hexdigest()
-        if digest != entry.hash:
+        if fingerprint is not None:
+            _check_fingerprint(where, reader, fingerprint)
+        elif digest != entry.hash:
             raise VerificationError(
                 f"{where}: hash {digest} != {entry.hash} in manifest (changed since cataloged)"
             )
         writer.finish()
+        return digest
     finally:
         reader.close()
+
+
+def _check_fingerprint(where: str, reader: _Reader, expected: Fingerprint) -> None:
+    """The open source file is the one the catalog saw, unchanged (size, times, inode)."""
+    fileno = getattr(reader, "fileno", None)
+    if fileno is None:
+        raise StorageError(f"{where}: cannot be checked by its fingerprint (not a local file)")
+    got = _fingerprint_of(os.fstat(fileno()))
+    if got != expected:
+        raise VerificationError(f"{where}: {_fingerprint_change(got, expected)} (changed since cataloged)")
+
+
+def _check_unchanged(
+    src: TierStorage, rel: str, manifest: Manifest, fingerprints: Mapping[str, Fingerprint]
+) -> None:
+    """Right before the commit: every source path still names the file the catalog saw,
+    unchanged (a file renamed over one already copied is caught here)."""
+    for entry in manifest.files:
+        where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+        reader = src._open_read(rel, entry.path)
+        try:
+            _check_fingerprint(where, reader, fingerprints[entry.path])
+        finally:
+            reader.close()
+
+
+def _fingerprint_change(got: Fingerprint, expected: Fingerprint) -> str:
+    if (got.ino, got.dev) != (expected.ino, expected.dev):
+        return "another file than the one cataloged"
+    if got.size != expected.size:
+        return f"{got.size} bytes, {expected.size} when cataloged"
+    return "written to (mtime or ctime moved)"
+
+
+def _limiter(src: TierStorage, dst: TierStorage, progress: Progress | None) -> Progress | None:
+    """``progress``, preceded by the ``max_rate`` throttles of both tiers (docs/bandwidth.md)."""
+    buckets = [b for b in (_tier_bucket(src.spec), _tier_bucket(dst.spec)) if b is not None]
+    if not buckets:
+        return progress
+
+    def limit(n: int) -> None:
+        for bucket in buckets:
+            bucket.consume(n)
+        if progress is not None:
+            progress(n)
+
+    return limit
 
 
 def _other_version(tier: str, rel: str, existing: Manifest, manifest: Manifest) -> str:

@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckptkeeper.actions.index import read_freeze
+from ckptkeeper.actions.pruning import hot_once
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.ingest.catalog import Catalog
 
 if TYPE_CHECKING:
-    from ckptkeeper.executor import ExecResult
+    from ckptkeeper.executor import ExecResult, Progress
     from ckptkeeper.ingest.watcher import Watcher
 
 __all__ = ["CatalogStep", "FullReconcile", "NoCatalog", "WatcherSync"]
@@ -41,9 +42,16 @@ class NoCatalog(CatalogStep):
 
 
 class FullReconcile(CatalogStep):
+    def __init__(self, progress: Progress | None = None) -> None:
+        self.progress = progress
+        """Shown while a new checkpoint is copied as it is hashed (:mod:`.hot_once`)."""
+
     def catalog(self, state: PassState) -> None:
-        state.catalog = Catalog(state.settings, state.index)
+        defer = hot_once.applies(state)  # new checkpoints moved this pass: hashed while copied
+        state.catalog = Catalog(state.settings, state.index, defer_new=defer)
         state.report = state.catalog.reconcile()
+        if defer:
+            hot_once.resolve(state, state.catalog, state.report, progress=self.progress)
         state.damaged = state.report.damaged
 
     def after_execute(self, state: PassState, result: ExecResult) -> None:

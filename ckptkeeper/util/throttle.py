@@ -1,8 +1,9 @@
-"""A token bucket: keeps a reader (the scrub) under a byte rate without busy-waiting.
+"""A token bucket: keeps a reader or a copy under a byte rate without busy-waiting.
 
-The shell's business, not the core's: it reads a clock and sleeps. Both are injected, so tests
-assert the sleeps it asks for instead of measuring time, and the daemon passes a sleep that wakes
-on SIGTERM (``stop.wait``).
+The one home of the concept: the scrub's ``scrub_rate`` and every tier's ``max_rate``
+(:mod:`ckptkeeper.storage.ratelimit`) use it. It reads a clock and sleeps; both are injected, so
+tests assert the sleeps it asks for instead of measuring time, and the daemon passes a sleep that
+wakes on SIGTERM (``stop.wait``).
 """
 
 from __future__ import annotations
@@ -41,24 +42,31 @@ class TokenBucket:
         self._sleep = sleep
         self._stop = stop
         self._last = clock()
+        self._lock = threading.Lock()
         self.slept = 0.0
         """Seconds of sleep asked for so far."""
+        self.consumed = 0
+        """Bytes taken so far."""
 
     def consume(self, n: int) -> float:
         """Take ``n`` bytes' worth; sleep until the debt is paid. Returns the seconds asked to sleep.
 
-        Raises :class:`Stopped` when the stop event is set (checked before and after sleeping)."""
+        Raises :class:`Stopped` when the stop event is set (checked before and after sleeping).
+        Safe to share between threads: each caller takes its bytes (and the debt of those before
+        it) under a lock and sleeps outside it, so together they keep to ``rate``."""
         if self._stop is not None and self._stop.is_set():
             raise Stopped
-        now = self._clock()
-        self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
-        self._last = now
-        self.tokens -= n
-        if self.tokens >= 0:
-            return 0.0
-        wait = -self.tokens / self.rate
+        with self._lock:
+            now = self._clock()
+            self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
+            self._last = now
+            self.tokens -= n
+            self.consumed += n
+            if self.tokens >= 0:
+                return 0.0
+            wait = -self.tokens / self.rate
+            self.slept += wait
         self._sleep(wait)
-        self.slept += wait
         if self._stop is not None and self._stop.is_set():
             raise Stopped
         return wait
