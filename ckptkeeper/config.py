@@ -205,6 +205,12 @@ class TierConfig(_Strict):
     """A shared local tier's name across nodes, naming its lease (default: the tier's name and a hash
     of its path, so every node must mount it at the same path)."""
 
+    dedup: bool = False
+    """A slower tier only: a file whose content this node already stores in the tier is referenced,
+    not stored again (docs/dedup.md). Off by default: the tier's layout is unchanged."""
+    dedup_grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=0.0)] = 86400.0
+    """How long content no copy references stays before this node's prune pass removes it."""
+
     _node: str = PrivateAttr(default="")
     _marker_beat: float = PrivateAttr(default=60.0)
 
@@ -248,6 +254,8 @@ class TierConfig(_Strict):
             node=self._node,
             shared=self.shared,
             marker_beat=self._marker_beat,
+            dedup=self.dedup,
+            dedup_grace=self.dedup_grace,
             policy=TierPolicy(
                 keep_last=self.keep_last,
                 keep_best=self.keep_best,
@@ -408,7 +416,11 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
+        if self.tiers[0].dedup:
+            raise ValueError("tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)")
         for i, t in enumerate(self.tiers[1:], start=1):
+            if t.dedup and t.shared and t.is_local:
+                raise ValueError(f"tiers[{i}].dedup: not available on a shared local tier (docs/dedup.md)")
             if t.headroom is not None:
                 raise ValueError(
                     f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"

@@ -44,6 +44,34 @@ class FileEntry:
     path: str
     size: int
     hash: str
+    location: str = ""
+    """Where a slower tier holds the bytes: "" at the file's path in the copy, :data:`IN_CONTENT`
+    in the node's content store of the tier, named by ``hash`` (docs/dedup.md). Written only when
+    set (an old manifest reads as before); not in the digest: the version is the content."""
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"path": self.path, "size": self.size, "hash": self.hash}
+        if self.location:
+            doc["location"] = self.location
+        return doc
+
+
+IN_CONTENT = "content"
+""":attr:`FileEntry.location` of a file whose bytes live in its node's content store."""
+_CONTENT_HASH_CHARS = frozenset("0123456789abcdef")
+
+
+def _location(entry: Mapping[str, Any], i: int, digest: str) -> str:
+    """The ``location`` of a file entry read back: absent, or :data:`IN_CONTENT` with a hash that
+    can name a content object (lowercase hex of the algorithm's length): never a path."""
+    value = entry.get("location")
+    if value is None or value == "":
+        return ""
+    if value != IN_CONTENT:
+        raise schema.SchemaError(f"files[{i}].location", f"unknown location {schema.describe(value)}")
+    if len(digest) != 32 or not set(digest) <= _CONTENT_HASH_CHARS:
+        raise schema.SchemaError(f"files[{i}].hash", "a file in the content store needs a 32-digit hex hash")
+    return IN_CONTENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +185,7 @@ class Manifest:
             "created_at": self.created_at,
             "node": self.node,
             "metrics": dict(self.metrics),
-            "files": [{"path": f.path, "size": f.size, "hash": f.hash} for f in self.files],
+            "files": [f.to_doc() for f in self.files],
         }
         if self.part is not None:
             doc["part"] = self.part.to_doc()
@@ -183,11 +211,13 @@ class Manifest:
             entry = schema.mapping(raw, f"files[{i}]", max_len=16)
             size = schema.size(entry.get("size"), f"files[{i}].size")
             total += size
+            digest = schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256)
             files.append(
                 FileEntry(
                     path=schema.rel_path(entry.get("path"), f"files[{i}].path", empty=True),
                     size=size,
-                    hash=schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256),
+                    hash=digest,
+                    location=_location(entry, i, digest),
                 )
             )
         if total > schema.MAX_BYTES:
@@ -336,6 +366,11 @@ class TierSpec:
     """Seconds between rewrites of a copy's staging marker (its heartbeat) while it runs: at most a
     quarter of ``fleet.heartbeat_ttl``, so a lease holder that waits that long for a silent marker
     never takes a live copy for an abandoned one."""
+    dedup: bool = False
+    """A slower tier: store each file once per node, in the node's content store, referenced by
+    every copy holding it (docs/dedup.md)."""
+    dedup_grace: float = 86400.0
+    """Seconds an unreferenced content object stays before this node's prune pass collects it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,172 @@
+"""Dedup in a slower tier (docs/dedup.md), through the real CLI on a local warm tier and on moto S3.
+
+A run saves the same weights again after a restart (identical model and optimizer files, a new
+step): the dedup tier stores those bytes once, both checkpoints restore byte-identical, deleting
+one keeps the other whole, and once nothing references the content this node's prune pass
+collects it (after the grace period, judged by an injected store clock: no sleeps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from builders import local_tier, s3_tier, write_config
+from click.testing import CliRunner
+
+from ckptkeeper.cli import main
+from ckptkeeper.storage import content
+
+MODEL = 256 * 1024
+OPTIM = 128 * 1024
+
+
+def safetensors(payload: bytes) -> bytes:
+    """A valid safetensors file of one F32 tensor holding ``payload``."""
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [len(payload) // 4], "data_offsets": [0, len(payload)]}}
+    )
+    return struct.pack("<Q", len(header)) + header.encode() + payload
+
+
+def write_checkpoint(run_dir: Path, step: int, when: float, *, weights: bytes, optim: bytes) -> None:
+    """An HF-style checkpoint: the big files given, a small trainer state naming the step."""
+    ckpt = run_dir / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(safetensors(weights))
+    (ckpt / "optimizer.pt").write_bytes(optim)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    for p in [*ckpt.rglob("*"), ckpt]:
+        os.utime(p, (when, when))
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+class Node:
+    """hot (keep_last=1) -> warm (dedup); warm is a local directory or an S3 prefix on moto."""
+
+    def __init__(self, tmp: Path, kind: str, s3: tuple[str, str] | None, **warm: Any) -> None:
+        self.tmp = tmp
+        self.kind = kind
+        self.s3 = s3
+        self.hot = tmp / "hot"
+        self.hot.mkdir()
+        self.warm_dir = tmp / "warm"
+        self.warm_dir.mkdir()
+        self.config = tmp / "config.toml"
+        self.run_dir = self.hot / "run"
+        self.originals = tmp / "originals"
+        self.t0 = time.time() - 7200
+        self.configure(**warm)
+
+    def configure(self, **warm: Any) -> None:
+        policy = {"keep_last": 10, "dedup": True, "dedup_grace": "1h", **warm}
+        if self.kind == "s3":
+            assert self.s3 is not None
+            bucket, endpoint = self.s3
+            warm_tier = s3_tier("warm", bucket, endpoint, **policy)
+        else:
+            warm_tier = local_tier("warm", self.warm_dir, **policy)
+        write_config(
+            self.config,
+            index=self.tmp / "index.db",
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            tiers=[local_tier("hot", self.hot, keep_last=1), warm_tier],
+        )
+
+    def save(self, step: int, *, weights: bytes, optim: bytes) -> None:
+        write_checkpoint(self.run_dir, step, self.t0 + step, weights=weights, optim=optim)
+        shutil.copytree(self.run_dir / f"checkpoint-{step}", self.originals / f"checkpoint-{step}")
+
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        result = CliRunner().invoke(
+            main, ["--config", str(self.config), *args], catch_exceptions=False, env=env
+        )
+        return result.exit_code, result.stdout if "--json" in args else result.output
+
+    def prune(self, env: dict[str, str] | None = None) -> dict[str, Any]:
+        code, out = self.cli("prune", "--json", env=env)
+        assert code == 0, out
+        doc: dict[str, Any] = json.loads(out)
+        return doc
+
+    def restore(self, step: int) -> dict[str, str]:
+        dest = self.tmp / f"restored-{step}-{time.monotonic_ns()}"
+        code, out = self.cli("restore", "run", "--step", str(step), "--to", str(dest))
+        assert code == 0, out
+        return tree(dest / f"checkpoint-{step}")
+
+    def original(self, step: int) -> dict[str, str]:
+        return tree(self.originals / f"checkpoint-{step}")
+
+
+@pytest.fixture(params=["local", "s3"])
+def node(request: pytest.FixtureRequest, tmp_path: Path) -> Node:
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_reset")
+        bucket = request.getfixturevalue("s3_bucket")
+        return Node(tmp_path, "s3", (bucket, endpoint))
+    return Node(tmp_path, "local", None)
+
+
+def stored(node: Node) -> dict[str, int]:
+    """Everything the warm tier stores: relative path -> size."""
+    if node.kind == "local":
+        return {
+            str(p.relative_to(node.warm_dir)): p.stat().st_size
+            for p in node.warm_dir.rglob("*")
+            if p.is_file() and "clock" not in p.name
+        }
+    import boto3
+
+    assert node.s3 is not None
+    bucket, endpoint = node.s3
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="ckpt/"):
+        for o in page.get("Contents", []):
+            out[o["Key"][len("ckpt/") :]] = int(o["Size"])
+    return out
+
+
+def content_objects(node: Node) -> dict[str, int]:
+    return {k: v for k, v in stored(node).items() if k.startswith(content.CONTENT_DIR + "/")}
+
+
+def test_resave_is_stored_once_and_restores(node: Node) -> None:
+    weights, optim = os.urandom(MODEL), os.urandom(OPTIM)
+    node.save(100, weights=weights, optim=optim)
+    node.save(200, weights=weights, optim=optim)  # the same weights saved again after a restart
+    node.save(300, weights=os.urandom(MODEL), optim=os.urandom(OPTIM))
+    doc = node.prune()
+    objs = content_objects(node)
+    # 100 and 200 went to warm (300 stays hot): their big files once, their two trainer states
+    big = sorted(s for s in objs.values() if s >= OPTIM)
+    assert big == [OPTIM, len(safetensors(weights))]
+    assert len(objs) == 4
+    rest = {k: v for k, v in stored(node).items() if k not in objs}
+    assert all(k.endswith(".ckptkeeper-manifest.json") for k in rest), rest
+    dedup = doc["dedup"]["tiers"]["warm"]
+    assert dedup["deduped_bytes"] == len(safetensors(weights)) + OPTIM
+    assert dedup["uploaded_bytes"] >= MODEL + OPTIM
+    for step in (100, 200):
+        assert node.restore(step) == node.original(step)
