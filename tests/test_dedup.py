@@ -170,3 +170,117 @@ def test_resave_is_stored_once_and_restores(node: Node) -> None:
     assert dedup["uploaded_bytes"] >= MODEL + OPTIM
     for step in (100, 200):
         assert node.restore(step) == node.original(step)
+
+
+AHEAD = {content.CLOCK_ENV: str(3 * 3600)}
+"""The store's clock 3 h ahead: content written now is past the 1 h grace period."""
+
+
+def saved_twice(node: Node) -> tuple[bytes, bytes]:
+    """100 and 200 share their big files (a re-save); 300 (different) stays hot. One prune."""
+    weights, optim = os.urandom(MODEL), os.urandom(OPTIM)
+    node.save(100, weights=weights, optim=optim)
+    node.save(200, weights=weights, optim=optim)
+    node.save(300, weights=os.urandom(MODEL), optim=os.urandom(OPTIM))
+    node.prune()
+    assert len(content_objects(node)) == 4
+    return weights, optim
+
+
+def test_delete_of_one_keeps_the_other_and_collection_waits_for_the_last(node: Node) -> None:
+    weights, _ = saved_twice(node)
+    big = len(safetensors(weights))
+    node.configure(keep_last=2)  # 300 (hot) and 200 stay; 100 expires from warm
+    doc = node.prune()
+    assert not any(k.startswith("run/checkpoint-100") for k in stored(node))
+    # its trainer state is unreferenced now, but younger than the grace period: kept this pass
+    assert doc["dedup"]["tiers"]["warm"]["collected"]["young"] == 1
+    assert len(content_objects(node)) == 4
+    assert node.restore(200) == node.original(200)
+    doc = node.prune(env=AHEAD)
+    collected = doc["dedup"]["tiers"]["warm"]["collected"]
+    assert (collected["removed"], collected["referenced"]) == (1, 3)
+    assert sorted(content_objects(node).values())[-2:] == [OPTIM, big]
+    assert node.restore(200) == node.original(200)
+    node.configure(keep_last=1)  # 200 expires too: nothing references the content any more
+    node.prune(env=AHEAD)
+    assert content_objects(node) == {}
+    assert all(not k.startswith("run/") for k in stored(node))
+
+
+def test_undelete_of_a_deduped_checkpoint_whose_content_is_shared(node: Node) -> None:
+    saved_twice(node)
+    node.configure(keep_last=2, undo_window="1d")
+    node.prune(env=AHEAD)  # 100 into the trash; its content stays referenced by the trash entry
+    assert len(content_objects(node)) == 4
+    code, out = node.cli("undelete", "run", "100")
+    assert code == 0, out
+    assert node.restore(100) == node.original(100)
+    assert node.restore(200) == node.original(200)
+
+
+def test_forged_manifest_naming_another_node_is_refused(node: Node) -> None:
+    saved_twice(node)
+    key = "run/checkpoint-200.ckptkeeper-manifest.json"
+    if node.kind == "local":
+        path = node.warm_dir / key
+        doc = json.loads(path.read_text())
+        doc["node"] = "other-node"
+        path.write_text(json.dumps(doc))
+    else:
+        import boto3
+
+        assert node.s3 is not None
+        client = boto3.client(
+            "s3",
+            endpoint_url=node.s3[1],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        doc = json.loads(client.get_object(Bucket=node.s3[0], Key=f"ckpt/{key}")["Body"].read())
+        doc["node"] = "other-node"
+        client.put_object(Bucket=node.s3[0], Key=f"ckpt/{key}", Body=json.dumps(doc).encode())
+    dest = node.tmp / "forged"
+    code, out = node.cli("restore", "run", "--step", "200", "--to", str(dest))
+    assert code != 0
+    assert "other-node's content store" in out
+    assert not (dest / "checkpoint-200").exists()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"location": "content", "hash": "../../../../etc/passwd"},
+        {"location": "content", "hash": "0" * 31 + "/"},
+        {"location": "../other/content"},
+        {"location": "content", "hash": "AB" * 16},
+    ],
+)
+def test_manifest_location_is_validated(entry: dict[str, str]) -> None:
+    from ckptkeeper.core.model import Manifest
+
+    doc = {
+        "version": 1,
+        "run": "run",
+        "step": 1,
+        "name": "checkpoint-1",
+        "layout": "hf",
+        "is_dir": True,
+        "files": [{"path": "a", "size": 1, "hash": "0" * 32, **entry}],
+    }
+    with pytest.raises(ValueError, match=r"files\[0\]"):
+        Manifest.from_json(json.dumps(doc))
+
+
+def test_old_manifests_read_as_before_and_the_digest_ignores_where_bytes_are() -> None:
+    from ckptkeeper.core.model import FileEntry, Manifest
+
+    plain = Manifest(
+        run="r", step=1, name="c", layout="hf", is_dir=True, files=(FileEntry("a", 1, "0" * 32),)
+    )
+    assert "location" not in plain.to_json()
+    moved = content.referencing(plain)
+    assert moved.digest == plain.digest
+    assert Manifest.from_json(moved.to_json()) == moved
+    assert content.plain(moved) == plain
