@@ -28,7 +28,7 @@ import dataclasses
 import os
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,8 @@ class ContentObject:
     size: int
     mtime: float
     """When the store wrote it, by the store's clock (mtime; S3 ``LastModified``)."""
+    staging: str = ""
+    """The name of an interrupted write of it (a local staging file, never referenced)."""
 
 
 def list_content(tier: TierStorage) -> list[ContentObject]:
@@ -234,8 +236,10 @@ def list_content(tier: TierStorage) -> list[ContentObject]:
                 return []
             try:
                 for sub in sorted(os.listdir(fd)):
-                    for digest, st in _local_entries(fd, sub):
-                        out.append(ContentObject(digest, st.st_size, st.st_mtime))
+                    for name, st in _local_entries(fd, sub):
+                        digest = name.split(STAGING_MARK, 1)[0]
+                        staging = name if name != digest else ""
+                        out.append(ContentObject(digest, st.st_size, st.st_mtime, staging))
             finally:
                 os.close(fd)
     except OSError as exc:
@@ -261,7 +265,8 @@ def _local_entries(fd: int, sub: str) -> list[tuple[str, os.stat_result]]:
     try:
         found = []
         for name in os.listdir(sfd):
-            if _valid_name(sub, name):
+            digest = name.split(STAGING_MARK, 1)[0]
+            if _valid_name(sub, digest):
                 st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode):
                     found.append((name, st))
@@ -274,8 +279,13 @@ def _valid_name(sub: str, digest: str) -> bool:
     return len(digest) == 32 and set(digest) <= _HEX and digest[:2] == sub and STAGING_MARK not in digest
 
 
-def remove(tier: TierStorage, digest: str) -> None:
+def remove(tier: TierStorage, digest: str, staging: str = "") -> None:
+    """Remove the content object ``digest`` (or its interrupted write ``staging``)."""
     rel = content_rel(tier, digest)
+    if staging:
+        if not staging.startswith(digest + STAGING_MARK) or "/" in staging:
+            raise StorageError(f"tier {tier.name!r}: {staging!r} is not a staging name of {digest}")
+        rel = rel[: -len(digest)] + staging
     if _is_s3(tier):
         s3: Any = tier
         with s3._errors(f"removing content {digest}"):
@@ -468,6 +478,8 @@ def copy_deduped(tier: TierStorage, src: TierStorage, manifest: Manifest, progre
                 progress(entry.size)
             continue
         _write_content(tier, src, rel, entry, src_entries[entry.path], progress)
+        if progress is not None:
+            progress(0)  # a content object committed, its manifest not yet: a crash point of its own
         written.add(entry.hash)
         stats.uploaded_bytes += entry.size
         stats.uploaded_files += 1
@@ -598,7 +610,14 @@ def live_refs(tier: TierStorage) -> set[str]:
     return refs
 
 
-def collect(tier: TierStorage, *, grace: float, now: float | None = None, dry_run: bool = False) -> Collected:
+def collect(
+    tier: TierStorage,
+    *,
+    grace: float,
+    now: float | None = None,
+    dry_run: bool = False,
+    before_remove: Callable[[str], None] | None = None,
+) -> Collected:
     """Remove this node's content objects no manifest references, older than ``grace``.
 
     Content is listed before the references: an object written after the listing is not a
@@ -609,13 +628,15 @@ def collect(tier: TierStorage, *, grace: float, now: float | None = None, dry_ru
     clock = store_now(tier) if now is None else now
     out = Collected(tier=tier.name, objects=len(objects), stored_bytes=sum(o.size for o in objects))
     for obj in objects:
-        if obj.digest in refs:
+        if obj.digest in refs and not obj.staging:
             out.referenced += 1
         elif clock - obj.mtime <= grace:
             out.young += 1
         else:
             if not dry_run:
-                remove(tier, obj.digest)
+                if before_remove is not None:
+                    before_remove(obj.digest)
+                remove(tier, obj.digest, obj.staging)
             out.removed += 1
             out.removed_bytes += obj.size
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptkeeper.actions.pruning.state import Participant, PassState
+from ckptkeeper.executor import _CrashPoints
 from ckptkeeper.storage import StorageError, TierStorage, content
 from ckptkeeper.util.logs import get_logger
 
@@ -19,6 +20,7 @@ class ContentCollection(Participant):
         copies = content.drain_stats()
         notes: list[str] = []
         tiers: dict[str, Any] = {}
+        crash = _CrashPoints()  # the executor's crash points, counted apart (tests only)
         for spec in state.settings.tier_specs()[1:]:
             if not spec.dedup:
                 continue
@@ -29,7 +31,12 @@ class ContentCollection(Participant):
                 "collected": None,
             }
             try:
-                got = content.collect(TierStorage(spec), grace=spec.dedup_grace, dry_run=state.dry_run)
+                got = content.collect(
+                    TierStorage(spec),
+                    grace=spec.dedup_grace,
+                    dry_run=state.dry_run,
+                    before_remove=lambda _digest: crash.hit("content-remove"),
+                )
             except StorageError as exc:  # unknown references: nothing collected, next pass retries
                 log.warning("%s: content store not collected: %s", spec.name, exc)
                 notes.append(f"dedup: content of tier {spec.name} not collected this pass: {exc}")
