@@ -25,6 +25,7 @@ from click.testing import CliRunner
 
 from ckptkeeper.cli import main
 from ckptkeeper.storage import content
+from ckptkeeper.util.fmt import human_bytes
 
 MODEL = 256 * 1024
 OPTIM = 128 * 1024
@@ -176,6 +177,13 @@ def test_resave_is_stored_once_and_restores(node: Node) -> None:
     assert dedup["uploaded_bytes"] >= MODEL + OPTIM
     for step in (100, 200):
         assert node.restore(step) == node.original(step)
+    code, out = node.cli("status", "--json")
+    assert code == 0, out
+    warm = next(t for t in json.loads(out)["tiers"] if t["name"] == "warm")
+    assert warm["dedup"]["stored_bytes"] == sum(objs.values())
+    assert warm["dedup"]["referenced_bytes"] == warm["bytes"] >= 2 * (len(safetensors(weights)) + OPTIM)
+    code, out = node.cli("status")
+    assert f"dedup warm: {human_bytes(sum(objs.values()))} stored for" in out
 
 
 AHEAD = {content.CLOCK_ENV: str(3 * 3600)}
