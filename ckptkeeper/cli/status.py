@@ -73,10 +73,10 @@ def _render_status(s: StatusSummary) -> None:
         )
     )
     click.echo()
-    for t in s.tiers:
-        if t.dedup:
-            held = "unknown" if t.stored_bytes is None else human_bytes(t.stored_bytes)
-            click.echo(f"dedup {t.name}: {held} stored for {human_bytes(t.bytes)} of checkpoints")
+    for summary in s.tiers:
+        if summary.dedup:
+            held = "unknown" if summary.stored_bytes is None else human_bytes(summary.stored_bytes)
+            click.echo(f"dedup {summary.name}: {held} stored for {human_bytes(summary.bytes)} of checkpoints")
     click.echo("runs: " + (", ".join(f"{n} {st}" for st, n in sorted(s.runs.items())) or "none"))
     click.echo(
         "checkpoints: " + (", ".join(f"{n} {st}" for st, n in sorted(s.checkpoints.items())) or "none")
