@@ -385,3 +385,37 @@ def test_kill9_at_every_crash_point_of_a_delete_and_collection(make_node: Any) -
 
     points = sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300))
     assert points > 2
+
+
+def test_verify_and_scrub_hash_the_referenced_content(node: Node) -> None:
+    weights, _ = saved_twice(node)
+    code, out = node.cli("verify", "run")
+    assert code == 0, out
+    # one byte of the shared model file's content object changes in place, at the same size
+    big = len(safetensors(weights))
+    (rel,) = [k for k, size in content_objects(node).items() if size == big]
+    if node.kind == "local":
+        path = node.warm_dir / rel
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        import boto3
+
+        assert node.s3 is not None
+        client = boto3.client(
+            "s3",
+            endpoint_url=node.s3[1],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        key = f"{node.prefix}/{rel}"
+        data = bytearray(client.get_object(Bucket=node.s3[0], Key=key)["Body"].read())
+        data[-1] ^= 0xFF
+        client.put_object(Bucket=node.s3[0], Key=key, Body=bytes(data))
+    code, out = node.cli("verify", "run")
+    assert code == 1
+    assert "checkpoint-100/model.safetensors: hash" in out and "checkpoint-200/model.safetensors: hash" in out
+    code, out = node.cli("scrub", "--json")
+    assert code == 1, out

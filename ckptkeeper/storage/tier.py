@@ -229,7 +229,7 @@ class TierStorage:
                 self.delete(rel)
                 existing = None
             if existing is not None:
-                raise StorageError(_other_version(self.name, rel, existing, manifest))
+                raise StorageError(_other_version(self.name, rel, content.plain(existing), manifest))
         if self.spec.dedup and not self.hot:
             content.copy_deduped(self, src, manifest, progress)
             return
