@@ -365,6 +365,7 @@ TEST_KINDS: dict[str, str] = {
     "test_slurm_jobs": "e2e",
     "test_tiering_e2e": "e2e",
     "test_dedup": "e2e",
+    "test_dedup_properties": "integration",
     "test_training_e2e": "e2e",
     "test_watermark_e2e": "e2e",
 }
