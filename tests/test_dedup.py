@@ -78,7 +78,7 @@ class Node:
         self.t0 = time.time() - 7200
         self.configure(**warm)
 
-    def configure(self, **warm: Any) -> None:
+    def configure(self, hot: dict[str, Any] | None = None, **warm: Any) -> None:
         policy = {"keep_last": 10, "dedup": True, "dedup_grace": "1h", **warm}
         if self.kind == "s3":
             assert self.s3 is not None
@@ -90,7 +90,7 @@ class Node:
             self.config,
             index=self.tmp / "index.db",
             daemon={"settle_seconds": "1s", "trust_mtimes": True},
-            tiers=[local_tier("hot", self.hot, keep_last=1), warm_tier],
+            tiers=[local_tier("hot", self.hot, **(hot or {"keep_last": 1})), warm_tier],
         )
 
     def save(self, step: int, *, weights: bytes, optim: bytes) -> None:
@@ -391,9 +391,17 @@ def test_verify_and_scrub_hash_the_referenced_content(node: Node) -> None:
     weights, _ = saved_twice(node)
     code, out = node.cli("verify", "run")
     assert code == 0, out
-    # one byte of the shared model file's content object changes in place, at the same size
-    big = len(safetensors(weights))
-    (rel,) = [k for k, size in content_objects(node).items() if size == big]
+    corrupt(node, len(safetensors(weights)))
+    code, out = node.cli("verify", "run")
+    assert code == 1
+    assert "checkpoint-100/model.safetensors: hash" in out and "checkpoint-200/model.safetensors: hash" in out
+    code, out = node.cli("scrub", "--json")
+    assert code == 1, out
+
+
+def corrupt(node: Node, size: int) -> None:
+    """One byte of the content object of that size changes in place (same size)."""
+    (rel,) = [k for k, got in content_objects(node).items() if got == size]
     if node.kind == "local":
         path = node.warm_dir / rel
         data = bytearray(path.read_bytes())
@@ -414,8 +422,18 @@ def test_verify_and_scrub_hash_the_referenced_content(node: Node) -> None:
         data = bytearray(client.get_object(Bucket=node.s3[0], Key=key)["Body"].read())
         data[-1] ^= 0xFF
         client.put_object(Bucket=node.s3[0], Key=key, Body=bytes(data))
-    code, out = node.cli("verify", "run")
-    assert code == 1
-    assert "checkpoint-100/model.safetensors: hash" in out and "checkpoint-200/model.safetensors: hash" in out
+
+
+def test_a_scrubbed_bad_content_object_is_written_again_from_a_good_copy(node: Node) -> None:
+    weights, optim = os.urandom(MODEL), os.urandom(OPTIM)
+    node.configure(hot={"keep_last": 3}, replicate=True)  # every checkpoint also stays hot
+    node.save(100, weights=weights, optim=optim)
+    node.save(200, weights=weights, optim=optim)
+    node.prune()
+    corrupt(node, len(safetensors(weights)))
     code, out = node.cli("scrub", "--json")
     assert code == 1, out
+    node.prune()  # the damaged copies are copied again: the bad object is rewritten, not referenced
+    code, out = node.cli("verify", "run")
+    assert code == 0, out
+    assert len(content_objects(node)) == 4

@@ -459,9 +459,19 @@ def drain_stats() -> list[CopyStats]:
     return out
 
 
-def copy_deduped(tier: TierStorage, src: TierStorage, manifest: Manifest, progress: Progress | None) -> None:
+def copy_deduped(
+    tier: TierStorage,
+    src: TierStorage,
+    manifest: Manifest,
+    progress: Progress | None,
+    *,
+    rehash: bool = False,
+) -> None:
     """:meth:`TierStorage.copy_from` into a dedup tier: each file not yet in this node's content
-    store is written there (whole, checked), then the manifest referencing all of them commits."""
+    store is written there (whole, checked), then the manifest referencing all of them commits.
+
+    ``rehash``: the copy replaces one a scrub found damaged, whose bytes a size check cannot
+    see: every object already there is hashed, and one that does not match is written again."""
     rel = _rel_of(manifest)
     stored = referencing(manifest)
     _check_refs(tier, stored)
@@ -469,6 +479,8 @@ def copy_deduped(tier: TierStorage, src: TierStorage, manifest: Manifest, progre
     src_entries = {e.path: e for e in source.files}
     stats = CopyStats(tier=tier.name, path=rel)
     present = sizes_of(tier, [e.hash for e in stored.files])
+    if rehash:
+        present = {h: size for h, size in present.items() if size is not None and _intact(tier, h, size)}
     written: set[str] = set()
     for entry in stored.files:
         if present.get(entry.hash) == entry.size or entry.hash in written:
@@ -497,6 +509,19 @@ def copy_deduped(tier: TierStorage, src: TierStorage, manifest: Manifest, progre
         raise StorageError(f"commit of {rel} in {tier.name!r} failed: {_describe(exc)}") from exc
     with _RECORDER.lock:
         _RECORDER.copies.append(stats)
+
+
+def _intact(tier: TierStorage, digest: str, size: int) -> bool:
+    """The content object ``digest`` hashes to its name (read whole)."""
+    reader = tier._open_read(content_rel(tier, digest), "")
+    try:
+        got, found = hashing.hash_stream(reader)  # type: ignore[arg-type]
+    finally:
+        reader.close()
+    if (got, found) != (size, digest):
+        log.warning("%s: content %s does not hash to its name; writing it again", tier.name, digest)
+        return False
+    return True
 
 
 def _placeholder_sink(tier: TierStorage, rel: str, stored: Manifest) -> _Sink:

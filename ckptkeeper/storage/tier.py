@@ -231,7 +231,7 @@ class TierStorage:
             if existing is not None:
                 raise StorageError(_other_version(self.name, rel, content.plain(existing), manifest))
         if self.spec.dedup and not self.hot:
-            content.copy_deduped(self, src, manifest, progress)
+            content.copy_deduped(self, src, manifest, progress, rehash=replace_damaged)
             return
         source = content.layout(src, manifest)
         sink = self._begin_write(rel, manifest)
