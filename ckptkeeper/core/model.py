@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class FileEntry:
 
 IN_CONTENT = "content"
 """:attr:`FileEntry.location` of a file whose bytes live in its node's content store."""
-_CONTENT_HASH_CHARS = frozenset("0123456789abcdef")
+_CONTENT_HASH_CHARS = frozenset(string.digits + "abcdef")
 
 
 def _location(entry: Mapping[str, Any], i: int, digest: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import string
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # the contract, without importing it (tier imports this modul
 
 
 CONTENT_DIR = ".ckptkeeper/content"
-_HEX = frozenset("0123456789abcdef")
+_HEX = frozenset(string.digits + "abcdef")
 
 
 # -- names ----------------------------------------------------------------------------------
