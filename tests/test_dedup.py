@@ -24,7 +24,7 @@ from builders import local_tier, s3_tier, write_config
 from click.testing import CliRunner
 
 from ckptkeeper.cli import main
-from ckptkeeper.storage import content
+from ckptkeeper.storage import content, content_gc
 from ckptkeeper.util.fmt import human_bytes
 
 MODEL = 256 * 1024
@@ -186,7 +186,7 @@ def test_resave_is_stored_once_and_restores(node: Node) -> None:
     assert f"dedup warm: {human_bytes(sum(objs.values()))} stored for" in out
 
 
-AHEAD = {content.CLOCK_ENV: str(3 * 3600)}
+AHEAD = {content_gc.CLOCK_ENV: str(3 * 3600)}
 """The store's clock 3 h ahead: content written now is past the 1 h grace period."""
 
 
@@ -323,7 +323,7 @@ def referenced(node: Node) -> set[str]:
     from ckptkeeper.storage import TierStorage
 
     spec = load_settings(node.config).tier_specs()[1]
-    return {content.content_rel(TierStorage(spec), h) for h in content.live_refs(TierStorage(spec))}
+    return {content.content_rel(TierStorage(spec), h) for h in content_gc.live_refs(TierStorage(spec))}
 
 
 def assert_whole_and_tidy(node: Node, steps: tuple[int, ...]) -> None:

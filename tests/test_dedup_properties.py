@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkeeper.core.model import Manifest, TierPolicy, TierSpec
-from ckptkeeper.storage import TierStorage, content, trash
+from ckptkeeper.storage import TierStorage, content, content_gc, trash
 
 BLOBS = (b"A" * 3000, b"B" * 2000, b"C" * 1000)
 SHAPES: tuple[dict[str, int], ...] = (
@@ -84,9 +84,9 @@ def test_no_sequence_leaves_a_reference_to_missing_content(ops: list[tuple[str, 
             elif op == "undelete" and i in trashed and not committed:
                 warm.undelete(m, trashed.pop(i))
             elif op == "collect":
-                content.collect(warm, grace=0.0, now=float("inf"))
-                refs = {content.content_rel(warm, h) for h in content.live_refs(warm)}
-                store = {content.content_rel(warm, o.digest) for o in content.list_content(warm)}
+                content_gc.collect(warm, grace=0.0, now=float("inf"))
+                refs = {content.content_rel(warm, h) for h in content_gc.live_refs(warm)}
+                store = {content.content_rel(warm, o.digest) for o in content_gc.list_content(warm)}
                 assert store == refs
             _whole(warm)
         for m in manifests:

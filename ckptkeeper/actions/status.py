@@ -282,10 +282,10 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
 
 def _content_bytes(spec: TierSpec) -> int | None:
     """Bytes in this node's content store of a dedup tier (one listing), None if unknown."""
-    from ckptkeeper.storage import StorageError, TierStorage, content
+    from ckptkeeper.storage import StorageError, TierStorage, content_gc
 
     try:
-        return sum(o.size for o in content.list_content(TierStorage(spec)))
+        return sum(o.size for o in content_gc.list_content(TierStorage(spec)))
     except StorageError:
         return None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ckptkeeper.actions.pruning.state import Participant, PassState
 from ckptkeeper.executor import _CrashPoints
-from ckptkeeper.storage import StorageError, TierStorage, content
+from ckptkeeper.storage import StorageError, TierStorage, content, content_gc
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.prune")
@@ -31,7 +31,7 @@ class ContentCollection(Participant):
                 "collected": None,
             }
             try:
-                got = content.collect(
+                got = content_gc.collect(
                     TierStorage(spec),
                     grace=spec.dedup_grace,
                     dry_run=state.dry_run,
