@@ -437,3 +437,13 @@ def test_a_scrubbed_bad_content_object_is_written_again_from_a_good_copy(node: N
     code, out = node.cli("verify", "run")
     assert code == 0, out
     assert len(content_objects(node)) == 4
+
+
+def test_restore_with_a_bad_content_object_fails_and_leaves_nothing(node: Node) -> None:
+    weights, _ = saved_twice(node)
+    corrupt(node, len(safetensors(weights)))
+    dest = node.tmp / "bad"
+    code, out = node.cli("restore", "run", "--step", "200", "--to", str(dest))
+    assert code != 0
+    assert "model.safetensors: hash" in out
+    assert not dest.exists() or list(dest.iterdir()) == []

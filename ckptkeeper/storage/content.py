@@ -224,12 +224,20 @@ def _content_sink(tier: TierStorage, rel: str, entry: FileEntry) -> tuple[_FileW
 
 
 def _pump(
-    reader: _Reader, writer: _FileWriter, entry: FileEntry, where: str, progress: Progress | None
+    reader: _Reader,
+    writer: _FileWriter,
+    entry: FileEntry,
+    where: str,
+    progress: Progress | None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Read → hash → write one file, checked against ``entry`` (size and hash)."""
+    """Read → hash → write one file, checked against ``entry`` (size and hash); ``stop`` (another
+    file of a concurrent restore failed) ends it early."""
     hasher = hashing.new_hasher()
     size = 0
     while chunk := reader.read(hashing.CHUNK_SIZE):
+        if stop is not None and stop.is_set():
+            raise StorageError(f"{where}: stopped, another file of the checkpoint failed")
         size += len(chunk)
         if size > entry.size:
             raise VerificationError(f"{where}: more than the {entry.size} bytes of its manifest")
@@ -459,14 +467,74 @@ def verify(tier: TierStorage, stored: Manifest, *, deep: bool, on_bytes: Progres
     return problems
 
 
-def stream_into(src: TierStorage, rel: str, stored: Manifest, sink: _Sink, progress: Progress | None) -> None:
+def stream_into(
+    src: TierStorage, rel: str, stored: Manifest, sink: _Sink, progress: Progress | None, *, workers: int = 1
+) -> None:
     """Write every file of ``stored`` (a dedup copy in ``src``) into ``sink`` at its path, each
-    checked (size, hash) as it is written: a restore, or a copy to another tier."""
-    for e in stored.files:
-        reader = open_entry(src, rel, e)
-        try:
-            writer = sink.open_file(dataclasses.replace(e, location=""), None)
-            where = f"{src.name}:{rel}/{e.path}" if e.path else f"{src.name}:{rel}"
-            _pump(reader, writer, e, where, progress)
-        finally:
-            reader.close()
+    checked (size, hash) as it is written: a restore, or a copy to another tier.
+
+    ``workers`` > 1 (a restore into a local directory, whose sink takes files from several
+    threads): that many objects stream at once, largest first; the first failure stops the others
+    at their next chunk and is raised once all have returned, so the caller's abort never races
+    a writer."""
+    workers = min(workers, len(stored.files))
+    if workers <= 1:
+        for e in stored.files:
+            _copy_one(src, rel, e, sink, progress, None)
+        return
+    pending = iter(sorted(stored.files, key=lambda e: (-e.size, e.path)))
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    report: Progress | None = None
+    if progress is not None:
+        outer = progress
+
+        def report(n: int) -> None:
+            with lock:
+                outer(n)
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                entry = next(pending, None)
+            if entry is None:
+                return
+            try:
+                _copy_one(src, rel, entry, sink, report, stop)
+            except BaseException as exc:  # raised by the caller's thread below
+                with lock:
+                    errors.append(exc)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, name=f"ckptkeeper-content-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+def _copy_one(
+    src: TierStorage,
+    rel: str,
+    e: FileEntry,
+    sink: _Sink,
+    progress: Progress | None,
+    stop: threading.Event | None,
+) -> None:
+    reader = open_entry(src, rel, e)
+    try:
+        writer = sink.open_file(dataclasses.replace(e, location=""), None)
+        where = f"{src.name}:{rel}/{e.path}" if e.path else f"{src.name}:{rel}"
+        _pump(reader, writer, e, where, progress, stop)
+    finally:
+        reader.close()

@@ -267,7 +267,7 @@ class TierStorage:
         try:
             stored = content.layout(self, manifest)
             if stored is not None:
-                content.stream_into(self, rel, stored, sink, progress)
+                content.stream_into(self, rel, stored, sink, progress, workers=self.fetch_workers)
             else:
                 self._fetch_files(rel, manifest, sink, progress)
             sink.commit(manifest)
