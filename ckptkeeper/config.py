@@ -208,6 +208,9 @@ class TierConfig(_Strict):
     dedup: bool = False
     """A slower tier only: a file whose content this node already stores in the tier is referenced,
     not stored again (docs/dedup.md). Off by default: the tier's layout is unchanged."""
+    dedup_tensors: bool = False
+    """With ``dedup``: a safetensors file is stored tensor by tensor, so the tensors a save did not
+    change (frozen layers) are not stored again; restore reassembles the file (docs/dedup.md)."""
     dedup_grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=0.0)] = 86400.0
     """How long content no copy references stays before this node's prune pass removes it."""
 
@@ -255,6 +258,7 @@ class TierConfig(_Strict):
             shared=self.shared,
             marker_beat=self._marker_beat,
             dedup=self.dedup,
+            dedup_tensors=self.dedup_tensors,
             dedup_grace=self.dedup_grace,
             policy=TierPolicy(
                 keep_last=self.keep_last,
@@ -419,6 +423,8 @@ class Settings(BaseSettings):
         if self.tiers[0].dedup:
             raise ValueError("tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)")
         for i, t in enumerate(self.tiers[1:], start=1):
+            if t.dedup_tensors and not t.dedup:
+                raise ValueError(f"tiers[{i}].dedup_tensors needs dedup = true")
             if t.dedup and t.shared and t.is_local:
                 raise ValueError(f"tiers[{i}].dedup: not available on a shared local tier (docs/dedup.md)")
             if t.headroom is not None:

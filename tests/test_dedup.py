@@ -269,6 +269,10 @@ def test_forged_manifest_naming_another_node_is_refused(node: Node) -> None:
         {"location": "content", "hash": "0" * 31 + "/"},
         {"location": "../other/content"},
         {"location": "content", "hash": "AB" * 16},
+        {"location": "content", "parts": [[1, "../" + "0" * 29]]},
+        {"location": "content", "parts": [[2, "0" * 32]]},  # pieces longer than the file
+        {"parts": [[1, "0" * 32]]},  # pieces of a file that is not in the content store
+        {"location": "content", "parts": [[1]]},
     ],
 )
 def test_manifest_location_is_validated(entry: dict[str, str]) -> None:
@@ -447,3 +451,73 @@ def test_restore_with_a_bad_content_object_fails_and_leaves_nothing(node: Node) 
     assert code != 0
     assert "model.safetensors: hash" in out
     assert not dest.exists() or list(dest.iterdir()) == []
+
+
+# -- tensor-level dedup ---------------------------------------------------------------------------
+
+
+def multi_safetensors(tensors: list[bytes]) -> bytes:
+    """A valid safetensors file of several F32 tensors, in order."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for i, t in enumerate(tensors):
+        header[f"t{i}"] = {"dtype": "F32", "shape": [len(t) // 4], "data_offsets": [offset, offset + len(t)]}
+        offset += len(t)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"".join(tensors)
+
+
+TENSOR = 256 * 1024
+
+
+def test_tensor_dedup_stores_frozen_tensors_once_and_restores_whole_files(node: Node) -> None:
+    node.configure(hot={"keep_last": 1}, dedup_tensors=True)
+    frozen = [os.urandom(TENSOR) for _ in range(4)]
+    steps = (100, 200, 300, 400)
+    for step in steps:
+        model = multi_safetensors([*frozen, *(os.urandom(TENSOR) for _ in range(4))])
+        ckpt = node.run_dir / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.safetensors").write_bytes(model)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        for p in [*ckpt.rglob("*"), ckpt]:
+            os.utime(p, (node.t0 + step, node.t0 + step))
+        shutil.copytree(ckpt, node.originals / f"checkpoint-{step}")
+    doc = node.prune()  # 100, 200, 300 to warm; 400 stays hot
+    objs = content_objects(node)
+    big = [size for size in objs.values() if size == TENSOR]
+    assert len(big) == 4 + 3 * 4  # the frozen half once, the trained half per save
+    warm = doc["dedup"]["tiers"]["warm"]
+    # the frozen tensors of 200 and 300, and their headers (same shapes, same offsets)
+    assert 2 * 4 * TENSOR < warm["deduped_bytes"] < 2 * 4 * TENSOR + 4096
+    for step in steps[:3]:
+        assert node.restore(step) == node.original(step)
+    code, out = node.cli("verify", "run")
+    assert code == 0, out
+    node.configure(hot={"keep_last": 1}, dedup_tensors=True, keep_last=2)  # 100 and 200 expire
+    node.prune(env=AHEAD)
+    assert len([s for s in content_objects(node).values() if s == TENSOR]) == 4 + 4
+    assert node.restore(300) == node.original(300)
+
+
+def test_kill9_at_every_crash_point_of_a_tensor_deduped_copy(tmp_path: Path) -> None:
+    frozen = [os.urandom(TENSOR) for _ in range(4)]
+    models = {step: multi_safetensors([*frozen, os.urandom(TENSOR)]) for step in (100, 200, 300)}
+
+    def make(k: int) -> Node:
+        base = tmp_path / f"trial-{k}"
+        base.mkdir()
+        node = Node(base, "local", None)
+        node.configure(dedup_tensors=True)
+        for step, model in models.items():
+            ckpt = node.run_dir / f"checkpoint-{step}"
+            ckpt.mkdir(parents=True)
+            (ckpt / "model.safetensors").write_bytes(model)
+            (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+            for p in [*ckpt.rglob("*"), ckpt]:
+                os.utime(p, (node.t0 + step, node.t0 + step))
+            shutil.copytree(ckpt, node.originals / f"checkpoint-{step}")
+        return node
+
+    points = sweep(make, prune_killed_at, (100, 200, 300))
+    assert points > 10

@@ -57,6 +57,8 @@ if TYPE_CHECKING:  # the contract, without importing it (tier imports this modul
         hot: bool
         is_local: bool
 
+        spec: Any
+
         def read_manifest(self, rel_path: str) -> Manifest | None: ...
         def _open_read(self, rel: str, file_path: str) -> _Reader: ...
         def _begin_write(self, rel: str, manifest: Manifest) -> _Sink: ...
@@ -117,7 +119,13 @@ def _check_refs(tier: TierStorage, manifest: Manifest) -> None:
     if not all(e.location == IN_CONTENT for e in manifest.files):
         raise StorageError(f"tier {tier.name!r}: {_rel_of(manifest)} mixes content references and files")
     for e in manifest.files:
-        content_rel(tier, e.hash)
+        for _size, digest in objects(e):
+            content_rel(tier, digest)
+
+
+def objects(entry: FileEntry) -> list[tuple[int, str]]:
+    """``(size, hash)`` of the content objects holding a file: its pieces, or the file whole."""
+    return list(entry.parts) if entry.parts else [(entry.size, entry.hash)]
 
 
 def layout(tier: TierStorage, manifest: Manifest) -> Manifest | None:
@@ -255,6 +263,11 @@ def _pump(
 
 def open_entry(tier: TierStorage, rel: str, entry: FileEntry) -> _Reader:
     """A reader of one file of a copy, at its path or in the content store."""
+    if entry.location == IN_CONTENT and entry.parts:
+        from ckptkeeper.storage.content_tensors import Concat
+
+        rels = [content_rel(tier, digest) for _size, digest in entry.parts]
+        return Concat([lambda r=r: tier._open_read(r, "") for r in rels])  # type: ignore[misc]
     if entry.location == IN_CONTENT:
         return tier._open_read(content_rel(tier, entry.hash), "")
     return tier._open_read(rel, entry.path)
@@ -264,18 +277,24 @@ def _write_content(
     tier: TierStorage,
     src: TierStorage,
     rel: str,
-    entry: FileEntry,
     src_entry: FileEntry,
+    piece: tuple[int, int, str] | None,
     progress: Progress | None,
 ) -> None:
-    """Write one content object from ``src``'s file, whole and checked, before any reference."""
-    target = content_rel(tier, entry.hash)
+    """Write one content object from ``src``'s file (or the ``(offset, size, hash)`` piece of
+    it), whole and checked, before any reference."""
+    size, digest = (src_entry.size, src_entry.hash) if piece is None else piece[1:]
+    target = content_rel(tier, digest)
     if not _is_s3(tier) and _local_size(tier, target) is not None:
         tier.delete(target)  # damaged (another size): this node's own; a correct one replaces it
-    item = FileEntry(path="", size=entry.size, hash=entry.hash)
+    item = FileEntry(path="", size=size, hash=digest)
     writer, committer = _content_sink(tier, target, item)
     reader = open_entry(src, rel, src_entry)
-    where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+    if piece is not None:
+        from ckptkeeper.storage.content_tensors import Window
+
+        reader = Window(reader, piece[0], size)
+    where = f"{src.name}:{rel}/{src_entry.path}" if src_entry.path else f"{src.name}:{rel}"
     try:
         _pump(reader, writer, item, where, progress)
         if _is_s3(tier):
@@ -286,7 +305,7 @@ def _write_content(
         try:
             committer.abort()
         except Exception as exc:  # the staging name stays for list_staging / the next pass
-            log.warning("%s: cleaning up content %s: %s", tier.name, entry.hash, _describe(exc))
+            log.warning("%s: cleaning up content %s: %s", tier.name, digest, _describe(exc))
         raise
     finally:
         reader.close()
@@ -350,28 +369,40 @@ def copy_deduped(
     ``rehash``: the copy replaces one a scrub found damaged, whose bytes a size check cannot
     see: every object already there is hashed, and one that does not match is written again."""
     rel = _rel_of(manifest)
-    stored = referencing(manifest)
-    _check_refs(tier, stored)
     source = layout(src, manifest) or manifest
     src_entries = {e.path: e for e in source.files}
+    pieces = _split(tier, src, rel, manifest, src_entries)
+    stored = dataclasses.replace(
+        referencing(manifest),
+        files=tuple(
+            dataclasses.replace(
+                e, location=IN_CONTENT, parts=tuple((size, h) for _, size, h in pieces.get(e.path, ()))
+            )
+            for e in manifest.files
+        ),
+    )
+    _check_refs(tier, stored)
     stats = CopyStats(tier=tier.name, path=rel)
-    present = sizes_of(tier, [e.hash for e in stored.files])
+    present = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
     if rehash:
         present = {h: size for h, size in present.items() if size is not None and _intact(tier, h, size)}
     written: set[str] = set()
     for entry in stored.files:
-        if present.get(entry.hash) == entry.size or entry.hash in written:
-            stats.deduped_bytes += entry.size
-            stats.deduped_files += 1
-            if progress is not None and entry.size:
-                progress(entry.size)
-            continue
-        _write_content(tier, src, rel, entry, src_entries[entry.path], progress)
-        if progress is not None:
-            progress(0)  # a content object committed, its manifest not yet: a crash point of its own
-        written.add(entry.hash)
-        stats.uploaded_bytes += entry.size
-        stats.uploaded_files += 1
+        cut: list[tuple[int, int, str] | None] = list(pieces.get(entry.path, [])) or [None]
+        for piece in cut:
+            size, digest = (entry.size, entry.hash) if piece is None else piece[1:]
+            if present.get(digest) == size or digest in written:
+                stats.deduped_bytes += size
+                stats.deduped_files += 1
+                if progress is not None and size:
+                    progress(size)
+                continue
+            _write_content(tier, src, rel, src_entries[entry.path], piece, progress)
+            if progress is not None:
+                progress(0)  # a content object committed, its manifest not yet: a crash point of its own
+            written.add(digest)
+            stats.uploaded_bytes += size
+            stats.uploaded_files += 1
     # Everything referenced is there, at its size, now: then (and only then) the commit.
     damage = content_damage(tier, stored)
     if damage:
@@ -386,6 +417,31 @@ def copy_deduped(
         raise StorageError(f"commit of {rel} in {tier.name!r} failed: {_describe(exc)}") from exc
     with _RECORDER.lock:
         _RECORDER.copies.append(stats)
+
+
+def _split(
+    tier: TierStorage, src: TierStorage, rel: str, manifest: Manifest, src_entries: dict[str, FileEntry]
+) -> dict[str, list[tuple[int, int, str]]]:
+    """Path -> ``(offset, size, hash)`` of each piece, for the files stored tensor by tensor
+    (``dedup_tensors``; safetensors files read from a local file)."""
+    from ckptkeeper.storage import content_tensors
+
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    if not getattr(tier.spec, "dedup_tensors", False) or not src.is_local:
+        return out
+    for entry in manifest.files:
+        src_entry = src_entries[entry.path]
+        if src_entry.location or not content_tensors.splittable(entry):
+            continue
+        where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+        reader = open_entry(src, rel, src_entry)
+        try:
+            found = content_tensors.hash_pieces(reader, entry, where)
+        finally:
+            reader.close()
+        if found:
+            out[entry.path] = found
+    return out
 
 
 def _intact(tier: TierStorage, digest: str, size: int) -> bool:
@@ -420,15 +476,16 @@ def _placeholder_sink(tier: TierStorage, rel: str, stored: Manifest) -> _Sink:
 def content_damage(tier: TierStorage, stored: Manifest) -> list[str]:
     """Referenced content objects missing or of another size ([] = all there)."""
     rel = _rel_of(stored)
-    sizes = sizes_of(tier, [e.hash for e in stored.files])
+    sizes = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
     problems = []
     for e in stored.files:
         where = f"{rel}/{e.path}" if e.path else rel
-        got = sizes.get(e.hash)
-        if got is None:
-            problems.append(f"{where}: content {e.hash} missing")
-        elif got != e.size:
-            problems.append(f"{where}: content {e.hash} is {got} bytes, manifest says {e.size}")
+        for size, digest in objects(e):
+            got = sizes.get(digest)
+            if got is None:
+                problems.append(f"{where}: content {digest} missing")
+            elif got != size:
+                problems.append(f"{where}: content {digest} is {got} bytes, manifest says {size}")
     return problems
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import StorageError, _describe, _split_rel
-from ckptkeeper.storage.content import _HEX, _is_s3, content_rel, node_dir
+from ckptkeeper.storage.content import _HEX, _is_s3, content_rel, node_dir, objects
 
 if TYPE_CHECKING:
     from ckptkeeper.storage.content import TierStorage
@@ -176,10 +176,10 @@ def live_refs(tier: TierStorage) -> set[str]:
     refs: set[str] = set()
     for _rel, manifest, _err in tier.list_manifests():
         if manifest is not None:
-            refs.update(e.hash for e in manifest.files if e.location)
+            refs.update(h for e in manifest.files if e.location for _, h in objects(e))
     for _entry, manifest, _when, _why in tier.list_trash():
         if manifest is not None:
-            refs.update(e.hash for e in manifest.files if e.location)
+            refs.update(h for e in manifest.files if e.location for _, h in objects(e))
     return refs
 
 
