@@ -5,7 +5,9 @@ leaves exactly the content something references (docs/dedup.md)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -14,12 +16,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkeeper.core.model import Manifest, TierPolicy, TierSpec
-from ckptkeeper.storage import TierStorage, content, content_gc, trash
+from ckptkeeper.storage import TierStorage, content, content_gc, content_tensors, trash
 
-BLOBS = (b"A" * 3000, b"B" * 2000, b"C" * 1000)
+
+def _safetensors(*tensors: bytes) -> bytes:
+    header, offset = {}, 0
+    for i, t in enumerate(tensors):
+        header[f"t{i}"] = {"dtype": "U8", "shape": [len(t)], "data_offsets": [offset, offset + len(t)]}
+        offset += len(t)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"".join(tensors)
+
+
+FROZEN, T1, T2 = b"F" * 4000, b"1" * 3000, b"2" * 3000
+BLOBS = (b"A" * 3000, b"B" * 2000, b"C" * 1000, _safetensors(FROZEN, T1), _safetensors(FROZEN, T2))
 SHAPES: tuple[dict[str, int], ...] = (
-    {"a": 0, "b": 1},
-    {"a": 0, "b": 2},
+    {"a": 0, "b": 1, "m.safetensors": 3},
+    {"a": 0, "b": 2, "m.safetensors": 4},
     {"": 0},  # a single-file checkpoint holding the same bytes as the others' "a"
     {"a": 1, "b": 1},  # one content twice in one checkpoint
 )
@@ -59,14 +72,18 @@ def _whole(warm: TierStorage) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(OPS)
-def test_no_sequence_leaves_a_reference_to_missing_content(ops: list[tuple[str, int]]) -> None:
+@given(OPS, st.booleans())
+def test_no_sequence_leaves_a_reference_to_missing_content(ops: list[tuple[str, int]], tensors: bool) -> None:
     base = Path(tempfile.mkdtemp(prefix="dedup-prop-"))
+    split, piece = content_tensors.MIN_SPLIT, content_tensors.MIN_PIECE
+    content_tensors.MIN_SPLIT, content_tensors.MIN_PIECE = 0, 0  # these small files are split too
     try:
         (base / "hot").mkdir()
         (base / "warm").mkdir()
         hot, manifests = _hot(base / "hot")
-        warm = TierStorage(TierSpec("warm", str(base / "warm"), TierPolicy(), node="n1", dedup=True))
+        warm = TierStorage(
+            TierSpec("warm", str(base / "warm"), TierPolicy(), node="n1", dedup=True, dedup_tensors=tensors)
+        )
         trashed: dict[int, str] = {}
         for n, (op, i) in enumerate(ops):
             m = manifests[i]
@@ -98,5 +115,9 @@ def test_no_sequence_leaves_a_reference_to_missing_content(ops: list[tuple[str, 
                     if got.is_file()
                     else all((got / e.path).read_bytes() == (want / e.path).read_bytes() for e in m.files)
                 )
+        if tensors and any(op == "copy" for op, _ in ops):
+            listed = [m for _, m, _ in warm.list_manifests() if m is not None]
+            assert all(e.parts for m in listed for e in m.files if e.path.endswith(".safetensors"))
     finally:
+        content_tensors.MIN_SPLIT, content_tensors.MIN_PIECE = split, piece
         shutil.rmtree(base, ignore_errors=True)
