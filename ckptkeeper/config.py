@@ -421,7 +421,9 @@ class Settings(BaseSettings):
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
         if self.tiers[0].dedup:
-            raise ValueError("tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)")
+            raise ValueError(
+                "tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)"
+            )
         for i, t in enumerate(self.tiers[1:], start=1):
             if t.dedup_tensors and not t.dedup:
                 raise ValueError(f"tiers[{i}].dedup_tensors needs dedup = true")

@@ -521,3 +521,27 @@ def test_kill9_at_every_crash_point_of_a_tensor_deduped_copy(tmp_path: Path) -> 
 
     points = sweep(make, prune_killed_at, (100, 200, 300))
     assert points > 10
+
+
+@pytest.mark.parametrize(
+    ("hot", "warm", "error"),
+    [
+        ({"dedup": True}, {}, "tiers[0].dedup: dedup applies to slower tiers only"),
+        ({}, {"dedup": True, "shared": True}, "not available on a shared local tier"),
+        ({}, {"dedup_tensors": True}, "tiers[1].dedup_tensors needs dedup = true"),
+    ],
+)
+def test_dedup_settings_that_cannot_work_are_refused(
+    tmp_path: Path, hot: dict[str, Any], warm: dict[str, Any], error: str
+) -> None:
+    config = tmp_path / "config.toml"
+    write_config(
+        config,
+        index=tmp_path / "index.db",
+        tiers=[local_tier("hot", tmp_path / "hot", **hot), local_tier("warm", tmp_path / "warm", **warm)],
+    )
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "warm").mkdir()
+    result = CliRunner().invoke(main, ["--config", str(config), "status"])
+    assert result.exit_code == 2
+    assert error in result.output
