@@ -545,3 +545,16 @@ def test_dedup_settings_that_cannot_work_are_refused(
     result = CliRunner().invoke(main, ["--config", str(config), "status"])
     assert result.exit_code == 2
     assert error in result.output
+
+
+def test_kill9_at_every_crash_point_of_a_collection(make_node: Any) -> None:
+    def make(k: int) -> Node:
+        node: Node = make_node(k)
+        node.prune()
+        node.configure(keep_last=1)  # 100 and 200 expire from warm; their content is young still
+        node.prune()
+        return node
+
+    # the killed pass has nothing to execute: every crash point is a removal of a content object
+    points = sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (300,))
+    assert points == 5  # the 4 objects 100 and 200 referenced, one kill before each removal
