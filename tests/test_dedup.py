@@ -500,14 +500,20 @@ def test_tensor_dedup_stores_frozen_tensors_once_and_restores_whole_files(node: 
     assert node.restore(300) == node.original(300)
 
 
-def test_kill9_at_every_crash_point_of_a_tensor_deduped_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_kill9_at_every_crash_point_of_a_tensor_deduped_copy(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    s3 = None
+    if kind == "s3":
+        s3 = (request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_reset"))
     frozen = [os.urandom(TENSOR) for _ in range(4)]
     models = {step: multi_safetensors([*frozen, os.urandom(TENSOR)]) for step in (100, 200, 300)}
 
     def make(k: int) -> Node:
         base = tmp_path / f"trial-{k}"
         base.mkdir()
-        node = Node(base, "local", None)
+        node = Node(base, kind, s3, prefix=f"trial-{k}")
         node.configure(dedup_tensors=True)
         for step, model in models.items():
             ckpt = node.run_dir / f"checkpoint-{step}"
