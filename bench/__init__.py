@@ -20,5 +20,6 @@ BENCHMARKS = (
     "job_end",
     "prestage",
     "history",
+    "dedup",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

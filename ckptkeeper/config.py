@@ -210,6 +210,15 @@ class TierConfig(_Strict):
     """A shared local tier's name across nodes, naming its lease (default: the tier's name and a hash
     of its path, so every node must mount it at the same path)."""
 
+    dedup: bool = False
+    """A slower tier only: a file whose content this node already stores in the tier is referenced,
+    not stored again (docs/dedup.md). Off by default: the tier's layout is unchanged."""
+    dedup_tensors: bool = False
+    """With ``dedup``: a safetensors file is stored tensor by tensor, so the tensors a save did not
+    change (frozen layers) are not stored again; restore reassembles the file (docs/dedup.md)."""
+    dedup_grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=0.0)] = 86400.0
+    """How long content no copy references stays before this node's prune pass removes it."""
+
     _node: str = PrivateAttr(default="")
     _marker_beat: float = PrivateAttr(default=60.0)
 
@@ -254,6 +263,9 @@ class TierConfig(_Strict):
             shared=self.shared,
             marker_beat=self._marker_beat,
             max_rate=self.max_rate,
+            dedup=self.dedup,
+            dedup_tensors=self.dedup_tensors,
+            dedup_grace=self.dedup_grace,
             policy=TierPolicy(
                 keep_last=self.keep_last,
                 keep_best=self.keep_best,
@@ -417,7 +429,15 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
+        if self.tiers[0].dedup:
+            raise ValueError(
+                "tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)"
+            )
         for i, t in enumerate(self.tiers[1:], start=1):
+            if t.dedup_tensors and not t.dedup:
+                raise ValueError(f"tiers[{i}].dedup_tensors needs dedup = true")
+            if t.dedup and t.shared and t.is_local:
+                raise ValueError(f"tiers[{i}].dedup: not available on a shared local tier (docs/dedup.md)")
             if t.headroom is not None:
                 raise ValueError(
                     f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"

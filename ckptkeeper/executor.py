@@ -309,6 +309,7 @@ class Executor(TrashSteps):
                     isinstance(src, LocalTierStorage)
                     and isinstance(dst, LocalTierStorage)
                     and dst.same_filesystem(src)
+                    and not (src.spec.dedup or dst.spec.dedup)  # a dedup copy's bytes are not in its place
                 ):
                     moves.add((a.path or "", a.tier))
         return moves

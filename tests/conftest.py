@@ -368,6 +368,8 @@ TEST_KINDS: dict[str, str] = {
     "test_tiering_e2e": "e2e",
     "test_hot_once": "e2e",
     "test_max_rate": "integration",
+    "test_dedup": "e2e",
+    "test_dedup_properties": "integration",
     "test_training_e2e": "e2e",
     "test_watermark_e2e": "e2e",
 }

@@ -19,7 +19,7 @@ from ckptkeeper.actions.index import deletes_held
 from ckptkeeper.config import Settings
 from ckptkeeper.core import cost
 from ckptkeeper.core.headroom import Headroom
-from ckptkeeper.core.model import CheckpointState, TierUsage
+from ckptkeeper.core.model import CheckpointState, TierSpec, TierUsage
 from ckptkeeper.index import CheckpointRow, Index, JobRun, Quarantined, RunRow
 
 WARNING_MARK = "WARNING: "
@@ -41,6 +41,10 @@ class TierSummary:
     bytes: int
     newest_checkpoint_at: float | None
     """Creation time of the newest of those (the tier's recovery point)."""
+    stored_bytes: int | None = None
+    """A dedup tier: bytes in this node's content store (one listing of it); None otherwise or
+    when it cannot be listed."""
+    dedup: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +150,7 @@ class StatusSummary:
             "checkpoints": t.checkpoints,
             "bytes": t.bytes,
             "newest_checkpoint_age_seconds": None if age is None else round(age, 1),
+            "dedup": {"stored_bytes": t.stored_bytes, "referenced_bytes": t.bytes} if t.dedup else None,
         }
 
     def _scrub_doc(self) -> dict[str, Any]:
@@ -231,6 +236,8 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
                 checkpoints=len(held),
                 bytes=sum(c.bytes for c in held),
                 newest_checkpoint_at=max((c.created_at for c in held), default=None),
+                stored_bytes=_content_bytes(t.to_spec()) if t.dedup else None,
+                dedup=t.dedup,
             )
         )
     try:
@@ -271,6 +278,16 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         trash=_trash(index),
         **_costs(settings, checkpoints, tiers),
     )
+
+
+def _content_bytes(spec: TierSpec) -> int | None:
+    """Bytes in this node's content store of a dedup tier (one listing), None if unknown."""
+    from ckptkeeper.storage import StorageError, TierStorage, content_gc
+
+    try:
+        return sum(o.size for o in content_gc.list_content(TierStorage(spec)))
+    except StorageError:
+        return None
 
 
 def _clock_skew(settings: Settings) -> tuple[str, ...]:

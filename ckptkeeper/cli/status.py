@@ -73,6 +73,12 @@ def _render_status(s: StatusSummary) -> None:
         )
     )
     click.echo()
+    for summary in s.tiers:
+        if summary.dedup:
+            stored = "unknown" if summary.stored_bytes is None else human_bytes(summary.stored_bytes)
+            click.echo(
+                f"dedup {summary.name}: {stored} stored for {human_bytes(summary.bytes)} of checkpoints"
+            )
     click.echo("runs: " + (", ".join(f"{n} {st}" for st, n in sorted(s.runs.items())) or "none"))
     click.echo(
         "checkpoints: " + (", ".join(f"{n} {st}" for st, n in sorted(s.checkpoints.items())) or "none")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,61 @@ class FileEntry:
     path: str
     size: int
     hash: str
+    location: str = ""
+    """Where a slower tier holds the bytes: "" at the file's path in the copy, :data:`IN_CONTENT`
+    in the node's content store of the tier, named by ``hash`` (docs/dedup.md). Written only when
+    set (an old manifest reads as before); not in the digest: the version is the content."""
+    parts: tuple[tuple[int, str], ...] = ()
+    """In the content store as consecutive pieces (a safetensors file split at its tensors):
+    ``(size, hash)`` of each, in file order; empty: one object named by ``hash``."""
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"path": self.path, "size": self.size, "hash": self.hash}
+        if self.location:
+            doc["location"] = self.location
+        if self.parts:
+            doc["parts"] = [[size, digest] for size, digest in self.parts]
+        return doc
+
+
+IN_CONTENT = "content"
+""":attr:`FileEntry.location` of a file whose bytes live in its node's content store."""
+_CONTENT_HASH_CHARS = frozenset(string.digits + "abcdef")
+
+
+def _location(entry: Mapping[str, Any], i: int, digest: str) -> str:
+    """The ``location`` of a file entry read back: absent, or :data:`IN_CONTENT` with a hash that
+    can name a content object (lowercase hex of the algorithm's length): never a path."""
+    value = entry.get("location")
+    if value is None or value == "":
+        return ""
+    if value != IN_CONTENT:
+        raise schema.SchemaError(f"files[{i}].location", f"unknown location {schema.describe(value)}")
+    if len(digest) != 32 or not set(digest) <= _CONTENT_HASH_CHARS:
+        raise schema.SchemaError(f"files[{i}].hash", "a file in the content store needs a 32-digit hex hash")
+    return IN_CONTENT
+
+
+def _parts(entry: Mapping[str, Any], i: int, size: int, location: str) -> tuple[tuple[int, str], ...]:
+    """The ``parts`` of a file entry read back: pieces of content-store objects adding up to the
+    file's size, each named by a 32-digit hex hash."""
+    raw = entry.get("parts")
+    if raw is None:
+        return ()
+    field = f"files[{i}].parts"
+    if location != IN_CONTENT:
+        raise schema.SchemaError(field, "parts only for a file in the content store")
+    out = []
+    for j, item in enumerate(schema.array(raw, field, max_len=1_000_000)):
+        if not isinstance(item, list) or len(item) != 2:
+            raise schema.SchemaError(f"{field}[{j}]", "want [size, hash]")
+        digest = schema.text(item[1], f"{field}[{j}]", max_len=64)
+        if len(digest) != 32 or not set(digest) <= _CONTENT_HASH_CHARS:
+            raise schema.SchemaError(f"{field}[{j}]", "a piece needs a 32-digit hex hash")
+        out.append((schema.size(item[0], f"{field}[{j}]"), digest))
+    if sum(s for s, _ in out) != size:
+        raise schema.SchemaError(field, "pieces do not add up to the file's size")
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +213,7 @@ class Manifest:
             "created_at": self.created_at,
             "node": self.node,
             "metrics": dict(self.metrics),
-            "files": [{"path": f.path, "size": f.size, "hash": f.hash} for f in self.files],
+            "files": [f.to_doc() for f in self.files],
         }
         if self.part is not None:
             doc["part"] = self.part.to_doc()
@@ -183,11 +239,15 @@ class Manifest:
             entry = schema.mapping(raw, f"files[{i}]", max_len=16)
             size = schema.size(entry.get("size"), f"files[{i}].size")
             total += size
+            digest = schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256)
+            location = _location(entry, i, digest)
             files.append(
                 FileEntry(
                     path=schema.rel_path(entry.get("path"), f"files[{i}].path", empty=True),
                     size=size,
-                    hash=schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256),
+                    hash=digest,
+                    location=location,
+                    parts=_parts(entry, i, size, location),
                 )
             )
         if total > schema.MAX_BYTES:
@@ -338,6 +398,14 @@ class TierSpec:
     never takes a live copy for an abandoned one."""
     max_rate: int | None = None
     """Bytes per second every copy into or out of this tier may move (``max_rate``); None: no cap."""
+    dedup: bool = False
+    """A slower tier: store each file once per node, in the node's content store, referenced by
+    every copy holding it (docs/dedup.md)."""
+    dedup_tensors: bool = False
+    """With ``dedup``: a safetensors file is stored as one content object per tensor (its header
+    one more), so the tensors a save did not change are not stored again."""
+    dedup_grace: float = 86400.0
+    """Seconds an unreferenced content object stays before this node's prune pass collects it."""
 
 
 @dataclass(frozen=True, slots=True)

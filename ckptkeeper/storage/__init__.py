@@ -57,6 +57,9 @@ Modules, each importing only those listed before it:
 * ``base``: errors, shared constants, path and manifest checks, the reader/writer/sink protocols;
 * ``localfs``: durable writes into a local directory through directory fds (the local backend's
   copies and every backend's restore);
+* ``content``: a dedup tier's content store (``dedup = true``): copies that reference it, reads
+  that follow the references (imported by ``tier``, importing none of the backends at load);
+* ``content_gc``: the collection of a content store's unreferenced objects;
 * ``tier``: the contract, :class:`TierStorage`, which also picks the backend for a URL;
 * ``trash``: the trash of a tier (``undo_window``): entry names, and the local backend's move
   aside, purge and undelete;

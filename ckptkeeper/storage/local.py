@@ -17,7 +17,7 @@ from ckptkeeper.core.model import (
     TierUsage,
 )
 from ckptkeeper.hook.protocol import STAGING_MARK, TRASH_DIR
-from ckptkeeper.storage import trash
+from ckptkeeper.storage import content, trash
 from ckptkeeper.storage.base import (
     _MAX_MANIFEST_BYTES,
     _MAX_PIN_BYTES,
@@ -370,6 +370,8 @@ class LocalTierStorage(TierStorage):
         parts = _split_rel(rel)
         src._refuse_mounts(rel, "move")
         self._refuse_mounts(rel, "move")
+        if content.layout(src, manifest) is not None or self.spec.dedup:
+            raise StorageError(f"{rel}: a copy in a dedup tier is copied, never renamed")
         problems = src.verify(manifest, deep=rehash)
         if problems:
             raise VerificationError(f"{src.name}:{rel} does not match its manifest: " + "; ".join(problems))

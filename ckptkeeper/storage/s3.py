@@ -19,6 +19,7 @@ from ckptkeeper.core.model import (
     TierUsage,
 )
 from ckptkeeper.hook.protocol import STAGING_MARK, TRASH_DIR
+from ckptkeeper.storage import content
 from ckptkeeper.storage.base import (
     _MAX_PIN_BYTES,
     DAMAGED_COPY,
@@ -338,6 +339,8 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
         committed_manifest = _parse_manifest(rel, text)
         if committed_manifest.digest != manifest.digest:
             return [f"{rel}: holds version {committed_manifest.digest}, not {manifest.digest}"]
+        if content.has_content(committed_manifest):
+            return content.recheck(self, committed_manifest)
         sizes_by_path = {path: present[k] for path, k in targets}
         return _compare_sizes(rel, manifest, {p: s for p, s in sizes_by_path.items() if s is not None})
 

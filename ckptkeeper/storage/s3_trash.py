@@ -125,7 +125,8 @@ class TrashObjects(S3Objects):
                 missing = [
                     e.path or rel
                     for e in manifest.files
-                    if sizes.get(f"{data}/{e.path}" if e.path else data) != e.size
+                    if not e.location  # in the content store: checked by undelete's recheck
+                    and sizes.get(f"{data}/{e.path}" if e.path else data) != e.size
                 ]
                 if missing:
                     out.append(
@@ -188,6 +189,8 @@ class TrashObjects(S3Objects):
         sizes = {o["Key"]: int(o["Size"]) for o in self._list_objects(data)}
         out = []
         for e in manifest.files:
+            if e.location:
+                continue  # in the content store: checked by undelete's recheck
             k = f"{data}/{e.path}" if e.path else data
             if sizes.get(k) != e.size:
                 out.append(

@@ -17,6 +17,7 @@ from ckptkeeper.core.model import (
     TierSpec,
     TierUsage,
 )
+from ckptkeeper.storage import content
 from ckptkeeper.storage.base import (
     Progress,
     StorageError,
@@ -215,6 +216,7 @@ class TierStorage:
         The manifest committed (and returned) carries the hashes computed.
         """
         _check_manifest(manifest)
+        manifest = content.plain(manifest)  # where another tier holds the bytes says nothing here
         if self.node and not self.hot and manifest.node != self.node:
             # A copy belongs to the node that wrote it (docs/design.md, "Many nodes"); the digest is content only.
             manifest = dataclasses.replace(manifest, node=self.node)
@@ -244,14 +246,25 @@ class TierStorage:
                 self.delete(rel)
                 existing = None
             if existing is not None:
-                raise StorageError(_other_version(self.name, rel, existing, manifest))
+                raise StorageError(_other_version(self.name, rel, content.plain(existing), manifest))
+        if self.spec.dedup and not self.hot:
+            if fingerprints is not None:
+                raise StorageError(
+                    f"{rel}: a dedup tier takes only hashed checkpoints (the content store is keyed by hash)"
+                )
+            content.copy_deduped(self, src, manifest, _limiter(src, self, progress), rehash=replace_damaged)
+            return manifest
+        source = content.layout(src, manifest)
         sink = self._begin_write(rel, manifest)
         limit = _limiter(src, self, progress)
         try:
-            hashed = _stream_checkpoint(src, rel, manifest, sink, limit, fingerprints)
-            if fingerprints is not None:
-                _check_unchanged(src, rel, manifest, fingerprints)
-                manifest = dataclasses.replace(manifest, files=tuple(hashed))
+            if source is not None:  # a dedup copy in src: its bytes are in src's content store
+                content.stream_into(src, rel, source, sink, limit)
+            else:
+                hashed = _stream_checkpoint(src, rel, manifest, sink, limit, fingerprints)
+                if fingerprints is not None:
+                    _check_unchanged(src, rel, manifest, fingerprints)
+                    manifest = dataclasses.replace(manifest, files=tuple(hashed))
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()
@@ -278,7 +291,11 @@ class TierStorage:
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
         try:
-            self._fetch_files(rel, manifest, sink, progress)
+            stored = content.layout(self, manifest)
+            if stored is not None:
+                content.stream_into(self, rel, stored, sink, progress, workers=self.fetch_workers)
+            else:
+                self._fetch_files(rel, manifest, sink, progress)
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()  # every worker has stopped: the staging directory goes, nothing partial stays
@@ -305,6 +322,9 @@ class TierStorage:
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
+        stored = content.layout(self, manifest)
+        if stored is not None:
+            return content.verify(self, stored, deep=deep, on_bytes=on_bytes)
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
@@ -347,6 +367,8 @@ class TierStorage:
                 return [f"{rel}: no committed copy (manifest or data missing)"]
             if committed.digest != manifest.digest:
                 return [f"{rel}: holds version {committed.digest}, not {manifest.digest}"]
+            if content.has_content(committed):
+                return content.recheck(self, committed)
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
@@ -369,6 +391,8 @@ def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None])
     """What is missing, not a regular file, or of another size than ``manifest`` says."""
     problems: list[str] = []
     for entry in manifest.files:
+        if entry.location:
+            continue  # in the content store: checked there (storage/content.py), not at its path
         where = f"{rel}/{entry.path}" if entry.path else rel
         if entry.path not in present:
             problems.append(f"{where}: missing")

@@ -101,6 +101,7 @@ def in_entry(manifest: Manifest, entry: str) -> Manifest:
 def local_move_aside(tier: LocalTierStorage, manifest: Manifest, entry: str) -> None:
     """Move the copy of ``manifest`` into ``entry`` with one rename (see the module docstring)."""
     _check_manifest(manifest)
+    manifest = _as_stored(tier, manifest)
     eparts = check_entry(entry)
     rel = _rel_of(manifest)
     parts = _split_rel(rel)
@@ -174,6 +175,7 @@ def local_restore(tier: LocalTierStorage, manifest: Manifest, entry: str) -> Non
     """Undelete: re-hash the entry against ``manifest``, then rename it back into place."""
     _check_manifest(manifest)
     eparts = check_entry(entry)
+    manifest = _entry_manifest(tier, manifest, entry)
     rel = _rel_of(manifest)
     parts = _split_rel(rel)
     tier._refuse_mounts(rel, "undelete")
@@ -254,6 +256,28 @@ def _local_entry(
     if damage:
         return entry, None, when, "damaged: " + "; ".join(damage[:3])
     return entry, manifest, when, None
+
+
+def _as_stored(tier: LocalTierStorage, manifest: Manifest) -> Manifest:
+    """The tier's committed manifest of this version when it keeps the bytes in the content store
+    (the trash entry must say so, or its content would look unreferenced); else ``manifest``."""
+    from ckptkeeper.storage import content
+
+    return content.layout(tier, manifest) or manifest  # type: ignore[arg-type]
+
+
+def _entry_manifest(tier: LocalTierStorage, manifest: Manifest, entry: str) -> Manifest:
+    """The manifest stored in ``entry`` if it is of this version (it says where the bytes are)."""
+    moved = _rel_of(in_entry(manifest, entry))
+    parts = _split_rel(moved)
+    try:
+        with tier._parent_fd(parts, dev_check=False) as dir_fd:
+            fd = os.open(parts[-1] + MANIFEST_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+            with os.fdopen(fd, "rb") as f:
+                stored = _parse_manifest(_rel_of(manifest), f.read(_MAX_MANIFEST_BYTES + 1))
+    except (OSError, StorageError):
+        return manifest
+    return stored if stored.digest == manifest.digest else manifest
 
 
 def _sizes(tier: LocalTierStorage, manifest: Manifest, entry: str) -> list[str]:

@@ -56,7 +56,7 @@ def applies(state: PassState) -> bool:
     except OSError:
         return False
     for tier in tiers[1:]:
-        if tier.is_local:
+        if tier.is_local and not tier.dedup:  # a content store is keyed by hash: hashed first
             with contextlib.suppress(OSError):
                 if os.stat(tier.local_path).st_dev != hot:
                     return True
@@ -135,6 +135,7 @@ def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred])
             isinstance(dst, LocalTierStorage)
             and isinstance(src, LocalTierStorage)
             and not dst.same_filesystem(src)
+            and not dst.spec.dedup
         ):
             out[path] = actions[0]
     return out

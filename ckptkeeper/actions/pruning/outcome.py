@@ -35,6 +35,8 @@ class PruneOutcome:
     lease holder, adopted (or, in a dry run, would adopt) in a shared tier."""
     prices: dict[str, float | None] = field(default_factory=dict)
     """Tier -> ``cost_per_gib_month`` (None: not priced), for :meth:`cost_change`."""
+    dedup: dict[str, Any] = field(default_factory=dict)
+    """Dedup tiers: bytes uploaded vs referenced by this pass's copies, content collected."""
 
     def cost_change(self) -> dict[str, float]:
         """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
@@ -57,6 +59,8 @@ class PruneOutcome:
         }
         doc["damaged"] = self.damaged
         doc["adopted"] = [a.to_dict() for a in self.adopted]
+        if self.dedup:
+            doc["dedup"] = self.dedup
         change = self.cost_change()
         doc["cost_saving_per_month"] = (
             {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ckptkeeper.actions.pruning.dedup import ContentCollection
 from ckptkeeper.actions.pruning.fleet import FleetHeartbeat
 from ckptkeeper.actions.pruning.freeze import IndexLossFreeze
 from ckptkeeper.actions.pruning.held import PolicyHeld
@@ -34,5 +35,7 @@ def participants_for(settings: Settings) -> list[Participant]:
     out += [ScratchSweep(), PolicyHeld()]
     if settings.tiers[1:]:
         out.append(PinObjects())
+    if any(t.dedup for t in settings.tiers[1:]):
+        out.append(ContentCollection())  # after PinObjects: its notes come with the pass's own
     out.append(HistoryRecord())  # after FleetHeartbeat: it records the adoptions that one made
     return out

@@ -169,6 +169,7 @@ class PrunePass:
                 damaged=s.damaged,
                 adopted=s.adopted,
                 prices=prices,
+                dedup=s.dedup,
             )
         failed = [
             f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
@@ -184,4 +185,5 @@ class PrunePass:
             damaged=s.damaged,
             adopted=s.adopted,
             prices=prices,
+            dedup=s.dedup,
         )

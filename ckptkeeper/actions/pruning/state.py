@@ -61,6 +61,9 @@ class PassState:
     adopted: list[Any] = field(default_factory=list)
     """:class:`ckptkeeper.fleet.adopt.Adoption` per gone node whose copies this node adopted (or,
     in a dry run, would adopt) in a shared tier."""
+    dedup: dict[str, Any] = field(default_factory=dict)
+    """What the dedup tiers' copies uploaded and referenced, and what their content collection
+    found (:mod:`.dedup`); empty without a dedup tier."""
 
     @property
     def stopped(self) -> bool:

@@ -1,0 +1,597 @@
+"""Dedup in a slower tier (``dedup = true``, docs/dedup.md): each file's bytes stored once per
+node, in the node's content store, and referenced by every copy that holds them.
+
+Layout, relative to the tier's own area (the root, or ``<node>/`` of a shared bucket)::
+
+    .ckptkeeper/content/<node>/<hash[:2]>/<hash>
+
+named by the raw content hash the manifest already has (xxh3-128). A copy's manifest marks each
+such file ``"location": "content"`` (:attr:`ckptkeeper.core.model.FileEntry.location`); its digest
+does not change. A local copy keeps an empty directory at its place (the commit point of a local
+copy is the rename of its staging directory); an S3 copy is its manifest alone.
+
+Order (kill -9 at any instant loses nothing): every content object of a copy is written whole
+(local: staging name + fsync + rename; S3: one PUT or a completed multipart upload, which a
+reader never sees partial) and checked before the manifest that references it is committed; a
+delete removes the manifest (and placeholder) only. Only the owner node's prune pass removes
+content (:func:`~ckptkeeper.storage.content_gc.collect`), under the executor lock every tier write holds, and only content that
+no manifest of the tier (committed or in the trash) references and that is older than the tier's
+``dedup_grace`` by the store's clock: an interrupted copy's content is found by the next pass.
+
+A reference is only ever followed into the reading node's own content store, by a hash that is
+32 hex digits: a manifest naming another node, or anything else, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import string
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptkeeper.core.model import IN_CONTENT, FileEntry, Manifest
+from ckptkeeper.storage.base import (
+    Progress,
+    StorageError,
+    VerificationError,
+    _describe,
+    _FileWriter,
+    _Reader,
+    _rel_of,
+    _Sink,
+    _split_rel,
+    log,
+)
+from ckptkeeper.util import hashing
+
+if TYPE_CHECKING:  # the contract, without importing it (tier imports this module)
+    from typing import Protocol
+
+    class TierStorage(Protocol):
+        name: str
+        node: str
+        hot: bool
+        is_local: bool
+
+        spec: Any
+
+        def read_manifest(self, rel_path: str) -> Manifest | None: ...
+        def _open_read(self, rel: str, file_path: str) -> _Reader: ...
+        def _begin_write(self, rel: str, manifest: Manifest) -> _Sink: ...
+        def delete(self, rel_path: str) -> int: ...
+        def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]: ...
+        def list_trash(self) -> list[tuple[str, Manifest | None, float, str | None]]: ...
+
+
+CONTENT_DIR = ".ckptkeeper/content"
+_HEX = frozenset(string.digits + "abcdef")
+
+
+# -- names ----------------------------------------------------------------------------------
+
+
+def node_dir(tier: TierStorage) -> str:
+    """This node's directory in the content store (``_`` for an unnamed node)."""
+    node = tier.node or "_"
+    if len(_split_rel(node, "node name")) != 1:
+        raise StorageError(f"tier {tier.name!r}: node name {node!r} cannot name a content store")
+    return f"{CONTENT_DIR}/{node}"
+
+
+def content_rel(tier: TierStorage, digest: str) -> str:
+    """Tier-relative path of the content object ``digest`` (never anything a manifest spells)."""
+    if len(digest) != 32 or not set(digest) <= _HEX:
+        raise StorageError(f"tier {tier.name!r}: {digest!r} cannot name a content object")
+    return f"{node_dir(tier)}/{digest[:2]}/{digest}"
+
+
+def has_content(manifest: Manifest) -> bool:
+    return any(e.location for e in manifest.files)
+
+
+def plain(manifest: Manifest) -> Manifest:
+    """``manifest`` with every file at its path: what any other tier's copy of it records."""
+    if not has_content(manifest):
+        return manifest
+    return dataclasses.replace(
+        manifest, files=tuple(dataclasses.replace(e, location="") for e in manifest.files)
+    )
+
+
+def referencing(manifest: Manifest) -> Manifest:
+    """``manifest`` with every file in the content store: what a dedup copy commits."""
+    return dataclasses.replace(
+        manifest, files=tuple(dataclasses.replace(e, location=IN_CONTENT) for e in manifest.files)
+    )
+
+
+def _check_refs(tier: TierStorage, manifest: Manifest) -> None:
+    """Refuse a manifest whose references this tier must not follow."""
+    if manifest.node != tier.node:
+        raise StorageError(
+            f"tier {tier.name!r}: {_rel_of(manifest)} references node {manifest.node or '(unnamed)'}'s "
+            f"content store, not {tier.node or '(unnamed)'}'s: refused (a node reads only its own)"
+        )
+    if not all(e.location == IN_CONTENT for e in manifest.files):
+        raise StorageError(f"tier {tier.name!r}: {_rel_of(manifest)} mixes content references and files")
+    for e in manifest.files:
+        for _size, digest in objects(e):
+            content_rel(tier, digest)
+
+
+def objects(entry: FileEntry) -> list[tuple[int, str]]:
+    """``(size, hash)`` of the content objects holding a file: its pieces, or the file whole."""
+    return list(entry.parts) if entry.parts else [(entry.size, entry.hash)]
+
+
+def layout(tier: TierStorage, manifest: Manifest) -> Manifest | None:
+    """Where this tier holds the bytes of ``manifest``: its committed manifest of that version
+    if it references the content store (checked), else None (files at their paths).
+
+    The committed manifest decides, not the caller's (the index may hold another tier's): a
+    manifest the tier cannot read at that path (a trash entry's) falls back to the caller's,
+    which then carries its own references."""
+    if tier.hot:
+        return None
+    try:
+        committed = tier.read_manifest(_rel_of(manifest))
+    except StorageError:
+        committed = None
+    found = committed if committed is not None and committed.digest == manifest.digest else manifest
+    if not has_content(found):
+        return None
+    _check_refs(tier, found)
+    return dataclasses.replace(found, run=manifest.run)
+
+
+# -- the backends' content primitives --------------------------------------------------------
+
+
+def _is_s3(tier: TierStorage) -> bool:
+    return not tier.is_local
+
+
+def size_of(tier: TierStorage, digest: str) -> int | None:
+    """Size of the content object ``digest``, None if absent (or not a regular file)."""
+    return sizes_of(tier, [digest]).get(digest)
+
+
+def sizes_of(tier: TierStorage, digests: Iterable[str]) -> dict[str, int | None]:
+    """Size of each content object (None: absent); S3 asks 16 HEADs at once."""
+    wanted = sorted(set(digests))
+    rels = {d: content_rel(tier, d) for d in wanted}
+    if _is_s3(tier):
+        return _s3_sizes(tier, rels)
+    return {d: _local_size(tier, rel) for d, rel in rels.items()}
+
+
+def _local_size(tier: Any, rel: str) -> int | None:
+    parts = _split_rel(rel)
+    try:
+        with tier._parent_fd(parts, dev_check=False) as dir_fd:
+            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise StorageError(f"tier {tier.name!r}: cannot look at {rel}: {_describe(exc)}") from exc
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _s3_sizes(tier: Any, rels: dict[str, str]) -> dict[str, int | None]:
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    async def head(key: str) -> int | None:
+        try:
+            resp = await tier.fs._call_s3("head_object", Bucket=tier.bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        return int(resp["ContentLength"])
+
+    async def all_heads() -> list[int | None]:
+        sem = asyncio.Semaphore(16)
+
+        async def one(key: str) -> int | None:
+            async with sem:
+                return await head(key)
+
+        return await asyncio.gather(*(one(tier._key(r)) for r in rels.values()))
+
+    if not rels:
+        return {}
+    with tier._errors("looking at content objects"):
+        got = sync(tier.fs.loop, all_heads)
+    return dict(zip(rels, got, strict=True))
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def _content_sink(tier: TierStorage, rel: str, entry: FileEntry) -> tuple[_FileWriter, Any]:
+    """A writer of the content object at ``rel`` and what commits it (None: nothing to commit)."""
+    if _is_s3(tier):
+        from ckptkeeper.storage.s3_upload import _PartPool, _S3FileWriter
+
+        s3: Any = tier
+        writer = _S3FileWriter(s3, s3._key(rel), entry, f"{tier.name}:{rel}", _PartPool())
+        return writer, writer
+    from ckptkeeper.storage.localfs import _LocalSink
+
+    local: Any = tier
+    sink = _LocalSink(local.root, _split_rel(rel), False, with_manifest=False)
+    try:
+        return sink.open_file(entry), sink
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _pump(
+    reader: _Reader,
+    writer: _FileWriter,
+    entry: FileEntry,
+    where: str,
+    progress: Progress | None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Read → hash → write one file, checked against ``entry`` (size and hash); ``stop`` (another
+    file of a concurrent restore failed) ends it early."""
+    hasher = hashing.new_hasher()
+    size = 0
+    while chunk := reader.read(hashing.CHUNK_SIZE):
+        if stop is not None and stop.is_set():
+            raise StorageError(f"{where}: stopped, another file of the checkpoint failed")
+        size += len(chunk)
+        if size > entry.size:
+            raise VerificationError(f"{where}: more than the {entry.size} bytes of its manifest")
+        hasher.update(chunk)
+        writer.write(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    if size != entry.size:
+        raise VerificationError(f"{where}: {size} bytes, manifest says {entry.size}")
+    digest = hasher.hexdigest()
+    if digest != entry.hash:
+        raise VerificationError(f"{where}: hash {digest} != {entry.hash} in manifest")
+    writer.finish()
+
+
+def open_entry(tier: TierStorage, rel: str, entry: FileEntry) -> _Reader:
+    """A reader of one file of a copy, at its path or in the content store."""
+    if entry.location == IN_CONTENT and entry.parts:
+        from ckptkeeper.storage.content_tensors import Concat
+
+        rels = [content_rel(tier, digest) for _size, digest in entry.parts]
+        return Concat([lambda r=r: tier._open_read(r, "") for r in rels])  # type: ignore[misc]
+    if entry.location == IN_CONTENT:
+        return tier._open_read(content_rel(tier, entry.hash), "")
+    return tier._open_read(rel, entry.path)
+
+
+def _write_content(
+    tier: TierStorage,
+    src: TierStorage,
+    rel: str,
+    src_entry: FileEntry,
+    piece: tuple[int, int, str] | None,
+    progress: Progress | None,
+) -> None:
+    """Write one content object from ``src``'s file (or the ``(offset, size, hash)`` piece of
+    it), whole and checked, before any reference."""
+    size, digest = (src_entry.size, src_entry.hash) if piece is None else piece[1:]
+    target = content_rel(tier, digest)
+    if not _is_s3(tier) and _local_size(tier, target) is not None:
+        tier.delete(target)  # damaged (another size): this node's own; a correct one replaces it
+    item = FileEntry(path="", size=size, hash=digest)
+    writer, committer = _content_sink(tier, target, item)
+    reader = open_entry(src, rel, src_entry)
+    if piece is not None:
+        from ckptkeeper.storage.content_tensors import Window
+
+        reader = Window(reader, piece[0], size)
+    where = f"{src.name}:{rel}/{src_entry.path}" if src_entry.path else f"{src.name}:{rel}"
+    try:
+        _pump(reader, writer, item, where, progress)
+        if _is_s3(tier):
+            _s3_trust(tier, committer, target, item)
+        else:
+            committer.commit(None)
+    except BaseException:
+        try:
+            committer.abort()
+        except Exception as exc:  # the staging name stays for list_staging / the next pass
+            log.warning("%s: cleaning up content %s: %s", tier.name, digest, _describe(exc))
+        raise
+    finally:
+        reader.close()
+
+
+def _s3_trust(tier: Any, writer: Any, rel: str, item: FileEntry) -> None:
+    """A store that echoed no checksum: read the object back before anything references it."""
+    if writer.trusted:
+        return
+    from ckptkeeper.storage.s3_transfer import _S3Reader
+
+    reader = _S3Reader(tier, tier._key(rel))
+    try:
+        size, digest = hashing.hash_stream(reader)  # type: ignore[arg-type]
+    finally:
+        reader.close()
+    if (size, digest) != (item.size, item.hash):
+        raise VerificationError(f"{tier.name}:{rel}: read-back does not match the manifest")
+
+
+@dataclass
+class CopyStats:
+    tier: str
+    path: str
+    uploaded_bytes: int = 0
+    deduped_bytes: int = 0
+    uploaded_files: int = 0
+    deduped_files: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Recorder:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    copies: list[CopyStats] = field(default_factory=list)
+
+
+_RECORDER = _Recorder()
+
+
+def drain_stats() -> list[CopyStats]:
+    """The dedup copies made in this process since the last call (the prune pass reports them)."""
+    with _RECORDER.lock:
+        out, _RECORDER.copies = _RECORDER.copies, []
+    return out
+
+
+def copy_deduped(
+    tier: TierStorage,
+    src: TierStorage,
+    manifest: Manifest,
+    progress: Progress | None,
+    *,
+    rehash: bool = False,
+) -> None:
+    """:meth:`TierStorage.copy_from` into a dedup tier: each file not yet in this node's content
+    store is written there (whole, checked), then the manifest referencing all of them commits.
+
+    ``rehash``: the copy replaces one a scrub found damaged, whose bytes a size check cannot
+    see: every object already there is hashed, and one that does not match is written again."""
+    rel = _rel_of(manifest)
+    source = layout(src, manifest) or manifest
+    src_entries = {e.path: e for e in source.files}
+    pieces = _split(tier, src, rel, manifest, src_entries)
+    stored = dataclasses.replace(
+        referencing(manifest),
+        files=tuple(
+            dataclasses.replace(
+                e, location=IN_CONTENT, parts=tuple((size, h) for _, size, h in pieces.get(e.path, ()))
+            )
+            for e in manifest.files
+        ),
+    )
+    _check_refs(tier, stored)
+    stats = CopyStats(tier=tier.name, path=rel)
+    present = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
+    if rehash:
+        present = {h: size for h, size in present.items() if size is not None and _intact(tier, h, size)}
+    written: set[str] = set()
+    for entry in stored.files:
+        cut: list[tuple[int, int, str] | None] = list(pieces.get(entry.path, [])) or [None]
+        for piece in cut:
+            size, digest = (entry.size, entry.hash) if piece is None else piece[1:]
+            if present.get(digest) == size or digest in written:
+                stats.deduped_bytes += size
+                stats.deduped_files += 1
+                if progress is not None and size:
+                    progress(size)
+                continue
+            _write_content(tier, src, rel, src_entries[entry.path], piece, progress)
+            if progress is not None:
+                progress(0)  # a content object committed, its manifest not yet: a crash point of its own
+            written.add(digest)
+            stats.uploaded_bytes += size
+            stats.uploaded_files += 1
+    # Everything referenced is there, at its size, now: then (and only then) the commit.
+    damage = content_damage(tier, stored)
+    if damage:
+        raise VerificationError(f"copy of {rel} to {tier.name!r}: " + "; ".join(damage[:3]))
+    sink = _placeholder_sink(tier, rel, stored)
+    try:
+        sink.commit(stored)
+    except BaseException as exc:
+        sink.abort()
+        if isinstance(exc, StorageError) or not isinstance(exc, Exception):
+            raise
+        raise StorageError(f"commit of {rel} in {tier.name!r} failed: {_describe(exc)}") from exc
+    with _RECORDER.lock:
+        _RECORDER.copies.append(stats)
+
+
+def _split(
+    tier: TierStorage, src: TierStorage, rel: str, manifest: Manifest, src_entries: dict[str, FileEntry]
+) -> dict[str, list[tuple[int, int, str]]]:
+    """Path -> ``(offset, size, hash)`` of each piece, for the files stored tensor by tensor
+    (``dedup_tensors``; safetensors files read from a local file)."""
+    from ckptkeeper.storage import content_tensors
+
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    if not getattr(tier.spec, "dedup_tensors", False) or not src.is_local:
+        return out
+    for entry in manifest.files:
+        src_entry = src_entries[entry.path]
+        if src_entry.location or not content_tensors.splittable(entry):
+            continue
+        where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
+        reader = open_entry(src, rel, src_entry)
+        try:
+            found = content_tensors.hash_pieces(reader, entry, where)
+        finally:
+            reader.close()
+        if found:
+            out[entry.path] = found
+    return out
+
+
+def _intact(tier: TierStorage, digest: str, size: int) -> bool:
+    """The content object ``digest`` hashes to its name (read whole)."""
+    reader = tier._open_read(content_rel(tier, digest), "")
+    try:
+        got, found = hashing.hash_stream(reader)  # type: ignore[arg-type]
+    finally:
+        reader.close()
+    if (got, found) != (size, digest):
+        log.warning("%s: content %s does not hash to its name; writing it again", tier.name, digest)
+        return False
+    return True
+
+
+def _placeholder_sink(tier: TierStorage, rel: str, stored: Manifest) -> _Sink:
+    """The sink that commits a dedup copy: locally an empty directory renamed into place with the
+    manifest beside it (a local copy's commit point); in S3 the manifest alone."""
+    if _is_s3(tier):
+        return tier._begin_write(rel, stored)
+    from ckptkeeper.storage.localfs import _LocalSink
+
+    local: Any = tier
+    with local._root_fd():
+        pass  # a missing tier root is an error, not something to create silently
+    return _LocalSink(local.root, _split_rel(rel), True, with_manifest=True)
+
+
+# -- reading and checking ----------------------------------------------------------------------
+
+
+def content_damage(tier: TierStorage, stored: Manifest) -> list[str]:
+    """Referenced content objects missing or of another size ([] = all there)."""
+    rel = _rel_of(stored)
+    sizes = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
+    problems = []
+    for e in stored.files:
+        where = f"{rel}/{e.path}" if e.path else rel
+        for size, digest in objects(e):
+            got = sizes.get(digest)
+            if got is None:
+                problems.append(f"{where}: content {digest} missing")
+            elif got != size:
+                problems.append(f"{where}: content {digest} is {got} bytes, manifest says {size}")
+    return problems
+
+
+def recheck(tier: TierStorage, committed: Manifest) -> list[str]:
+    """The survivor check of a dedup copy whose manifest is committed: every referenced content
+    object present at its size."""
+    _check_refs(tier, committed)
+    return content_damage(tier, committed)
+
+
+def verify(tier: TierStorage, stored: Manifest, *, deep: bool, on_bytes: Progress | None) -> list[str]:
+    """:meth:`TierStorage.verify` of a dedup copy: each referenced object's size, and with
+    ``deep`` its bytes hashed against the manifest."""
+    problems = content_damage(tier, stored)
+    if problems or not deep:
+        return problems
+    rel = _rel_of(stored)
+    for e in stored.files:
+        where = f"{rel}/{e.path}" if e.path else rel
+        reader = open_entry(tier, rel, e)
+        hasher = hashing.new_hasher()
+        got_size = 0
+        try:
+            while chunk := reader.read(hashing.CHUNK_SIZE):
+                hasher.update(chunk)
+                got_size += len(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+        finally:
+            reader.close()
+        digest = hasher.hexdigest()
+        if got_size != e.size:
+            problems.append(f"{where}: read {got_size} bytes, manifest says {e.size}")
+        elif digest != e.hash:
+            problems.append(f"{where}: hash {digest} != {e.hash} in manifest")
+    return problems
+
+
+def stream_into(
+    src: TierStorage, rel: str, stored: Manifest, sink: _Sink, progress: Progress | None, *, workers: int = 1
+) -> None:
+    """Write every file of ``stored`` (a dedup copy in ``src``) into ``sink`` at its path, each
+    checked (size, hash) as it is written: a restore, or a copy to another tier.
+
+    ``workers`` > 1 (a restore into a local directory, whose sink takes files from several
+    threads): that many objects stream at once, largest first; the first failure stops the others
+    at their next chunk and is raised once all have returned, so the caller's abort never races
+    a writer."""
+    workers = min(workers, len(stored.files))
+    if workers <= 1:
+        for e in stored.files:
+            _copy_one(src, rel, e, sink, progress, None)
+        return
+    pending = iter(sorted(stored.files, key=lambda e: (-e.size, e.path)))
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    report: Progress | None = None
+    if progress is not None:
+        outer = progress
+
+        def report(n: int) -> None:
+            with lock:
+                outer(n)
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                entry = next(pending, None)
+            if entry is None:
+                return
+            try:
+                _copy_one(src, rel, entry, sink, report, stop)
+            except BaseException as exc:  # raised by the caller's thread below
+                with lock:
+                    errors.append(exc)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, name=f"ckptkeeper-content-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+def _copy_one(
+    src: TierStorage,
+    rel: str,
+    e: FileEntry,
+    sink: _Sink,
+    progress: Progress | None,
+    stop: threading.Event | None,
+) -> None:
+    reader = open_entry(src, rel, e)
+    try:
+        writer = sink.open_file(dataclasses.replace(e, location=""), None)
+        where = f"{src.name}:{rel}/{e.path}" if e.path else f"{src.name}:{rel}"
+        _pump(reader, writer, e, where, progress, stop)
+    finally:
+        reader.close()
