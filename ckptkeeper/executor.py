@@ -301,6 +301,7 @@ class Executor(TrashSteps):
                     isinstance(src, LocalTierStorage)
                     and isinstance(dst, LocalTierStorage)
                     and dst.same_filesystem(src)
+                    and dst.spec.compression == "none"  # a rename cannot compress (docs/compression.md)
                 ):
                     moves.add((a.path or "", a.tier))
         return moves

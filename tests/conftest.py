@@ -298,6 +298,7 @@ TEST_KINDS: dict[str, str] = {
     "test_config_safety": "integration",
     "test_copy_paths": "integration",
     "test_restore_ranged": "integration",
+    "test_compression": "integration",
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",
     "test_deploy": "integration",

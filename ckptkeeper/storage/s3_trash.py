@@ -125,7 +125,7 @@ class TrashObjects(S3Objects):
                 missing = [
                     e.path or rel
                     for e in manifest.files
-                    if sizes.get(f"{data}/{e.path}" if e.path else data) != e.size
+                    if sizes.get(f"{data}/{e.path}" if e.path else data) != e.stored_size
                 ]
                 if missing:
                     out.append(
@@ -189,7 +189,7 @@ class TrashObjects(S3Objects):
         out = []
         for e in manifest.files:
             k = f"{data}/{e.path}" if e.path else data
-            if sizes.get(k) != e.size:
+            if sizes.get(k) != e.stored_size:
                 out.append(
                     f"{e.path or _rel_of(manifest)}: {'missing' if k not in sizes else 'size differs'}"
                 )

@@ -15,6 +15,8 @@ from ckptkeeper.core.model import (
     TierSpec,
     TierUsage,
 )
+from ckptkeeper.hook.protocol import TRASH_DIR
+from ckptkeeper.storage import compressed
 from ckptkeeper.storage.base import (
     Progress,
     StorageError,
@@ -188,8 +190,9 @@ class TierStorage:
         *,
         progress: Progress | None = None,
         replace_damaged: bool = False,
-    ) -> None:
-        """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed.
+    ) -> compressed.CopyStats | None:
+        """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed; returns
+        what it stored when this tier compresses (raw and stored bytes, CPU), else None.
 
         One pass over the source: each chunk is read once, hashed and written. The source's size
         and hash must equal the manifest (else :class:`VerificationError`: it changed since it
@@ -202,6 +205,7 @@ class TierStorage:
         where :meth:`list_staging` finds it.
         """
         _check_manifest(manifest)
+        manifest = compressed.raw_form(manifest)
         if self.node and not self.hot and manifest.node != self.node:
             # A copy belongs to the node that wrote it (docs/design.md, "Many nodes"); the digest is content only.
             manifest = dataclasses.replace(manifest, node=self.node)
@@ -214,7 +218,7 @@ class TierStorage:
                 )
                 if not damage:
                     log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
-                    return
+                    return None
                 # A committed manifest over missing or changed data is not a copy: drop what is
                 # left of it (de-commit first, as every delete does) and copy it again.
                 log.warning(
@@ -228,9 +232,9 @@ class TierStorage:
                 existing = None
             if existing is not None:
                 raise StorageError(_other_version(self.name, rel, existing, manifest))
-        sink = self._begin_write(rel, manifest)
+        sink = self._encoding(self._begin_write(rel, manifest), rel)
         try:
-            _stream_checkpoint(src, rel, manifest, sink, progress)
+            _stream_checkpoint(src, rel, src._stored_form(manifest), sink, progress)
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()
@@ -239,6 +243,7 @@ class TierStorage:
             raise StorageError(
                 f"copy of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
+        return sink.stats if isinstance(sink, compressed.EncodingSink) else None
 
     def fetch(self, manifest: Manifest, to_dir: Path, *, progress: Progress | None = None) -> Path:
         """Restore: verified copy of the checkpoint into ``to_dir/<name>``; returns that path.
@@ -255,8 +260,14 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
+        stored = self._stored_form(manifest)
         try:
-            self._fetch_files(rel, manifest, sink, progress)
+            if any(e.encoding for e in stored.files):  # decoded as it streams: no ranged fast path
+                _stream_concurrently(
+                    self, rel, stored, sink, progress, max(1, min(self.fetch_workers, len(stored.files)))
+                )
+            else:
+                self._fetch_files(rel, manifest, sink, progress)
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()  # every worker has stopped: the staging directory goes, nothing partial stays
@@ -286,15 +297,19 @@ class TierStorage:
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
+        manifest = self._stored_form(manifest)
         problems = _compare_sizes(rel, manifest, present)
         for entry in manifest.files:
             where = f"{rel}/{entry.path}" if entry.path else rel
-            if present.get(entry.path) != entry.size:
+            if present.get(entry.path) != entry.stored_size:
                 continue  # already reported by _compare_sizes
             if deep:
-                reader = self._open_read(rel, entry.path)
+                reader = self._open_entry(rel, entry)
                 try:
                     got_size, digest = _hash_reader(reader, on_bytes)
+                except VerificationError as exc:  # compressed bytes that do not decode
+                    problems.append(str(exc))
+                    continue
                 finally:
                     reader.close()
                 if got_size != entry.size:
@@ -319,6 +334,7 @@ class TierStorage:
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
+        committed = None
         if not self.hot:
             committed = self.read_manifest(rel)
             if committed is None:
@@ -328,7 +344,35 @@ class TierStorage:
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
-        return _compare_sizes(rel, manifest, present)
+        return _compare_sizes(rel, committed or manifest, present)  # the sizes this tier stores
+
+    # -- compression (docs/compression.md; :mod:`ckptkeeper.storage.compressed`) ---------------
+
+    def _encoding(self, sink: _Sink, rel: str) -> _Sink:
+        """The sink of a new copy: compressing when this slower tier's ``compression`` is on."""
+        mode = getattr(self.spec, "compression", "none")
+        if self.hot or mode == "none":
+            return sink
+        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}")
+
+    def _stored_form(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with how this tier stores each file, from its committed manifest (the
+        index's copy says nothing about a tier's encoding)."""
+        if self.hot:
+            return compressed.raw_form(manifest)
+        rel = _rel_of(manifest)
+        try:
+            committed = self.read_manifest(rel)
+        except StorageError:
+            if not rel.startswith(TRASH_DIR + "/"):
+                raise
+            committed = None  # a trash entry's manifest names the copy's own path: read as raw
+        return compressed.with_stored_form(manifest, committed)
+
+    def _open_entry(self, rel: str, entry: FileEntry) -> _Reader:
+        """A reader of ``entry``'s raw bytes: decoded on the way when the tier stores it encoded."""
+        where = f"{self.name}:{rel}/{entry.path}" if entry.path else f"{self.name}:{rel}"
+        return compressed.open_entry(self._open_read(rel, entry.path), entry, where)
 
 
 def _hash_reader(reader: _Reader, on_bytes: Progress | None) -> tuple[int, str]:
@@ -354,8 +398,8 @@ def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None])
         size = present[entry.path]
         if size is None:
             problems.append(f"{where}: not a regular file")
-        elif size != entry.size:
-            problems.append(f"{where}: size {size} != {entry.size} in manifest")
+        elif size != entry.stored_size:
+            problems.append(f"{where}: size {size} != {entry.stored_size} in manifest")
     return problems
 
 
@@ -445,7 +489,7 @@ def _stream_file(
     """
     view = memoryview(buf)
     where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
-    reader = src._open_read(rel, entry.path)
+    reader = src._open_entry(rel, entry)
     try:
         writer = sink.open_file(entry, reader)
         hasher = hashing.new_hasher()

@@ -1,0 +1,311 @@
+"""Per-tier compression (docs/compression.md), end to end through the CLI.
+
+Checkpoints written by real frameworks (tests/fixtures/) are pruned from hot into a compressed
+local or S3 tier and restored byte-identical; the tier's manifest records how each file is stored
+while the version stays the raw content's; a damaged stored object fails verify and restore naming
+the file; an old raw tier keeps restoring after compression is switched on; hostile manifests are
+refused; the config refuses compression on the hot tier and without the codecs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from builders import local_tier, s3_tier, write_config
+from click.testing import CliRunner
+
+from ckptkeeper.cli import main
+from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
+from ckptkeeper.storage import codec
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN = "run"
+LAYOUTS = {
+    # framework → (checkpoint name, step) of one complete save in tests/fixtures/<framework>/complete
+    "hf": ("checkpoint-4", 4),
+    "safetensors": ("step_100", 100),
+    "dcp": ("step_100", 100),
+    "lightning": ("checkpoints/epoch=1-step=4.ckpt", 4),
+    "deepspeed": ("checkpoints/global_step2", 2),
+    "megatron": ("checkpoints/iter_0000020", 20),
+}
+
+
+def _tree(root: Path) -> dict[str, str]:
+    if root.is_file():
+        return {"": hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+class Node:
+    """A hot tier keeping nothing and one slower tier, driven through the CLI."""
+
+    def __init__(self, tmp: Path, slow: dict[str, Any]) -> None:
+        self.tmp = tmp
+        self.hot = tmp / "hot"
+        self.hot.mkdir(exist_ok=True)
+        self.slow = slow
+        self.configure(slow)
+
+    def configure(self, slow: dict[str, Any]) -> None:
+        self.slow = slow
+        self.config = write_config(
+            self.tmp / "config.toml",
+            index=self.tmp / "index.db",
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            tiers=[local_tier("hot", self.hot, keep_last=0), slow],
+        )
+
+    def cli(self, *args: str) -> tuple[int, str]:
+        """Exit code and stdout (stderr too unless ``--json``: that stdout is one document)."""
+        result = CliRunner().invoke(main, ["--config", str(self.config), *args], catch_exceptions=False)
+        return result.exit_code, result.stdout if "--json" in args else result.output
+
+    def ok(self, *args: str) -> Any:
+        code, out = self.cli(*args)
+        assert code == 0, out
+        return json.loads(out) if "--json" in args else out
+
+    def add_fixture(self, framework: str) -> None:
+        shutil.copytree(
+            FIXTURES / framework / "complete" / RUN, self.hot / RUN, symlinks=True, dirs_exist_ok=True
+        )
+        for keep in self.hot.rglob(".keep-empty-dir"):
+            keep.unlink()
+        self.backdate()
+
+    def backdate(self) -> None:
+        then = time.time() - 2 * 3600
+        for p in sorted(self.hot.rglob("*"), reverse=True):
+            os.utime(p, (then, then), follow_symlinks=False)
+
+
+def _local(tmp: Path, compression: str) -> dict[str, Any]:
+    (tmp / "warm").mkdir(exist_ok=True)
+    return local_tier("warm", tmp / "warm", compression=compression, keep_last=10)
+
+
+def _manifest(node: Node, name: str, run: str = RUN) -> Manifest:
+    return Manifest.from_json((node.tmp / "warm" / run / f"{name}{MANIFEST_SUFFIX}").read_bytes())
+
+
+@pytest.mark.parametrize("compression", ["zstd", "auto"])
+@pytest.mark.parametrize("framework", sorted(LAYOUTS))
+def test_framework_checkpoints_round_trip_compressed_on_a_local_tier(
+    framework: str, compression: str, tmp_path: Path
+) -> None:
+    node = Node(tmp_path, _local(tmp_path, compression))
+    node.add_fixture(framework)
+    name, step = LAYOUTS[framework]
+    original = _tree(node.hot / RUN / name)
+    node.ok("prune", "--json")
+    assert not (node.hot / RUN / name).exists(), "pruned into the slower tier"
+    manifest = _manifest(node, name)
+    for e in manifest.files:  # each file stored compressed where that saves 3 %, else as it is
+        stored = tmp_path / "warm" / RUN / name / e.path if e.path else tmp_path / "warm" / RUN / name
+        if e.encoding:
+            assert stored.stat().st_size == e.stored and e.stored is not None and e.stored <= 0.97 * e.size
+            assert stored.read_bytes().startswith(codec.MAGIC)
+        else:
+            assert hashlib.sha256(stored.read_bytes()).hexdigest() == original[e.path]
+    if framework == "hf":
+        assert {e.path for e in manifest.files if e.encoding} >= {"trainer_state.json", "config.json"}
+    assert node.ok("verify", "--json")["problems"] == []
+    node.ok("restore", RUN, "--step", str(step), "--to", str(tmp_path / "restored"))
+    assert _tree(tmp_path / "restored" / name) == original
+
+
+def _big_tensors(ckpt: Path) -> None:
+    """A safetensors file (fp32 and bf16 tensors) and a torch.save archive, a few MiB each, as a
+    trained model's weights look (small normal values): what ZipNN's byte grouping is for."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "embed.weight": torch.randn(512, 1024, generator=g) * 0.02,
+        "layer.weight": (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16),
+        "step": torch.arange(10),
+    }
+    save_file(weights, str(ckpt / "model.safetensors"))
+    torch.save({k: v.clone() for k, v in weights.items()}, ckpt / "optimizer.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": []}))
+
+
+def test_auto_stores_float_tensors_with_zipnn_and_saves_more_than_zstd(tmp_path: Path) -> None:
+    sizes = {}
+    for compression in ("zstd", "auto"):
+        base = tmp_path / compression
+        base.mkdir()
+        node = Node(base, _local(base, compression))
+        _big_tensors(node.hot / RUN / "checkpoint-7")
+        original = _tree(node.hot / RUN / "checkpoint-7")
+        node.backdate()
+        node.ok("prune", "--json")
+        manifest = _manifest(node, "checkpoint-7")
+        by_path = {e.path: e for e in manifest.files}
+        assert by_path["model.safetensors"].encoding == ("zipnn" if compression == "auto" else "zstd")
+        sizes[compression] = by_path["model.safetensors"].stored_size + by_path["optimizer.pt"].stored_size
+        node.ok("restore", RUN, "--step", "7", "--to", str(base / "restored"))
+        assert _tree(base / "restored" / "checkpoint-7") == original
+    assert sizes["auto"] < sizes["zstd"]
+
+
+def test_compressed_tier_on_s3_round_trips(tmp_path: Path, store: tuple[str, dict[str, Any]]) -> None:
+    bucket, options = store
+    node = Node(tmp_path, s3_tier("cold", bucket, options["endpoint_url"], compression="auto", keep_last=10))
+    _big_tensors(node.hot / "big" / "checkpoint-7")
+    node.add_fixture("hf")
+    originals = {(r, n): _tree(node.hot / r / n) for r, n in (("big", "checkpoint-7"), (RUN, "checkpoint-4"))}
+    node.ok("prune", "--json")
+    assert not (node.hot / "big" / "checkpoint-7").exists()
+    assert node.ok("verify", "--json")["problems"] == []
+    for (run, name), tree in originals.items():
+        step = name.split("-")[1]
+        node.ok("restore", run, "--step", step, "--to", str(tmp_path / f"restored-{step}"))
+        assert _tree(tmp_path / f"restored-{step}" / name) == tree
+
+
+def test_a_damaged_stored_object_fails_verify_and_restore_naming_the_file(tmp_path: Path) -> None:
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    _big_tensors(node.hot / RUN / "checkpoint-7")
+    node.backdate()
+    node.ok("prune", "--json")
+    stored = tmp_path / "warm" / RUN / "checkpoint-7" / "model.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only decoding and the raw hash can tell
+    stored.write_bytes(bytes(data))
+    code, out = node.cli("verify", "--json")
+    assert code == 1, out
+    problems = json.loads(out)["problems"]
+    assert any("model.safetensors" in p["problem"] for p in problems), problems
+    code, out = node.cli("restore", RUN, "--step", "7", "--to", str(tmp_path / "restored"))
+    assert code != 0 and "model.safetensors" in out, out
+    assert not (tmp_path / "restored" / "checkpoint-7").exists()
+
+
+def test_an_old_raw_tier_restores_after_compression_is_switched_on(tmp_path: Path) -> None:
+    node = Node(tmp_path, _local(tmp_path, "none"))
+    node.add_fixture("hf")
+    old = _tree(node.hot / RUN / "checkpoint-4")
+    node.ok("prune", "--json")
+    assert not any(e.encoding for e in _manifest(node, "checkpoint-4").files)
+    raw_manifest = (tmp_path / "warm" / RUN / f"checkpoint-4{MANIFEST_SUFFIX}").read_text()
+    assert '"encoding"' not in raw_manifest and '"stored"' not in raw_manifest
+
+    node.configure(_local(tmp_path, "auto"))
+    _big_tensors(node.hot / "big" / "checkpoint-7")
+    new = _tree(node.hot / "big" / "checkpoint-7")
+    node.backdate()
+    node.ok("prune", "--json")
+    assert not any(e.encoding for e in _manifest(node, "checkpoint-4").files), "old copies stay as they are"
+    assert any(e.encoding for e in _manifest(node, "checkpoint-7", "big").files), "new copies are compressed"
+    node.ok("restore", RUN, "--step", "4", "--to", str(tmp_path / "r4"))
+    node.ok("restore", "big", "--step", "7", "--to", str(tmp_path / "r7"))
+    assert _tree(tmp_path / "r4" / "checkpoint-4") == old
+    assert _tree(tmp_path / "r7" / "checkpoint-7") == new
+    # and switched off again: compressed copies still read
+    node.configure(_local(tmp_path, "none"))
+    node.ok("restore", "big", "--step", "7", "--to", str(tmp_path / "r7b"))
+    assert _tree(tmp_path / "r7b" / "checkpoint-7") == new
+    assert node.ok("verify", "--json")["problems"] == []
+
+
+def test_compressed_and_raw_copies_of_one_checkpoint_are_one_version(tmp_path: Path) -> None:
+    node = Node(tmp_path, _local(tmp_path, "zstd"))
+    node.add_fixture("hf")
+    node.ok("scan", "--json")
+    before = {c["name"]: c.get("version") for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"]}
+    node.ok("prune", "--json")
+    manifest = _manifest(node, "checkpoint-4")
+    raw = Manifest.from_json(manifest.to_json())
+    stripped = json.loads(manifest.to_json())
+    for f in stripped["files"]:
+        f.pop("encoding", None)
+        f.pop("stored", None)
+    stripped.pop("digest")
+    assert Manifest.from_json(json.dumps(stripped)).digest == raw.digest
+    after = {c["name"]: c.get("version") for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"]}
+    assert after["checkpoint-4"] == before["checkpoint-4"] is not None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"encoding": "brotli", "stored": 10}, "unknown encoding 'brotli'"),
+        ({"encoding": "zstd", "stored": 10**15}, "stored bytes for a file of"),
+        ({"encoding": "zstd"}, "files[0].stored"),
+        ({"encoding": 7, "stored": 10}, "files[0].encoding"),
+        ({"stored": 10}, "given for a file stored raw"),
+    ],
+)
+def test_hostile_manifests_are_refused_with_the_field(change: dict[str, Any], message: str) -> None:
+    doc = {
+        "version": 1,
+        "run": "r",
+        "step": 1,
+        "name": "c",
+        "layout": "x",
+        "is_dir": True,
+        "files": [{"path": "a", "size": 100, "hash": "00"} | change],
+    }
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Manifest.from_json(json.dumps(doc))
+
+
+def test_a_copy_with_an_unknown_encoding_is_quarantined_not_read(tmp_path: Path) -> None:
+    node = Node(tmp_path, _local(tmp_path, "zstd"))
+    node.add_fixture("hf")
+    node.ok("prune", "--json")
+    path = tmp_path / "warm" / RUN / f"checkpoint-4{MANIFEST_SUFFIX}"
+    doc = json.loads(path.read_text())
+    for f in doc["files"]:
+        if "encoding" in f:
+            f["encoding"] = "zstd-v9"
+    path.write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["--config", str(node.config), "scan", "--json"])
+    assert json.loads(result.stdout)["quarantined"] == 1, result.output
+    assert "unknown encoding 'zstd-v9'" in result.output
+    code, out = node.cli("restore", RUN, "--step", "4", "--to", str(tmp_path / "restored"))
+    assert code != 0
+    assert not (tmp_path / "restored" / "checkpoint-4").exists()
+
+
+def test_config_refuses_compression_on_the_hot_tier_and_without_the_codecs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(
+        tmp_path / "c.toml",
+        index=tmp_path / "i.db",
+        tiers=[local_tier("hot", tmp_path / "hot", compression="zstd"), _local(tmp_path, "none")],
+    )
+    (tmp_path / "hot").mkdir()
+    result = CliRunner().invoke(main, ["--config", str(config), "status"])
+    assert result.exit_code == 2 and "tiers[0].compression" in result.output, result.output
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "zipnn" else real(name, *a)
+    )
+    config = write_config(
+        tmp_path / "c.toml",
+        index=tmp_path / "i.db",
+        tiers=[local_tier("hot", tmp_path / "hot"), _local(tmp_path, "auto")],
+    )
+    result = CliRunner().invoke(main, ["--config", str(config), "status"])
+    assert result.exit_code == 2, result.output
+    assert "tiers[1].compression" in result.output and "compress extra" in result.output
