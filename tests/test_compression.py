@@ -278,7 +278,7 @@ def test_a_copy_with_an_unknown_encoding_is_quarantined_not_read(tmp_path: Path)
     result = CliRunner().invoke(main, ["--config", str(node.config), "scan", "--json"])
     assert json.loads(result.stdout)["quarantined"] == 1, result.output
     assert "unknown encoding 'zstd-v9'" in result.output
-    code, out = node.cli("restore", RUN, "--step", "4", "--to", str(tmp_path / "restored"))
+    code, _ = node.cli("restore", RUN, "--step", "4", "--to", str(tmp_path / "restored"))
     assert code != 0
     assert not (tmp_path / "restored" / "checkpoint-4").exists()
 
@@ -309,3 +309,95 @@ def test_config_refuses_compression_on_the_hot_tier_and_without_the_codecs(
     result = CliRunner().invoke(main, ["--config", str(config), "status"])
     assert result.exit_code == 2, result.output
     assert "tiers[1].compression" in result.output and "compress extra" in result.output
+
+
+# -- kill -9 at every crash point of a compressed copy and delete ----------------------------------
+
+
+def _prune_killed_at(node: Node, k: int | None, spool: Path) -> int:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(spool), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.pop("CKPTKEEPER_TEST_CRASH_AFTER", None)
+    if k is not None:
+        env["CKPTKEEPER_TEST_CRASH_AFTER"] = str(k)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "prune", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode
+
+
+def test_kill_9_at_every_crash_point_of_a_compressed_copy_loses_nothing_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    from ckptkeeper.hook.protocol import STAGING_MARK
+
+    template = tmp_path / "template"
+    _big_tensors(template / "big" / "checkpoint-7")
+    shutil.copytree(FIXTURES / "hf" / "complete" / RUN / "checkpoint-4", template / RUN / "checkpoint-4")
+    originals = {(r, n): _tree(template / r / n) for r, n in (("big", "checkpoint-7"), (RUN, "checkpoint-4"))}
+    k, trials = 1, 0
+    while True:
+        base = tmp_path / f"trial-{k}"
+        base.mkdir()
+        node = Node(base, _local(base, "auto"))
+        shutil.copytree(template, node.hot, dirs_exist_ok=True)
+        node.backdate()
+        spool = base / "spool"
+        spool.mkdir()
+        code = _prune_killed_at(node, k, spool)
+        if code != -signal.SIGKILL:
+            assert code == 0 and trials > 5, f"prune exited {code} at crash point {k}"
+            break
+        trials += 1
+        for (run, name), tree in originals.items():  # right after the kill: nothing lost
+            in_hot = (node.hot / run / name).exists() and _tree(node.hot / run / name) == tree
+            committed = (base / "warm" / run / f"{name}{MANIFEST_SUFFIX}").exists()
+            assert in_hot or committed, f"{run}/{name} lost at crash point {k}"
+        assert list(spool.iterdir()) == [], "no spool file outlives the process"
+        assert _prune_killed_at(node, None, spool) == 0, f"the next prune after crash point {k}"
+        leftovers = [p for p in (base / "warm").rglob("*") if STAGING_MARK in p.name]
+        assert leftovers == [], f"staging left after crash point {k}: {leftovers}"
+        for (run, name), tree in originals.items():
+            assert not (node.hot / run / name).exists(), "moved on by the next prune"
+            step = name.split("-")[1]
+            node.ok("restore", run, "--step", step, "--to", str(base / f"r-{step}"))
+            assert _tree(base / f"r-{step}" / name) == tree, f"{run}/{name} after crash point {k}"
+        shutil.rmtree(base)
+        k += 1 if k < 8 else 5  # every early (journal) point, then every fifth chunk of the copies
+
+
+def test_prune_status_and_ls_show_raw_and_stored_bytes(tmp_path: Path) -> None:
+    node = Node(tmp_path, {**_local(tmp_path, "auto"), "cost_per_gib_month": 1.0})
+    _big_tensors(node.hot / "big" / "checkpoint-7")
+    node.backdate()
+    doc = node.ok("prune", "--json")
+    [copy] = doc["result"]["compressed"]
+    assert copy["action"]["path"] == "big/checkpoint-7" and copy["action"]["to_tier"] == "warm"
+    manifest = _manifest(node, "checkpoint-7", "big")
+    assert copy["raw_bytes"] == manifest.total_bytes
+    assert copy["stored_bytes"] == manifest.stored_bytes < manifest.total_bytes
+    assert copy["compress_cpu_seconds"] > 0 and copy["files_compressed"] >= 2
+
+    status = node.ok("status", "--json")
+    warm = next(t for t in status["tiers"] if t["name"] == "warm")
+    assert warm["bytes"] == manifest.total_bytes
+    assert warm["stored_bytes"] == manifest.stored_bytes
+    assert warm["saving_bytes"] == manifest.total_bytes - manifest.stored_bytes
+    assert status["cost_per_month"]["tiers"]["warm"] == round(manifest.stored_bytes / 2**30, 4)
+    assert "compressed tier warm:" in node.ok("status")
+
+    [ckpt] = [c for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"]]
+    assert ckpt["bytes"] == manifest.total_bytes and ckpt["stored_bytes"] == {"warm": manifest.stored_bytes}
+    # a fresh index rebuilt from the tier's manifests knows the stored bytes too
+    (tmp_path / "index.db").unlink()
+    node.ok("scan", "--json")
+    [ckpt] = [c for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"]]
+    assert ckpt["stored_bytes"] == {"warm": manifest.stored_bytes}
