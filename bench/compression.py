@@ -69,7 +69,7 @@ def _model(params: int, dtype: Any) -> Any:
     return model.to(dtype)
 
 
-def _train(model: Any, frozen: bool, steps: int = 8) -> Any:
+def _train(model: Any, frozen: bool, steps: int) -> Any:
     import torch
 
     if frozen:
@@ -104,12 +104,12 @@ def _dcp_save(model: Any, opt: Any, out: Path) -> None:
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(out))
 
 
-def write_checkpoints(root: Path, params: int) -> dict[str, Path]:
+def write_checkpoints(root: Path, params: int, steps: int) -> dict[str, Path]:
     import torch
 
     out: dict[str, Path] = {}
     m = _model(params, torch.float32)
-    o = _train(m, frozen=False)
+    o = _train(m, frozen=False, steps=steps)
     out["HF fp32 + Adam"] = root / "run" / "fp32"
     _hf_save(m, o, out["HF fp32 + Adam"], 8)
     out["DCP fp32 + Adam"] = root / "run" / "dcp"
@@ -117,11 +117,11 @@ def write_checkpoints(root: Path, params: int) -> dict[str, Path]:
     out["the same, saved again"] = root / "run" / "resave"
     _hf_save(m, o, out["the same, saved again"], 8)
     m = _model(params, torch.bfloat16)
-    o = _train(m, frozen=False)
+    o = _train(m, frozen=False, steps=steps)
     out["HF pure bf16"] = root / "run" / "bf16"
     _hf_save(m, o, out["HF pure bf16"], 8)
     m = _model(params, torch.float32)
-    o = _train(m, frozen=True)
+    o = _train(m, frozen=True, steps=steps)
     out["half frozen fp32"] = root / "run" / "frozen"
     _hf_save(m, o, out["half frozen fp32"], 8)
     return out
@@ -204,12 +204,13 @@ def report(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=6_000_000, help="model parameters (default 6M)")
+    parser.add_argument("--steps", type=int, default=200, help="AdamW steps before the saves (default 200)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="ckptkeeper-bench-compress-") as tmp:
         root = Path(tmp) / "hot"
-        ckpts = write_checkpoints(root, args.params)
+        ckpts = write_checkpoints(root, args.params, args.steps)
         rows = measure(root, ckpts)
     print(json.dumps(rows, indent=1) if args.json else report(rows))
 

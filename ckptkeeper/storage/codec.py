@@ -17,7 +17,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ckptkeeper.storage.base import VerificationError, _Reader
 
@@ -176,11 +176,12 @@ def _zipnn_compress(data: bytes | memoryview, dtype: str) -> bytes:
     return bytes([_DTYPE_CODES[dtype]]) + packed
 
 
-def _zipnn_decompress(data: bytes) -> bytes:
+def _zipnn_decompress(data: bytes) -> bytes | bytearray:
     dtype = _ZIPNN_DTYPES.get(data[0]) if data else None
     if dtype is None:
         raise ValueError("unknown ZipNN dtype code")
-    return bytes(_zipnn(dtype).decompress(bytes(data[1:])))
+    out: bytes | bytearray = _zipnn(dtype).decompress(data[1:])  # a slice: its own copy to rewrite
+    return out
 
 
 def encode_frame(data: bytes, dtype: str | None) -> bytes:
@@ -212,7 +213,7 @@ def _pick(sample: bytes) -> str | None:
     return min(sizes, key=lambda k: sizes[k])
 
 
-def decode_frame(kind: int, payload: bytes, raw_len: int) -> bytes:
+def decode_frame(kind: int, payload: bytes, raw_len: int) -> bytes | bytearray:
     if kind == RAW:
         return payload
     if kind == ZSTD:
@@ -238,7 +239,7 @@ class DecodingReader:
         self.stored_size = stored_size
         self.where = where
         self.consumed = 0
-        self.buf = b""
+        self.buf: bytes | bytearray = b""
         self.pos = 0
         self.started = False
 
@@ -251,7 +252,7 @@ class DecodingReader:
                 break
             parts.append(got)
             want -= len(got)
-        data = b"".join(parts)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.consumed += len(data)
         return data
 
@@ -292,12 +293,14 @@ class DecodingReader:
         return True
 
     def read(self, n: int, /) -> bytes:
+        """Up to ``n`` raw bytes: a view into the decoded frame, valid until the next call (what
+        the copy loop's writers and hashers expect of a chunk), so no byte is copied again."""
         while self.pos >= len(self.buf):
             if not self._next_frame():
                 return b""
-        out = self.buf[self.pos : self.pos + n]
+        out = memoryview(self.buf)[self.pos : self.pos + n]
         self.pos += len(out)
-        return out
+        return cast(bytes, out)
 
     def close(self) -> None:
         self.stored.close()
