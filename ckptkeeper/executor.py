@@ -306,9 +306,22 @@ class Executor(TrashSteps):
                     and isinstance(dst, LocalTierStorage)
                     and dst.same_filesystem(src)
                     and dst.spec.compression == "none"  # a rename cannot compress (docs/compression.md)
+                    and not (dst.hot and self._stored_encoded(src, a.path or ""))  # nor decompress
                 ):
                     moves.add((a.path or "", a.tier))
         return moves
+
+    def _stored_encoded(self, src: TierStorage, path: str) -> bool:
+        """``src`` stores some file of checkpoint ``path`` compressed (unknown counts as yes: a copy
+        decodes whatever it finds, a rename would put stored bytes where runs read plain files)."""
+        row = self._row_by_path(path)
+        manifest = row.manifest() if row is not None else None
+        if manifest is None:
+            return True
+        try:
+            return any(e.encoding for e in src._stored_form(manifest).files)
+        except StorageError:
+            return True
 
     def _apply_one(self, action: Action, *, rename: bool) -> str | None:
         """Run one action; return a reason if it was skipped, raise on failure."""

@@ -332,10 +332,30 @@ def _prune_killed_at(node: Node, k: int | None, spool: Path) -> int:
     return proc.returncode
 
 
+def _listing(node: Node, where: str) -> set[str]:
+    """Paths in the slower tier, relative to its root (S3: keys under the prefix)."""
+    if where == "local":
+        root = node.tmp / "warm"
+        return {str(p.relative_to(root)) for p in root.rglob("*")}
+    import boto3
+
+    options = node.slow["storage_options"]
+    bucket, prefix = node.slow["url"].removeprefix("s3://").split("/", 1)
+    client = boto3.client(
+        "s3", endpoint_url=options["endpoint_url"], aws_access_key_id="testing", aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )  # fmt: skip
+    objs = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"][len(prefix) + 1 :] for o in objs}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_kill_9_at_every_crash_point_of_a_compressed_copy_loses_nothing_and_leaves_nothing(
-    tmp_path: Path,
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:
     import signal
+
+    import boto3
 
     from ckptkeeper.hook.protocol import STAGING_MARK
 
@@ -347,7 +367,16 @@ def test_kill_9_at_every_crash_point_of_a_compressed_copy_loses_nothing_and_leav
     while True:
         base = tmp_path / f"trial-{k}"
         base.mkdir()
-        node = Node(base, _local(base, "auto"))
+        if where == "s3":
+            endpoint = request.getfixturevalue("s3_reset")
+            bucket = f"crash-{k}"
+            boto3.client(
+                "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                region_name="us-east-1",
+            ).create_bucket(Bucket=bucket)  # fmt: skip
+            node = Node(base, s3_tier("warm", bucket, endpoint, compression="auto", keep_last=10))
+        else:
+            node = Node(base, _local(base, "auto"))
         shutil.copytree(template, node.hot, dirs_exist_ok=True)
         node.backdate()
         spool = base / "spool"
@@ -357,21 +386,29 @@ def test_kill_9_at_every_crash_point_of_a_compressed_copy_loses_nothing_and_leav
             assert code == 0 and trials > 5, f"prune exited {code} at crash point {k}"
             break
         trials += 1
+        warm = _listing(node, where)
         for (run, name), tree in originals.items():  # right after the kill: nothing lost
             in_hot = (node.hot / run / name).exists() and _tree(node.hot / run / name) == tree
-            committed = (base / "warm" / run / f"{name}{MANIFEST_SUFFIX}").exists()
+            committed = f"{run}/{name}{MANIFEST_SUFFIX}" in warm
             assert in_hot or committed, f"{run}/{name} lost at crash point {k}"
         assert list(spool.iterdir()) == [], "no spool file outlives the process"
         assert _prune_killed_at(node, None, spool) == 0, f"the next prune after crash point {k}"
-        leftovers = [p for p in (base / "warm").rglob("*") if STAGING_MARK in p.name]
+        leftovers = [p for p in _listing(node, where) if STAGING_MARK in p or ".ckptkeeper-staging" in p]
         assert leftovers == [], f"staging left after crash point {k}: {leftovers}"
+        if where == "s3":
+            uploads = boto3.client(
+                "s3", endpoint_url=node.slow["storage_options"]["endpoint_url"], aws_access_key_id="testing",
+                aws_secret_access_key="testing", region_name="us-east-1",
+            ).list_multipart_uploads(Bucket=node.slow["url"].split("/")[2])  # fmt: skip
+            assert uploads.get("Uploads", []) == [], f"multipart uploads left after crash point {k}"
         for (run, name), tree in originals.items():
             assert not (node.hot / run / name).exists(), "moved on by the next prune"
             step = name.split("-")[1]
             node.ok("restore", run, "--step", step, "--to", str(base / f"r-{step}"))
             assert _tree(base / f"r-{step}" / name) == tree, f"{run}/{name} after crash point {k}"
         shutil.rmtree(base)
-        k += 1 if k < 8 else 5  # every early (journal) point, then every fifth chunk of the copies
+        # every early (journal) point, then every fifth (S3: fortieth) chunk of the copies
+        k += 1 if k < 8 else (5 if where == "local" else 40)
 
 
 def test_prune_status_and_ls_show_raw_and_stored_bytes(tmp_path: Path) -> None:
