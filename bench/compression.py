@@ -10,7 +10,7 @@ checkpoint.save`` (DCP, one process); and the fp32 save written again after a re
 Each checkpoint is copied from a hot tier into a local slower tier with ``compression`` none, zstd
 and auto (``TierStorage.copy_from``, what the prune pass runs) and restored (``fetch``). Printed:
 cold bytes per raw byte, and client CPU per GiB uploaded and restored as a ratio to ``none`` in the
-same run. ``python -m bench.compression [--params 6000000]``.
+same run. ``python -m bench.compression [--params 3000000] [--steps 200]``.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=6_000_000, help="model parameters (default 6M)")
+    parser.add_argument("--params", type=int, default=3_000_000, help="model parameters (default 3M)")
     parser.add_argument("--steps", type=int, default=200, help="AdamW steps before the saves (default 200)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -1,8 +1,8 @@
 """Lossless per-tier compression (docs/compression.md): the stored form of one file, frame by frame.
 
 A compressed file is a stream of frames after an 8-byte magic. Each frame holds at most
-:data:`FRAME_BYTES` raw bytes and has a 9-byte header (kind, raw length, stored length, little
-endian), then its payload: the raw bytes themselves (``RAW``), a zstd frame (``ZSTD``) or a ZipNN
+:data:`FRAME_BYTES` raw bytes and has a 13-byte header (kind, raw length, stored length, CRC32 of
+the payload, little endian), then its payload: the raw bytes themselves (``RAW``), a zstd frame (``ZSTD``) or a ZipNN
 buffer (``ZIPNN``: byte grouping for floating-point tensors). Frames never cross a region of the
 file's plan (a safetensors tensor run of one dtype, say), so a reader decodes one frame at a time:
 memory is bounded by a frame whatever the file's size, and no frame depends on another.
@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ckptkeeper.storage.base import VerificationError, _Reader
+from ckptkeeper.util import hashing
 
 MAGIC = b"CKPTZ\x00\x01\n"
 FRAME_BYTES = 4 * 2**20
 """Raw bytes per frame: large enough for ZipNN's byte groups and zstd's window, small enough that a
 restore holds a few frames only."""
-_HEADER = struct.Struct("<BII")
+_HEADER = struct.Struct("<BIII")
+"""Frame header: kind, raw length, stored length, CRC32 of the payload (checked before any codec
+sees the payload: damaged bytes are reported, never handed to a decoder's C code)."""
 RAW, ZSTD, ZIPNN = 0, 1, 2
 _ZIPNN_DTYPES = {1: "float32", 2: "bfloat16", 3: "float16"}
 """ZipNN frame's dtype byte (first payload byte) → ZipNN's ``bytearray_dtype``."""
@@ -171,16 +174,23 @@ def _zipnn(dtype: str) -> Any:
 
 
 def _zipnn_compress(data: bytes | memoryview, dtype: str) -> bytes:
-    # ZipNN rewrites its input buffer in place, even a bytes object: it gets a copy of its own.
-    packed = bytes(_zipnn(dtype).compress(bytes(data)))
+    # ZipNN rewrites its input buffer in place, even a bytes object: it gets a copy of its own
+    # (a bytearray: bytes(b) of a bytes object is that very object, not a copy).
+    packed = bytes(_zipnn(dtype).compress(bytearray(data)))
     return bytes([_DTYPE_CODES[dtype]]) + packed
+
+
+def _zipnn_fits(data: bytes | memoryview) -> bool:
+    """ZipNN is given whole elements only: on a length that is not a multiple of 4 it corrupts the
+    heap (zipnn 0.5.4, 100001 bytes as float32), and below 4 KiB it saves nothing."""
+    return len(data) >= 4096 and len(data) % 4 == 0
 
 
 def _zipnn_decompress(data: bytes) -> bytes | bytearray:
     dtype = _ZIPNN_DTYPES.get(data[0]) if data else None
     if dtype is None:
         raise ValueError("unknown ZipNN dtype code")
-    out: bytes | bytearray = _zipnn(dtype).decompress(data[1:])  # a slice: its own copy to rewrite
+    out: bytes | bytearray = _zipnn(dtype).decompress(bytearray(data[1:]))  # a copy of its own
     return out
 
 
@@ -188,7 +198,7 @@ def encode_frame(data: bytes, dtype: str | None) -> bytes:
     """One frame (header and payload) of ``data``; raw when no codec makes it smaller."""
     best_kind, best = RAW, data
     candidates: list[tuple[int, Callable[[], bytes]]] = []
-    if dtype is None or len(data) < 4096:
+    if dtype is None or not _zipnn_fits(data):
         candidates.append((ZSTD, lambda: _zstd_compress(data)))
     elif dtype == "?":
         pick = _pick(data[:_SAMPLE])
@@ -202,7 +212,7 @@ def encode_frame(data: bytes, dtype: str | None) -> bytes:
         payload = make()
         if len(payload) < len(best):
             best_kind, best = kind, payload
-    return _HEADER.pack(best_kind, len(data), len(best)) + best
+    return _HEADER.pack(best_kind, len(data), len(best), hashing.crc32(best)) + best
 
 
 def _pick(sample: bytes) -> str | None:
@@ -273,7 +283,7 @@ class DecodingReader:
         header = self._exact(_HEADER.size)
         if len(header) != _HEADER.size:
             raise self._damaged("cut short")
-        kind, raw_len, stored_len = _HEADER.unpack(header)
+        kind, raw_len, stored_len, crc = _HEADER.unpack(header)
         if (
             raw_len > FRAME_BYTES
             or stored_len > raw_len + 1024
@@ -283,6 +293,8 @@ class DecodingReader:
         payload = self._exact(stored_len)
         if len(payload) != stored_len:
             raise self._damaged("cut short")
+        if hashing.crc32(payload) != crc:
+            raise self._damaged("a frame's checksum does not match")
         try:
             data = decode_frame(kind, payload, raw_len)
         except Exception as exc:  # any codec's error: the bytes are not what was stored

@@ -87,10 +87,13 @@ class CopyStats:
 class EncodingSink:
     """A :class:`~.base._Sink` that compresses each file into ``inner`` (the backend's sink)."""
 
-    def __init__(self, inner: _Sink, mode: str, where: str) -> None:
+    def __init__(self, inner: _Sink, mode: str, where: str, spool_dir: str | None = None) -> None:
         self.inner = inner
         self.mode = mode
         self.where = where
+        self.spool_dir = os.environ.get("CKPTKEEPER_SPOOL_DIR") or spool_dir
+        """Where a file's frames wait until it is compressed whole (an unlinked file): the tier's
+        own filesystem for a local tier, else ``$TMPDIR``; ``CKPTKEEPER_SPOOL_DIR`` overrides."""
         self.lock = threading.Lock()
         self.stored: dict[str, tuple[str, int]] = {}
         """path → (encoding, stored size) of every file written."""
@@ -142,7 +145,7 @@ class _EncodingWriter:
         self.source = source
         self.where = f"{sink.where}/{entry.path}" if entry.path else sink.where
         # An unlinked file: whatever happens to this process, it leaves nothing behind.
-        self.spool: Any = tempfile.TemporaryFile(prefix="ckptkeeper-spool-")  # noqa: SIM115 - closed by close()
+        self.spool: Any = tempfile.TemporaryFile(prefix="ckptkeeper-spool-", dir=sink.spool_dir)  # noqa: SIM115 - closed by close()
         self.spool.write(codec.MAGIC)
         self.stored_size = len(codec.MAGIC)
         self.hasher = hashing.new_hasher()

@@ -353,7 +353,8 @@ class TierStorage:
         mode = getattr(self.spec, "compression", "none")
         if self.hot or mode == "none":
             return sink
-        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}")
+        root = getattr(self, "root", None) if self.is_local else None  # spool on the tier's own disk
+        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}", None if root is None else str(root))
 
     def _stored_form(self, manifest: Manifest) -> Manifest:
         """``manifest`` with how this tier stores each file, from its committed manifest (the
