@@ -161,14 +161,14 @@ class _EncodingWriter:
     # -- framing ------------------------------------------------------------------------------
 
     def _plan_now(self, final: bool) -> None:
-        head = bytes(self.pending[: 8 + codec._MAX_SAFETENSORS_HEADER])
-        need = 8
-        if len(head) >= 9 and head[8:9] == b"{":
-            (n,) = struct.unpack("<Q", head[:8])
-            need = 8 + n if n <= codec._MAX_SAFETENSORS_HEADER else 8
+        need = 9  # a safetensors header's length and its first byte: then the whole header
+        if len(self.pending) >= 9 and self.pending[8:9] == b"{":
+            (n,) = struct.unpack("<Q", self.pending[:8])
+            need = 8 + n if n <= codec._MAX_SAFETENSORS_HEADER else 9
         if not final and len(self.pending) < min(need, self.entry.size):
             return
-        self.frames = codec.frames_of(codec.plan(self.sink.mode, self.entry.size, head[:need]))
+        head = bytes(self.pending[:need])
+        self.frames = codec.frames_of(codec.plan(self.sink.mode, self.entry.size, head))
         self.frame = next(self.frames, None)
 
     def write(self, data: bytes | memoryview, /) -> None:
