@@ -518,3 +518,51 @@ def test_a_damaged_frame_is_reported_before_any_codec_reads_it() -> None:
     reader = codec.DecodingReader(io.BytesIO(bytes(stored[:-5])), len(stored), "x")
     with pytest.raises(VerificationError, match=r"frame header out of bounds|cut short"):
         reader.read(1)
+
+
+def _storage_manifest(root: Path, run: str, name: str) -> Manifest:
+    from ckptkeeper.core.model import FileEntry
+    from ckptkeeper.util import hashing
+
+    path = root / run / name
+    files = []
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            size, digest = hashing.hash_file(p)
+            files.append(FileEntry(str(p.relative_to(path)), size, digest))
+    return Manifest(run=run, step=7, name=name, layout="hf", is_dir=True, files=tuple(files))
+
+
+def test_a_compressed_copy_in_the_s3_trash_is_whole_and_undeletes(
+    tmp_path: Path, s3_bucket: str, s3_storage_options: dict[str, Any]
+) -> None:
+    """Journal recovery decides from ``probe_aside`` with the index's manifest (raw sizes): a
+    compressed copy moved aside must read as whole, or recovery would purge the only copy."""
+    from ckptkeeper.core.model import TierPolicy, TierSpec
+    from ckptkeeper.storage import TierStorage
+    from ckptkeeper.storage.trash import new_entry
+
+    _big_tensors(tmp_path / "hot" / "big" / "checkpoint-7")
+    original = _tree(tmp_path / "hot" / "big" / "checkpoint-7")
+    manifest = _storage_manifest(tmp_path / "hot", "big", "checkpoint-7")
+    hot = TierStorage(TierSpec("hot", str(tmp_path / "hot"), TierPolicy()), hot=True)
+    cold = TierStorage(
+        TierSpec(
+            "cold",
+            f"s3://{s3_bucket}/ckpt",
+            TierPolicy(),
+            storage_options=s3_storage_options,
+            compression="auto",
+        )
+    )
+    stats = cold.copy_from(hot, manifest)
+    assert stats is not None and stats.stored_bytes < manifest.total_bytes
+    entry = new_entry(time.time())
+    cold.move_aside(manifest, entry)
+    assert cold.probe_aside(manifest, entry) == (True, False)
+    [(listed, moved, _, why)] = cold.list_trash()
+    assert listed == entry and why is None and moved is not None
+    cold.undelete(manifest, entry)
+    assert cold.verify(manifest) == [] and cold.list_trash() == []
+    cold.fetch(manifest, tmp_path / "restored")
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
