@@ -218,6 +218,11 @@ class TierConfig(_Strict):
     change (frozen layers) are not stored again; restore reassembles the file (docs/dedup.md)."""
     dedup_grace: Annotated[float, BeforeValidator(parse_duration), Field(ge=0.0)] = 86400.0
     """How long content no copy references stays before this node's prune pass removes it."""
+    compression: Literal["none", "zstd", "auto"] = "none"
+    """How new copies into this slower tier are stored (docs/compression.md): ``none`` as they are,
+    ``zstd`` compressed, ``auto`` ZipNN for floating-point tensors and zstd for the rest, each
+    file kept raw where that saves under 3 %. Needs the ``compress`` extra. Copies already there
+    stay as they are."""
 
     _node: str = PrivateAttr(default="")
     _marker_beat: float = PrivateAttr(default=60.0)
@@ -261,6 +266,7 @@ class TierConfig(_Strict):
             storage_options=dict(self.storage_options),
             node=self._node,
             shared=self.shared,
+            compression=self.compression,
             marker_beat=self._marker_beat,
             max_rate=self.max_rate,
             dedup=self.dedup,
@@ -283,6 +289,19 @@ class TierConfig(_Strict):
                 headroom=self.headroom is not False,
                 undo_window=self.undo_window,
             ),
+        )
+
+
+def _check_compression(i: int, tier: TierConfig) -> None:
+    """A tier configured with compression needs the codecs of the ``compress`` extra."""
+    import importlib.util
+
+    need = {"none": (), "zstd": ("zstandard",), "auto": ("zstandard", "zipnn")}[tier.compression]
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"tiers[{i}].compression = {tier.compression!r} needs {', '.join(missing)}: "
+            "install the compress extra (pip install 'ckptkeeper[compress]')"
         )
 
 
@@ -429,6 +448,11 @@ class Settings(BaseSettings):
             raise ValueError(f"tier names must be unique (repeated: {', '.join(dupes)})")
         if not self.tiers[0].is_local:
             raise ValueError("the first tier is the watched hot tier and must be a local path")
+        if self.tiers[0].compression != "none":
+            raise ValueError(
+                "tiers[0].compression: the hot tier is where runs write and read their checkpoints; "
+                "compression applies to slower tiers only"
+            )
         if self.tiers[0].dedup:
             raise ValueError(
                 "tiers[0].dedup: dedup applies to slower tiers only (the hot tier holds the runs' own files)"
@@ -438,6 +462,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"tiers[{i}].dedup_tensors needs dedup = true")
             if t.dedup and t.shared and t.is_local:
                 raise ValueError(f"tiers[{i}].dedup: not available on a shared local tier (docs/dedup.md)")
+            if t.dedup and t.compression != "none":
+                raise ValueError(
+                    f"tiers[{i}].compression: not available on a dedup tier yet (its content store is "
+                    "written raw); choose dedup or compression for this tier (docs/compression.md)"
+                )
+            _check_compression(i, t)
             if t.headroom is not None:
                 raise ValueError(
                     f"tiers[{i}].headroom: headroom applies to the first (hot) tier only, where runs write"

@@ -77,6 +77,8 @@ class ExecResult:
     """tier -> bytes actually freed."""
     recovered: list[str] = field(default_factory=list)
     stopped: bool = False
+    compressed: list[tuple[Action, dict[str, Any]]] = field(default_factory=list)
+    """Per copy into a compressing tier: raw and stored bytes, compression CPU (docs/compression.md)."""
 
     @property
     def ok(self) -> bool:
@@ -111,6 +113,7 @@ class Executor(TrashSteps):
         """``daemon.trust_mtimes``: judge "written to since cataloged" as the catalog recorded it."""
         self._crash = _CrashPoints()
         self._reclaimed: dict[str, int] = {}
+        self._compressed: list[tuple[Action, dict[str, Any]]] = []
         """tier -> bytes freed by the current :meth:`apply` (recorded with the index's total)."""
 
     def storage(self, tier: str) -> TierStorage:
@@ -209,6 +212,7 @@ class Executor(TrashSteps):
     def apply(self, plan: Plan) -> ExecResult:
         result = ExecResult()
         self._reclaimed = result.reclaimed_bytes
+        self._compressed = result.compressed
         result.recovered = self.recover()
         moves = self._local_moves(plan.actions)
         copied_ok: set[tuple[str, str]] = set()
@@ -310,9 +314,23 @@ class Executor(TrashSteps):
                     and isinstance(dst, LocalTierStorage)
                     and dst.same_filesystem(src)
                     and not (src.spec.dedup or dst.spec.dedup)  # a dedup copy's bytes are not in its place
+                    and dst.spec.compression == "none"  # a rename cannot compress (docs/compression.md)
+                    and not (dst.hot and self._stored_encoded(src, a.path or ""))  # nor decompress
                 ):
                     moves.add((a.path or "", a.tier))
         return moves
+
+    def _stored_encoded(self, src: TierStorage, path: str) -> bool:
+        """``src`` stores some file of checkpoint ``path`` compressed (unknown counts as yes: a copy
+        decodes whatever it finds, a rename would put stored bytes where runs read plain files)."""
+        row = self._row_by_path(path)
+        manifest = row.manifest() if row is not None else None
+        if manifest is None:
+            return True
+        try:
+            return any(e.encoding for e in src._stored_form(manifest).files)
+        except StorageError:
+            return True
 
     def _apply_one(self, action: Action, *, rename: bool) -> str | None:
         """Run one action; return a reason if it was skipped, raise on failure."""
@@ -351,6 +369,7 @@ class Executor(TrashSteps):
             action.to_dict(), "copying", {"version": row.version, "rename": rename}, durable=not rename
         )
         self._crash.hit("copy-journaled")
+        stored: int | None = None  # a rename keeps the bytes as the source stored them
         if rename:
             assert isinstance(dst, LocalTierStorage) and isinstance(src, LocalTierStorage)
             # A rename moves the very inodes the catalog hashed; sizes are still checked, and a hot
@@ -375,7 +394,13 @@ class Executor(TrashSteps):
                     self.progress(action, done, total)
                 self._crash.hit("copy-progress")
 
-            dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace)
+            stats = dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace).stats
+            stored = (
+                None if stats is None else stats.stored_bytes
+            )  # None: as recorded (a listing corrects it)
+            if stats is not None:
+                self._compressed.append((action, stats.to_dict()))
+                log.info("compressed copy", path=action.path, tier=action.to_tier, **stats.to_dict())
         self._crash.hit("copy-committed")
         # A rename's result is not flushed: after a power cut that loses it, recovery finds the
         # committed manifest at the destination and records the same (_recover_copy). Its flush
@@ -383,7 +408,9 @@ class Executor(TrashSteps):
         # staging-free destination is only trusted once the index says so.
         with self.index.transaction(durable=not rename):
             # the bytes were hashed against the manifest as they were written: scrubbed now
-            self.index.set_location(row.id, action.to_tier, row.version, scrubbed_at=time.time())
+            self.index.set_location(
+                row.id, action.to_tier, row.version, scrubbed_at=time.time(), stored_bytes=stored
+            )
             if rename:
                 self.index.remove_location(row.id, action.tier)
                 self._add_reclaimed(action.tier, "moved", row.bytes)
@@ -421,7 +448,7 @@ class Executor(TrashSteps):
             self._crash.hit("copy-progress")
 
         try:
-            hashed = dst.copy_from(src, manifest, progress=on_bytes, fingerprints=fingerprints)
+            hashed = dst.copy_from(src, manifest, progress=on_bytes, fingerprints=fingerprints).manifest
         except BaseException as exc:
             self.index.journal_done(entry, "failed")
             self._trace(action, started, error=str(exc))

@@ -299,6 +299,7 @@ TEST_KINDS: dict[str, str] = {
     "test_copy_paths": "integration",
     "test_upload_resume": "integration",
     "test_restore_ranged": "integration",
+    "test_compression": "integration",
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",
     "test_deploy": "integration",

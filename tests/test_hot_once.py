@@ -288,7 +288,7 @@ def test_copy_from_with_fingerprints_hashes_while_copying(tmp_path: Path) -> Non
     assert warm.read_manifest(f"{RUN}/{OLD}") is None and not list(warm_root.rglob("w.bin"))
 
     prints = {"w.bin": fingerprint.take(src)}
-    committed = warm.copy_from(hot, unhashed, fingerprints=prints)
+    committed = warm.copy_from(hot, unhashed, fingerprints=prints).manifest
     assert committed.files[0].hash == hash_file(src)[1]
     assert warm.read_manifest(f"{RUN}/{OLD}") == committed
     assert (warm_root / RUN / OLD / "w.bin").read_bytes() == src.read_bytes()

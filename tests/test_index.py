@@ -90,12 +90,15 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
     single-node default), as they were before, and were never re-hashed (scrubbed first). 5 adds
     the trash table (undo window), empty after an upgrade. 6 adds a checkpoint's node part (issue
     #15): NULL, a whole checkpoint, for every row that was there. 7 adds the history of executed
-    actions (``history``, ``why``), empty after an upgrade."""
-    assert SCHEMA_VERSION == 7
+    actions (``history``, ``why``), empty after an upgrade. 8 adds what a tier stores for a
+    compressed copy (docs/compression.md): NULL, as many bytes as the checkpoint, for every copy."""
+    assert SCHEMA_VERSION == 8
     path = tmp_path / "i.db"
     _index_at(path, version)
     with Index(path) as ix:
-        assert ix.schema_version == 7
+        assert ix.schema_version == 8
+        assert ix.stored_bytes() == {}
+        assert {r[0] for r in ix._db.execute("SELECT stored_bytes FROM locations")} == {None}
         assert ix.history() == [] and ix.history_count() == 0
         assert [
             tuple(r) for r in ix._db.execute("SELECT tier, scrubbed_at FROM locations ORDER BY tier")
@@ -131,7 +134,7 @@ def test_older_index_upgrades_to_current_with_its_rows(tmp_path: Path, version: 
         ix.set_location(7, "cold", "v1", node="node-b")
         assert ix.snapshot(["hot", "cold"], node="me").foreign == {("r", 100, "cold"): "node-b"}
     with Index(path) as ix:  # reopened: not migrated again
-        assert ix.schema_version == 7
+        assert ix.schema_version == 8
 
 
 def test_corrupt_file_detected(tmp_path: Path) -> None:

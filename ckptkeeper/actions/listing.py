@@ -4,7 +4,7 @@ tiers (for a checkpoint spanning nodes)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkeeper.actions.job import last_job
@@ -25,6 +25,8 @@ class Listing:
     tier_order: dict[str, int]
     jobs: dict[str, dict[str, Any] | None]
     """Run -> its last scheduler job (``ls --json``'s ``job``, docs/slurm.md; null: none known)."""
+    stored: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(checkpoint id, tier) -> bytes the tier holds for a copy it stores compressed."""
 
     @property
     def empty(self) -> bool:
@@ -63,6 +65,10 @@ class Listing:
             "layout": c.layout,
             "tiers": sorted(c.verified_tiers, key=lambda t: self.tier_order.get(t, 99)),
             "bytes": c.bytes,
+            "stored_bytes": {  # per tier holding a copy: less than bytes where compressed
+                t: self.stored.get((c.id, t), c.bytes)
+                for t in sorted(c.verified_tiers, key=lambda t: self.tier_order.get(t, 99))
+            },
             "metrics": dict(c.metrics),
             "pinned": c.pinned,
             "version": c.version,
@@ -90,6 +96,7 @@ def list_catalog(settings: Settings, index: Index, run: str | None = None) -> Li
         versions=_versions(settings, checkpoints),
         tier_order={t.name: i for i, t in enumerate(settings.tiers)},
         jobs={r.name: last_job(settings, r.name) for r in runs if r.on_hot},
+        stored=index.stored_bytes(),
     )
 
 

@@ -42,8 +42,8 @@ class TierSummary:
     newest_checkpoint_at: float | None
     """Creation time of the newest of those (the tier's recovery point)."""
     stored_bytes: int | None = None
-    """A dedup tier: bytes in this node's content store (one listing of it); None otherwise or
-    when it cannot be listed."""
+    """Bytes the tier holds for them: a dedup tier's content store (one listing of it; docs/dedup.md),
+    or a tier storing some compressed (docs/compression.md); None: as many as ``bytes`` (or unknown)."""
     dedup: bool = False
 
 
@@ -149,6 +149,8 @@ class StatusSummary:
             else None,
             "checkpoints": t.checkpoints,
             "bytes": t.bytes,
+            "stored_bytes": t.bytes if t.stored_bytes is None else t.stored_bytes,
+            "saving_bytes": 0 if t.stored_bytes is None else t.bytes - t.stored_bytes,
             "newest_checkpoint_age_seconds": None if age is None else round(age, 1),
             "dedup": {"stored_bytes": t.stored_bytes, "referenced_bytes": t.bytes} if t.dedup else None,
         }
@@ -221,6 +223,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
     quarantined = tuple(index.quarantined())
     usage = tier_usage(settings)
     lost = index.without_good_copy()
+    stored = index.stored_bytes()
     tiers = []
     for t in settings.tiers:
         held = [c for c in checkpoints if c.state is CheckpointState.COMPLETE and t.name in c.verified_tiers]
@@ -236,7 +239,13 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
                 checkpoints=len(held),
                 bytes=sum(c.bytes for c in held),
                 newest_checkpoint_at=max((c.created_at for c in held), default=None),
-                stored_bytes=_content_bytes(t.to_spec()) if t.dedup else None,
+                stored_bytes=(
+                    _content_bytes(t.to_spec())
+                    if t.dedup
+                    else sum(stored.get((c.id, t.name), c.bytes) for c in held)
+                    if any((c.id, t.name) in stored for c in held)
+                    else None
+                ),
                 dedup=t.dedup,
             )
         )
@@ -276,7 +285,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         quarantined=quarantined,
         headroom=_headroom(settings, usage, runs, checkpoints),
         trash=_trash(index),
-        **_costs(settings, checkpoints, tiers),
+        **_costs(settings, checkpoints, tiers, stored),
     )
 
 
@@ -327,19 +336,27 @@ def _trash(index: Index) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _costs(settings: Settings, checkpoints: list[CheckpointRow], tiers: list[TierSummary]) -> dict[str, Any]:
+def _costs(
+    settings: Settings,
+    checkpoints: list[CheckpointRow],
+    tiers: list[TierSummary],
+    stored_bytes: Mapping[tuple[int, str], int] | None = None,
+) -> dict[str, Any]:
     """Storage cost per tier and per run, from the very copies the tier rows count."""
     prices = {t.name: t.cost_per_gib_month for t in settings.tiers}
     if all(p is None for p in prices.values()):
         return {}
+    stored = stored_bytes or {}
     copies = [
-        (c.run, tier, c.bytes)
+        (c.run, tier, stored.get((c.id, tier), c.bytes))  # a compressed copy costs what it stores
         for c in checkpoints
         if c.state is CheckpointState.COMPLETE
         for tier in c.verified_tiers
     ]
     return {
-        "cost_per_month": cost.by_tier({t.name: t.bytes for t in tiers}, prices),
+        "cost_per_month": cost.by_tier(
+            {t.name: t.bytes if t.stored_bytes is None else t.stored_bytes for t in tiers}, prices
+        ),
         "run_cost_per_month": cost.by_run(copies, prices),
     }
 

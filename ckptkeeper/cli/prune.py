@@ -217,6 +217,14 @@ def _render_outcome(outcome: PruneOutcome, *, dry_run: bool) -> None:
             f"done: {len(r.done)} actions, {len(r.failed)} failed, {len(r.skipped)} skipped; "
             f"reclaimed {human_bytes(outcome.reclaimed_bytes)}" + (f" ({per_tier})" if per_tier else "")
         )
+        if r.compressed:
+            raw = sum(s["raw_bytes"] for _, s in r.compressed)
+            stored = sum(s["stored_bytes"] for _, s in r.compressed)
+            cpu = sum(s["compress_cpu_seconds"] for _, s in r.compressed)
+            click.echo(
+                f"compressed: {len(r.compressed)} copies, {human_bytes(raw)} stored as {human_bytes(stored)} "
+                f"({100.0 * stored / max(1, raw):.1f} %), {cpu:.1f} CPU-s"
+            )
         for line in outcome.failed:
             click.echo(f"failed: {line}", err=True)
         for a, why in r.skipped:

@@ -72,6 +72,13 @@ def _render_status(s: StatusSummary) -> None:
             width=out_width(),
         )
     )
+    for t in s.tiers:
+        if t.stored_bytes is not None:
+            saving = 100.0 * (t.bytes - t.stored_bytes) / max(1, t.bytes)
+            click.echo(
+                f"compressed tier {t.name}: {human_bytes(t.bytes)} of checkpoints stored as "
+                f"{human_bytes(t.stored_bytes)} (saves {saving:.1f} %)"
+            )
     click.echo()
     for summary in s.tiers:
         if summary.dedup:

@@ -23,6 +23,8 @@ MANIFEST_SUFFIX = ".ckptkeeper-manifest.json"
 """A slower tier stores ``<run>/<checkpoint><MANIFEST_SUFFIX>`` beside each copy."""
 
 HASH_ALGORITHM = "xxh3_128"
+ENCODINGS = ("zstd", "zipnn")
+"""How a slower tier may store a file besides as it is (docs/compression.md)."""
 
 
 class RunState(StrEnum):
@@ -52,6 +54,16 @@ class FileEntry:
     parts: tuple[tuple[int, str], ...] = ()
     """In the content store as consecutive pieces (a safetensors file split at its tensors):
     ``(size, hash)`` of each, in file order; empty: one object named by ``hash``."""
+    encoding: str = field(default="", compare=False)
+    """How the tier whose manifest this is stores the file (docs/compression.md): "" as it is,
+    else one of :data:`ENCODINGS`. ``size`` and ``hash`` stay the raw file's: not in the digest."""
+    stored: int | None = field(default=None, compare=False)
+    """Bytes the tier holds for an encoded file (None when raw)."""
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes the tier holds for this file."""
+        return self.stored if self.encoding and self.stored is not None else self.size
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"path": self.path, "size": self.size, "hash": self.hash}
@@ -59,6 +71,9 @@ class FileEntry:
             doc["location"] = self.location
         if self.parts:
             doc["parts"] = [[size, digest] for size, digest in self.parts]
+        if self.encoding:  # written only when set: a raw copy's manifest is byte-identical to before
+            doc["encoding"] = self.encoding
+            doc["stored"] = self.stored
         return doc
 
 
@@ -192,6 +207,11 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes the tier of this manifest holds for the files (compressed ones: less)."""
+        return sum(f.stored_size for f in self.files)
+
+    @property
     def digest(self) -> str:
         """Version id: depends only on the content (file names, sizes, hashes), not on metadata."""
         h = hashlib.sha256()
@@ -241,6 +261,7 @@ class Manifest:
             total += size
             digest = schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256)
             location = _location(entry, i, digest)
+            encoding, stored = _stored_form(entry, i, size)
             files.append(
                 FileEntry(
                     path=schema.rel_path(entry.get("path"), f"files[{i}].path", empty=True),
@@ -248,6 +269,8 @@ class Manifest:
                     hash=digest,
                     location=location,
                     parts=_parts(entry, i, size, location),
+                    encoding=encoding,
+                    stored=stored,
                 )
             )
         if total > schema.MAX_BYTES:
@@ -272,6 +295,27 @@ class Manifest:
         if "digest" in doc and doc["digest"] != manifest.digest:
             raise ValueError("manifest digest does not match its file list")
         return manifest
+
+
+def _stored_form(entry: Mapping[str, Any], i: int, size: int) -> tuple[str, int | None]:
+    """(encoding, stored size) of ``files[i]``: absent = raw; an encoding this version does not
+    know is refused (the copy is quarantined, never read as raw bytes)."""
+    raw = entry.get("encoding")
+    if raw is None or raw == "":
+        if entry.get("stored") is not None:
+            raise schema.SchemaError(f"files[{i}].stored", "given for a file stored raw")
+        return "", None
+    encoding = schema.text(raw, f"files[{i}].encoding", max_len=32)
+    if encoding not in ENCODINGS:
+        raise schema.SchemaError(
+            f"files[{i}].encoding",
+            f"unknown encoding {encoding!r} (this ckptkeeper reads {', '.join(ENCODINGS)}; "
+            "a newer version wrote it?)",
+        )
+    stored = schema.size(entry.get("stored"), f"files[{i}].stored")
+    if stored > size + size // 256 + 64 * 1024:
+        raise schema.SchemaError(f"files[{i}].stored", f"{stored} stored bytes for a file of {size}")
+    return encoding, stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +436,8 @@ class TierSpec:
     """This node's name (docs/design.md, "Many nodes"): written into manifests and staging markers; "" = unnamed."""
     shared: bool = False
     """Several nodes write this tier: this node's copies live under ``<node>/`` in it."""
+    compression: str = "none"
+    """How new copies into this tier are stored: ``none``, ``zstd`` or ``auto`` (docs/compression.md)."""
     marker_beat: float = 60.0
     """Seconds between rewrites of a copy's staging marker (its heartbeat) while it runs: at most a
     quarter of ``fleet.heartbeat_ttl``, so a lease holder that waits that long for a silent marker

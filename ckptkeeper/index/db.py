@@ -214,20 +214,27 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
         *,
         node: str = "",
         scrubbed_at: float | None = None,
+        stored_bytes: int | None = None,
     ) -> None:
         """Record a verified copy; ``node`` is the node its manifest names ('' = this node).
+
+        ``stored_bytes``: what the tier holds for it (less than its bytes when compressed); None
+        keeps what is recorded for this very version (unknown to the caller).
 
         ``scrubbed_at``: when its bytes were hashed against the manifest (a copy just written and
         hashed, a scrub); None keeps the time already recorded for this very version (a listing
         sees sizes only) and records "never" for a new one, which the scrub job reads first."""
         self._exec(
-            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node, scrubbed_at)
-               VALUES (?, ?, ?, ?, ?, ?)
+            """INSERT INTO locations (checkpoint_id, tier, version, verified_at, node, scrubbed_at, stored_bytes)
+               VALUES (?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (checkpoint_id, tier) DO UPDATE SET version = excluded.version,
                  verified_at = excluded.verified_at, node = excluded.node,
                  scrubbed_at = CASE WHEN locations.version = excluded.version
                                     THEN COALESCE(excluded.scrubbed_at, locations.scrubbed_at)
-                                    ELSE excluded.scrubbed_at END""",
+                                    ELSE excluded.scrubbed_at END,
+                 stored_bytes = CASE WHEN locations.version = excluded.version
+                                    THEN COALESCE(excluded.stored_bytes, locations.stored_bytes)
+                                    ELSE excluded.stored_bytes END""",
             (
                 checkpoint_id,
                 tier,
@@ -235,6 +242,7 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
                 time.time() if verified_at is None else verified_at,
                 node,
                 scrubbed_at,
+                stored_bytes,
             ),
         )
 
@@ -277,6 +285,16 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
             (tier,),
         ).fetchall()
         return {(r[0], r[1]): (r[2], r[3]) for r in rows}
+
+    def stored_bytes(self) -> dict[tuple[int, str], int]:
+        """(checkpoint id, tier) -> bytes the tier holds, for the verified copies a tier stores
+        compressed (docs/compression.md); every other copy holds its checkpoint's bytes."""
+        rows = self._exec(
+            """SELECT l.checkpoint_id, l.tier, l.stored_bytes FROM locations l
+               JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.version = c.version AND l.stored_bytes IS NOT NULL AND l.stored_bytes != c.bytes"""
+        ).fetchall()
+        return {(int(r[0]), str(r[1])): int(r[2]) for r in rows}
 
     def tier_holdings(self, tier: str, node: str = "") -> tuple[int, int, float | None]:
         """(runs, checkpoints, newest ``created_at``) with a verified copy in ``tier`` written by this

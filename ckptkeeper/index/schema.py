@@ -176,6 +176,11 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX history_run_step ON history (run, step);
     CREATE INDEX history_at ON history (at);
     """,
+    # 7 -> 8: bytes a tier holds for a copy it stores compressed (docs/compression.md); NULL: as
+    # many as the checkpoint's raw bytes.
+    """
+    ALTER TABLE locations ADD COLUMN stored_bytes INTEGER;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

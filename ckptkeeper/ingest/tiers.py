@@ -175,7 +175,9 @@ class SlowerTiers:
         if error is not None:
             self.index.mark_damaged(cid, tier_name, error, node=manifest.node)
         else:
-            self.index.set_location(cid, tier_name, manifest.digest, node=manifest.node)
+            self.index.set_location(
+                cid, tier_name, manifest.digest, node=manifest.node, stored_bytes=manifest.stored_bytes
+            )
 
 
 def _outer_copy(manifest: Manifest, names: dict[str, set[str]]) -> str | None:

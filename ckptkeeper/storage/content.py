@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # the contract, without importing it (tier imports this modul
 
         def read_manifest(self, rel_path: str) -> Manifest | None: ...
         def _open_read(self, rel: str, file_path: str) -> _Reader: ...
+        def _open_entry(self, rel: str, entry: FileEntry) -> _Reader: ...
+        def _stored_form(self, manifest: Manifest) -> Manifest: ...
         def _begin_write(self, rel: str, manifest: Manifest) -> _Sink: ...
         def delete(self, rel_path: str) -> int: ...
         def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]: ...
@@ -270,7 +272,7 @@ def open_entry(tier: TierStorage, rel: str, entry: FileEntry) -> _Reader:
         return Concat([lambda r=r: tier._open_read(r, "") for r in rels])  # type: ignore[misc]
     if entry.location == IN_CONTENT:
         return tier._open_read(content_rel(tier, entry.hash), "")
-    return tier._open_read(rel, entry.path)
+    return tier._open_entry(rel, entry)  # decoded when that tier stores it compressed
 
 
 def _write_content(
@@ -369,7 +371,7 @@ def copy_deduped(
     ``rehash``: the copy replaces one a scrub found damaged, whose bytes a size check cannot
     see: every object already there is hashed, and one that does not match is written again."""
     rel = _rel_of(manifest)
-    source = layout(src, manifest) or manifest
+    source = layout(src, manifest) or src._stored_form(manifest)  # a compressed source decodes
     src_entries = {e.path: e for e in source.files}
     pieces = _split(tier, src, rel, manifest, src_entries)
     stored = dataclasses.replace(

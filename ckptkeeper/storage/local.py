@@ -391,7 +391,7 @@ class LocalTierStorage(TierStorage):
                         if before_rename is not None:
                             before_rename()
                     else:
-                        body = manifest.to_json().encode()
+                        body = src._stored_form(manifest).to_json().encode()  # the files move as stored
                         made: list[str] = []
                         try:
                             _alongside(

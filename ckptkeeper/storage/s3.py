@@ -321,6 +321,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
 
         async def check_all() -> tuple[bytes | None, dict[str, int | None]]:
             text, sizes = await asyncio.gather(committed(), listed())
+            expected.update(_stored_sizes(rel, text, manifest, targets))  # a compressed copy's sizes
             present: dict[str, int | None] = {k: sizes.get(k) for k in expected}
             unseen = [k for k, size in present.items() if size != expected[k]]
             sem = asyncio.Semaphore(self.recheck_concurrency)
@@ -342,7 +343,9 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
         if content.has_content(committed_manifest):
             return content.recheck(self, committed_manifest)
         sizes_by_path = {path: present[k] for path, k in targets}
-        return _compare_sizes(rel, manifest, {p: s for p, s in sizes_by_path.items() if s is not None})
+        return _compare_sizes(
+            rel, committed_manifest, {p: s for p, s in sizes_by_path.items() if s is not None}
+        )
 
     def delete(self, rel_path: str, *, adopt: bool = False) -> int:
         """Marker, then manifest (de-commit), then data; the marker goes last.
@@ -484,3 +487,18 @@ class _GuardedReader:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _stored_sizes(
+    rel: str, text: bytes | None, manifest: Manifest, targets: list[tuple[str, str]]
+) -> dict[str, int]:
+    """Key → stored size of the files the committed manifest ``text`` says are compressed (none
+    when it is not this version's: the caller reports that)."""
+    try:
+        committed = _parse_manifest(rel, text) if text is not None else None
+    except StorageError:
+        return {}
+    if committed is None or committed.digest != manifest.digest:
+        return {}
+    by_path = {e.path: e for e in committed.files}
+    return {k: by_path[p].stored_size for p, k in targets if p in by_path and by_path[p].encoding}

@@ -18,6 +18,7 @@ from typing import Any, Protocol, cast
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
 from ckptkeeper.hook.protocol import STAGING_MARK, TRASH_DIR
+from ckptkeeper.storage import compressed
 from ckptkeeper.storage.base import (
     StorageError,
     TierUnavailable,
@@ -126,7 +127,7 @@ class TrashObjects(S3Objects):
                     e.path or rel
                     for e in manifest.files
                     if not e.location  # in the content store: checked by undelete's recheck
-                    and sizes.get(f"{data}/{e.path}" if e.path else data) != e.size
+                    and sizes.get(f"{data}/{e.path}" if e.path else data) != e.stored_size
                 ]
                 if missing:
                     out.append(
@@ -184,15 +185,22 @@ class TrashObjects(S3Objects):
     # -- helpers ---------------------------------------------------------------------------
 
     def _entry_damage(self, manifest: Manifest, entry: str) -> list[str]:
-        """What of ``manifest`` the entry lacks (sizes from one listing)."""
+        """What of ``manifest`` the entry lacks (sizes from one listing; the sizes the entry's own
+        manifest says its objects are stored at, when they are compressed)."""
         data = self.prefix + _rel_of(in_entry(manifest, entry))
         sizes = {o["Key"]: int(o["Size"]) for o in self._list_objects(data)}
+        body = self._get(data + MANIFEST_SUFFIX)
+        try:
+            moved = _parse_manifest(_rel_of(manifest), body) if body is not None else None
+        except StorageError:
+            moved = None
+        manifest = compressed.with_stored_form(manifest, moved)
         out = []
         for e in manifest.files:
             if e.location:
                 continue  # in the content store: checked by undelete's recheck
             k = f"{data}/{e.path}" if e.path else data
-            if sizes.get(k) != e.size:
+            if sizes.get(k) != e.stored_size:
                 out.append(
                     f"{e.path or _rel_of(manifest)}: {'missing' if k not in sizes else 'size differs'}"
                 )

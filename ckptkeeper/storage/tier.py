@@ -7,6 +7,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,7 +18,8 @@ from ckptkeeper.core.model import (
     TierSpec,
     TierUsage,
 )
-from ckptkeeper.storage import content
+from ckptkeeper.hook.protocol import TRASH_DIR
+from ckptkeeper.storage import compressed, content
 from ckptkeeper.storage.base import (
     Progress,
     StorageError,
@@ -38,6 +40,15 @@ from ckptkeeper.util.fingerprint import of as _fingerprint_of
 
 _BACKENDS: dict[str, type[TierStorage]] = {}
 """URL scheme → backend class, filled by :meth:`TierStorage.__init_subclass__`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    """What :meth:`TierStorage.copy_from` committed: the manifest (with the hashes a copy that
+    hashed its source computed) and, when the tier compresses, what it stored."""
+
+    manifest: Manifest
+    stats: compressed.CopyStats | None = None
 
 
 class TierStorage:
@@ -195,9 +206,10 @@ class TierStorage:
         progress: Progress | None = None,
         replace_damaged: bool = False,
         fingerprints: Mapping[str, Fingerprint] | None = None,
-    ) -> Manifest:
+    ) -> Copied:
         """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed; return
-        the manifest committed.
+        the manifest committed and, when this tier compresses, what it stored (raw and stored
+        bytes, CPU).
 
         One pass over the source: each chunk is read once, hashed and written. The source's size
         and hash must equal the manifest (else :class:`VerificationError`: it changed since it
@@ -216,7 +228,9 @@ class TierStorage:
         The manifest committed (and returned) carries the hashes computed.
         """
         _check_manifest(manifest)
-        manifest = content.plain(manifest)  # where another tier holds the bytes says nothing here
+        manifest = compressed.raw_form(
+            content.plain(manifest)
+        )  # how another tier holds the bytes says nothing here
         if self.node and not self.hot and manifest.node != self.node:
             # A copy belongs to the node that wrote it (docs/design.md, "Many nodes"); the digest is content only.
             manifest = dataclasses.replace(manifest, node=self.node)
@@ -233,7 +247,7 @@ class TierStorage:
                 )
                 if not damage:
                     log.info("%s: %s already holds version %s", self.name, rel, manifest.digest)
-                    return existing
+                    return Copied(existing)
                 # A committed manifest over missing or changed data is not a copy: drop what is
                 # left of it (de-commit first, as every delete does) and copy it again.
                 log.warning(
@@ -253,15 +267,15 @@ class TierStorage:
                     f"{rel}: a dedup tier takes only hashed checkpoints (the content store is keyed by hash)"
                 )
             content.copy_deduped(self, src, manifest, _limiter(src, self, progress), rehash=replace_damaged)
-            return manifest
+            return Copied(manifest)
         source = content.layout(src, manifest)
-        sink = self._begin_write(rel, manifest)
+        sink = self._encoding(self._begin_write(rel, manifest), rel)
         limit = _limiter(src, self, progress)
         try:
             if source is not None:  # a dedup copy in src: its bytes are in src's content store
                 content.stream_into(src, rel, source, sink, limit)
             else:
-                hashed = _stream_checkpoint(src, rel, manifest, sink, limit, fingerprints)
+                hashed = _stream_checkpoint(src, rel, src._stored_form(manifest), sink, limit, fingerprints)
                 if fingerprints is not None:
                     _check_unchanged(src, rel, manifest, fingerprints)
                     manifest = dataclasses.replace(manifest, files=tuple(hashed))
@@ -273,7 +287,7 @@ class TierStorage:
             raise StorageError(
                 f"copy of {rel} from {src.name!r} to {self.name!r} failed: {_describe(exc)}"
             ) from exc
-        return manifest
+        return Copied(manifest, sink.stats if isinstance(sink, compressed.EncodingSink) else None)
 
     def fetch(self, manifest: Manifest, to_dir: Path, *, progress: Progress | None = None) -> Path:
         """Restore: verified copy of the checkpoint into ``to_dir/<name>``; returns that path.
@@ -290,10 +304,15 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
+        stored = self._stored_form(manifest)
         try:
-            stored = content.layout(self, manifest)
-            if stored is not None:
-                content.stream_into(self, rel, stored, sink, progress, workers=self.fetch_workers)
+            layout = content.layout(self, manifest)
+            if layout is not None:
+                content.stream_into(self, rel, layout, sink, progress, workers=self.fetch_workers)
+            elif any(e.encoding for e in stored.files):  # decoded as it streams: no ranged fast path
+                _stream_concurrently(
+                    self, rel, stored, sink, progress, max(1, min(self.fetch_workers, len(stored.files)))
+                )
             else:
                 self._fetch_files(rel, manifest, sink, progress)
             sink.commit(manifest)
@@ -328,15 +347,19 @@ class TierStorage:
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
+        manifest = self._stored_form(manifest)
         problems = _compare_sizes(rel, manifest, present)
         for entry in manifest.files:
             where = f"{rel}/{entry.path}" if entry.path else rel
-            if present.get(entry.path) != entry.size:
+            if present.get(entry.path) != entry.stored_size:
                 continue  # already reported by _compare_sizes
             if deep:
-                reader = self._open_read(rel, entry.path)
+                reader = self._open_entry(rel, entry)
                 try:
                     got_size, digest = _hash_reader(reader, on_bytes)
+                except VerificationError as exc:  # compressed bytes that do not decode
+                    problems.append(str(exc))
+                    continue
                 finally:
                     reader.close()
                 if got_size != entry.size:
@@ -361,6 +384,7 @@ class TierStorage:
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
+        committed = None
         if not self.hot:
             committed = self.read_manifest(rel)
             if committed is None:
@@ -372,7 +396,36 @@ class TierStorage:
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
-        return _compare_sizes(rel, manifest, present)
+        return _compare_sizes(rel, committed or manifest, present)  # the sizes this tier stores
+
+    # -- compression (docs/compression.md; :mod:`ckptkeeper.storage.compressed`) ---------------
+
+    def _encoding(self, sink: _Sink, rel: str) -> _Sink:
+        """The sink of a new copy: compressing when this slower tier's ``compression`` is on."""
+        mode = getattr(self.spec, "compression", "none")
+        if self.hot or mode == "none":
+            return sink
+        root = getattr(self, "root", None) if self.is_local else None  # spool on the tier's own disk
+        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}", None if root is None else str(root))
+
+    def _stored_form(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with how this tier stores each file, from its committed manifest (the
+        index's copy says nothing about a tier's encoding)."""
+        if self.hot:
+            return compressed.raw_form(manifest)
+        rel = _rel_of(manifest)
+        try:
+            committed = self.read_manifest(rel)
+        except StorageError:
+            if not rel.startswith(TRASH_DIR + "/"):
+                raise
+            committed = None  # a trash entry's manifest names the copy's own path: read as raw
+        return compressed.with_stored_form(manifest, committed)
+
+    def _open_entry(self, rel: str, entry: FileEntry) -> _Reader:
+        """A reader of ``entry``'s raw bytes: decoded on the way when the tier stores it encoded."""
+        where = f"{self.name}:{rel}/{entry.path}" if entry.path else f"{self.name}:{rel}"
+        return compressed.open_entry(self._open_read(rel, entry.path), entry, where)
 
 
 def _hash_reader(reader: _Reader, on_bytes: Progress | None) -> tuple[int, str]:
@@ -400,8 +453,8 @@ def _compare_sizes(rel: str, manifest: Manifest, present: dict[str, int | None])
         size = present[entry.path]
         if size is None:
             problems.append(f"{where}: not a regular file")
-        elif size != entry.size:
-            problems.append(f"{where}: size {size} != {entry.size} in manifest")
+        elif size != entry.stored_size:
+            problems.append(f"{where}: size {size} != {entry.stored_size} in manifest")
     return problems
 
 
@@ -505,7 +558,7 @@ def _stream_file(
     """
     view = memoryview(buf)
     where = f"{src.name}:{rel}/{entry.path}" if entry.path else f"{src.name}:{rel}"
-    reader = src._open_read(rel, entry.path)
+    reader = src._open_entry(rel, entry)
     try:
         if fingerprint is not None:
             _check_fingerprint(where, reader, fingerprint)

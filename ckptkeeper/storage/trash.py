@@ -57,6 +57,7 @@ class LocalTierStorage(Protocol):
     def _refuse_mounts(self, rel: str, what: str) -> None: ...
     def _list_files(self, rel: str, is_dir: bool) -> dict[str, int | None] | None: ...
     def verify(self, manifest: Manifest, *, deep: bool = ...) -> list[str]: ...
+    def _stored_form(self, manifest: Manifest) -> Manifest: ...
 
 
 __all__ = ["TRASH_DIR", "TrashListing", "entry_time", "in_entry", "new_entry"]
@@ -118,7 +119,8 @@ def local_move_aside(tier: LocalTierStorage, manifest: Manifest, entry: str) -> 
                     raise StorageError(f"tier {tier.name!r}: {rel} is not there to move aside")
                 if os.stat(name, dir_fd=src_dir, follow_symlinks=False).st_dev != dev:
                     raise StorageError(f"tier {tier.name!r}: {rel} is on another filesystem")
-                _write_file_atomic(dst_dir, name + MANIFEST_SUFFIX, manifest.to_json().encode())
+                body = tier._stored_form(manifest).to_json().encode()  # how the moved files are stored
+                _write_file_atomic(dst_dir, name + MANIFEST_SUFFIX, body)
                 os.fsync(dst_dir)
                 os.rename(name, name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
                 os.fsync(dst_dir)

@@ -75,6 +75,7 @@ class PruneOutcome:
                 "skipped": [{"action": a.to_dict(), "reason": why} for a, why in r.skipped],
                 "reclaimed_bytes": r.reclaimed_bytes,
                 "recovered": r.recovered,
+                "compressed": [{"action": a.to_dict(), **stats} for a, stats in r.compressed],
             }
         return doc
 
