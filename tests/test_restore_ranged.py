@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from faultproxy import FaultProxy, Request
 
 from ckptkeeper.cli import main
-from ckptkeeper.storage import s3_fetch
+from ckptkeeper.storage import s3_fetch, s3_get
 
 RUN = "run-a"
 STEP = 100
@@ -36,6 +36,7 @@ RANGE = 64 * 1024
 @pytest.fixture(autouse=True)
 def _small_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(s3_fetch, "RANGE_SIZE", RANGE)
+    monkeypatch.setattr(s3_get, "RANGE_SIZE", RANGE)
 
 
 def _client(endpoint: str) -> Any:
@@ -185,6 +186,7 @@ def test_a_ranged_get_that_keeps_breaking_fails_cleanly(
     tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(s3_fetch, "RETRIES", 2)
+    monkeypatch.setattr(s3_get, "RETRIES", 2)
     node = Node(tmp_path, s3_bucket, s3_reset, {"model.bin": 1 * 2**20 + 5, "small.bin": 100})
     proxy = FaultProxy(s3_reset, rate=0.0, rules=[_ranged_gets_of(node.key("model.bin"), None)])
     proxies.append(proxy)

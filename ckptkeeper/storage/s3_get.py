@@ -1,0 +1,428 @@
+"""Restoring from S3 with plain HTTP GETs on worker threads, each byte copied once by the kernel
+into a reused buffer, hashed there and written at its offset (``os.pwrite``).
+
+Why not the S3 client's event loop (:mod:`.s3_fetch`, still used behind a proxy): every byte
+that passes through aiohttp is copied three times in Python (socket read, stream buffer, the
+``read()`` that joins it) on one thread that also parses and signs each request; a restore spent
+about twice the CPU per byte of s5cmd that way (bench/restore_s3.py). Here the tier's own client
+only signs: one presigned URL per object (its credentials, endpoint and addressing, ~0.1 ms), and
+``http.client`` fetches ranges of it with ``readinto`` straight into the worker's buffer, every
+socket read, hash and write made with the GIL released.
+
+Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a range that is done
+before its turn waits, in its buffer, for the earlier ones; how many ranges may wait is bounded),
+checked against its manifest entry (size, then hash) before it is finished; all ranges of one
+object carry the same ETag (``If-Match`` on every range after the first answer); a broken stream
+resumes from its last byte a bounded number of times; the first failure stops every worker (their
+connections are shut down, so none waits out a stalled read) before the caller's abort removes the
+staging directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ckptkeeper.core.model import FileEntry, Manifest
+from ckptkeeper.storage import deadline
+from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError, log
+from ckptkeeper.util import hashing
+
+if TYPE_CHECKING:
+    from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
+    from ckptkeeper.storage.s3_fetch import S3TierStorage
+
+RANGE_SIZE = 8 * 2**20
+"""Bytes per ranged GET of a large object, and per worker buffer."""
+WORKERS = 8
+"""GETs in flight at once for one restore (threads, each with its own connection)."""
+AHEAD = 4
+"""Ranges done before their turn to be hashed that may wait, at most, beyond one per worker (bounds
+the bytes held: ``(WORKERS + AHEAD) x RANGE_SIZE`` at worst)."""
+RETRIES = 5
+"""Resumptions of one range whose stream broke or whose request failed transiently."""
+URL_SECONDS = 6 * 3600
+"""Lifetime of a presigned URL (a failed request signs its URL again before it is retried)."""
+_PROXY_ENV = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy")
+
+
+def usable(tier: S3TierStorage) -> bool:
+    """Plain GETs reach the store the way the S3 client would: no proxy is configured."""
+    options = getattr(getattr(tier, "spec", None), "storage_options", None) or {}
+    config = options.get("config_kwargs") or {}
+    verify = (options.get("client_kwargs") or {}).get("verify")
+    if config.get("proxies") or any(os.environ.get(k) for k in _PROXY_ENV):
+        return False
+    return verify is None or isinstance(verify, bool | str)
+
+
+@dataclass(eq=False)
+class _File:
+    entry: FileEntry
+    key: str
+    where: str
+    writer: _LocalFileWriter
+    ranges: int
+    url: str = ""
+    hasher: hashing.Hasher = field(default_factory=hashing.new_hasher)
+    handed: int = 0
+    """Ranges given to a worker so far (they are handed out in order)."""
+    frontier: int = 0
+    """Ranges hashed so far: the next one to hash."""
+    held: dict[int, bytearray] = field(default_factory=dict)
+    """Ranges done before their turn: their bytes, written already, waiting to be hashed."""
+    etag: str | None = None
+
+    def span(self, r: int) -> tuple[int, int]:
+        start = r * RANGE_SIZE
+        return start, min(start + RANGE_SIZE, self.entry.size)
+
+
+class _Plan:
+    """Which range a worker fetches next, what waits to be hashed, and the first failure."""
+
+    def __init__(self, files: list[_File]) -> None:
+        self.files = files
+        self.cond = threading.Condition()
+        self.waiting = 0
+        """Ranges done but not hashed (their buffers held)."""
+        self.failed: list[BaseException] = []
+        self.spare: list[bytearray] = []
+        self.conns: set[http.client.HTTPConnection] = set()
+
+    def take(self) -> tuple[_File, int] | None:
+        """The next range to fetch (a file's next range, within its window), None when none is left."""
+        with self.cond:
+            while not self.failed:
+                left = False
+                for f in self.files:
+                    if f.handed >= f.ranges:
+                        continue
+                    left = True
+                    # the range at a file's frontier is always given (it is hashed as soon as it is
+                    # done, never held), so the restore can always progress
+                    if f.handed == f.frontier or self.waiting < AHEAD:
+                        f.handed += 1
+                        return f, f.handed - 1
+                if not left:
+                    return None
+                self.cond.wait()
+            return None
+
+    def done(self, f: _File, r: int, buf: bytearray) -> tuple[bytearray, bool]:
+        """Range ``r`` of ``f`` is in ``buf`` (and written): hash it now, or hold it until its turn.
+        Returns the buffer the worker goes on with and whether the whole file is hashed."""
+        with self.cond:
+            if r != f.frontier:
+                f.held[r] = buf
+                self.waiting += 1
+                return (self.spare.pop() if self.spare else bytearray(RANGE_SIZE)), False
+            start, end = f.span(r)
+            f.hasher.update(memoryview(buf)[: end - start])
+            f.frontier += 1
+            while f.frontier in f.held:
+                held = f.held.pop(f.frontier)
+                start, end = f.span(f.frontier)
+                f.hasher.update(memoryview(held)[: end - start])
+                self.spare.append(held)
+                self.waiting -= 1
+                f.frontier += 1
+            self.cond.notify_all()
+            return buf, f.frontier >= f.ranges
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop every worker: no new range is given, and reads in progress end now."""
+        with self.cond:
+            self.failed.append(exc)
+            conns = list(self.conns)
+            self.cond.notify_all()
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def fetch_direct(
+    tier: S3TierStorage, rel: str, manifest: Manifest, sink: _LocalSink, progress: Progress | None
+) -> None:
+    """Write and verify every file of ``manifest`` from ``tier`` into ``sink`` (not committed).
+
+    Returns when all files are written, each checked against the manifest; raises the first
+    failure once every worker has stopped (the caller's abort never races a write)."""
+    files: list[_File] = []
+    try:
+        for entry in sorted(manifest.files, key=lambda e: (-e.size, e.path)):
+            key = tier._key(f"{rel}/{entry.path}" if entry.path else rel)
+            where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
+            writer: Any = sink.open_file(entry)
+            files.append(_File(entry, key, where, writer, max(1, -(-entry.size // RANGE_SIZE))))
+        urls = _presign(tier, [f.key for f in files])
+        for f, url in zip(files, urls, strict=True):
+            f.url = url
+        plan = _Plan(files)
+        report = _locked(progress, plan.cond) if progress is not None else None
+        context = _tls_context(tier) if files and files[0].url.startswith("https:") else None
+        threads = [
+            threading.Thread(
+                target=_worker, args=(tier, plan, report, context), name=f"ckptkeeper-get-{i}", daemon=True
+            )
+            for i in range(min(WORKERS, sum(f.ranges for f in files)))
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException as exc:  # Ctrl-C while waiting: stop the workers before the staging goes
+            plan.fail(exc)
+            for t in threads:
+                t.join()
+            raise
+        if plan.failed:
+            raise plan.failed[0]
+    finally:
+        for f in files:
+            if f.writer.fd is not None:
+                f.writer.close()
+
+
+def _locked(progress: Progress, lock: threading.Condition) -> Progress:
+    def report(n: int) -> None:
+        with lock:
+            progress(n)
+
+    return report
+
+
+def _presign(tier: S3TierStorage, keys: list[str]) -> list[str]:
+    """A GET URL per key, signed by the tier's own client (credentials, endpoint, addressing)."""
+    from fsspec.asyn import sync
+
+    fs = tier.fs
+
+    async def sign_all() -> list[str]:
+        await fs.set_session()
+        params = dict(getattr(fs, "req_kw", None) or {})
+        return [
+            await fs.s3.generate_presigned_url(
+                "get_object", Params={"Bucket": tier.bucket, "Key": k, **params}, ExpiresIn=URL_SECONDS
+            )
+            for k in keys
+        ]
+
+    try:
+        urls: list[str] = sync(fs.loop, sign_all)
+    except Exception as exc:
+        raise StorageError(tier._redact(f"tier {tier.name!r}: cannot sign GET requests: {exc}")) from exc
+    return urls
+
+
+def _tls_context(tier: S3TierStorage) -> ssl.SSLContext:
+    """Certificates checked as the S3 client checks them (``verify``, ``AWS_CA_BUNDLE``, botocore's bundle)."""
+    options = getattr(getattr(tier, "spec", None), "storage_options", None) or {}
+    verify = (options.get("client_kwargs") or {}).get("verify")
+    if verify is False:
+        return ssl._create_unverified_context()
+    cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
+    if cafile is None:
+        with contextlib.suppress(Exception):
+            from botocore.httpsession import get_cert_path
+
+            cafile = get_cert_path(True)  # type: ignore[no-untyped-call]
+    return ssl.create_default_context(cafile=cafile if isinstance(cafile, str) else None)
+
+
+def _worker(
+    tier: S3TierStorage, plan: _Plan, progress: Progress | None, context: ssl.SSLContext | None
+) -> None:
+    buf = bytearray(RANGE_SIZE)
+    conn: http.client.HTTPConnection | None = None
+    try:
+        while (job := plan.take()) is not None:
+            f, r = job
+            conn = _get_range(tier, plan, f, r, memoryview(buf), conn, context)
+            start, end = f.span(r)
+            if progress is not None and end > start:
+                progress(end - start)
+            buf, whole = plan.done(f, r, buf)
+            if whole:
+                _check(f)
+    except BaseException as exc:  # the first one is raised by the caller
+        plan.fail(exc)
+    finally:
+        if conn is not None:
+            with plan.cond:
+                plan.conns.discard(conn)
+            conn.close()
+
+
+def _check(f: _File) -> None:
+    """The whole file is written and hashed: the hash against the manifest, then finished (size)."""
+    digest = f.hasher.hexdigest()
+    if digest != f.entry.hash:
+        raise VerificationError(
+            f"{f.where}: hash {digest} != {f.entry.hash} in manifest (changed since cataloged)"
+        )
+    f.writer.written = f.entry.size
+    f.writer.finish()
+
+
+class _Broken(Exception):
+    """A transient failure of one request: the range is resumed from where it got to."""
+
+
+def _get_range(
+    tier: S3TierStorage,
+    plan: _Plan,
+    f: _File,
+    r: int,
+    view: memoryview,
+    conn: http.client.HTTPConnection | None,
+    context: ssl.SSLContext | None,
+) -> http.client.HTTPConnection | None:
+    """GET range ``r`` of ``f`` into ``view`` and write it at its offset, resuming a broken stream.
+    Returns the connection to reuse (None once one was dropped)."""
+    start, end = f.span(r)
+    at = [start]  # the next byte to receive (a broken stream is resumed there)
+    attempt = 0
+    what = f"GET {f.key}"
+    fd = f.writer.fd
+    assert fd is not None
+    while True:
+        if plan.failed:
+            raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed")
+        try:
+            timeout = deadline.remaining(what, tier.name)
+        except TimeoutError as exc:
+            raise TierUnavailable(tier._redact(str(exc))) from None
+        try:
+            if conn is None:
+                conn = _connect(f.url, timeout, context)
+                with plan.cond:
+                    plan.conns.add(conn)
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            _request(tier, conn, f, at, end, view[: end - start], start)
+            _pwrite_all(fd, view[: end - start], start)
+            return conn
+        except (StorageError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            if conn is not None:
+                with plan.cond:
+                    plan.conns.discard(conn)
+                conn.close()
+                conn = None
+            if plan.failed:
+                raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed") from None
+            if isinstance(exc, TimeoutError | socket.timeout):
+                raise TierUnavailable(tier._redact(deadline.hung(tier.name, what, timeout))) from None
+            if not isinstance(exc, _Broken | OSError | http.client.HTTPException):
+                raise
+            attempt += 1
+            if attempt > RETRIES:
+                raise StorageError(
+                    f"{f.where}: read broke at byte {at[0]}: {tier._redact(_describe(exc))}"
+                ) from exc
+            log.warning(
+                "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
+                tier.name,
+                tier.bucket,
+                f.key,
+                at[0],
+                tier._redact(_describe(exc)),
+                attempt,
+                RETRIES,
+            )
+            time.sleep(min(0.2 * 2**attempt, 5.0))
+            if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign":
+                f.url = _presign(tier, [f.key])[0]
+
+
+def _connect(url: str, timeout: float, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme == "https":
+        return http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=context)
+    return http.client.HTTPConnection(host, parts.port, timeout=timeout)
+
+
+def _request(
+    tier: S3TierStorage,
+    conn: http.client.HTTPConnection,
+    f: _File,
+    at: list[int],
+    end: int,
+    view: memoryview,
+    start: int,
+) -> None:
+    """One GET of ``[at[0], end)`` into ``view`` (which holds ``[start, end)``), ``at[0]`` moved
+    past every byte received (also when the stream breaks)."""
+    pos = at[0]
+    whole = f.ranges == 1 and pos == 0
+    parts = urlsplit(f.url)
+    headers = {}
+    if not whole:
+        headers["Range"] = f"bytes={pos}-{end - 1}"
+    if f.etag:
+        headers["If-Match"] = f.etag  # every range, and a resumed one, of the same object
+    conn.request("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path, headers=headers)
+    resp = conn.getresponse()
+    if resp.status not in (200, 206):
+        body = resp.read(4096)
+        _fail_status(tier, f, resp.status, body)
+    etag = resp.getheader("ETag")
+    if f.etag is None:
+        f.etag = etag
+    elif etag and etag != f.etag:
+        raise VerificationError(f"{f.where}: the object changed during the restore (ETag)")
+    if not whole:
+        total = (resp.getheader("Content-Range") or "").rpartition("/")[2]
+        if total != str(f.entry.size):
+            raise VerificationError(
+                f"{f.where}: object holds {total or '?'} bytes, manifest says {f.entry.size} "
+                "(changed since cataloged)"
+            )
+    length = resp.getheader("Content-Length")
+    if length is not None and int(length) != end - pos:
+        raise VerificationError(
+            f"{f.where}: object holds {length} bytes, manifest says {f.entry.size} (changed since cataloged)"
+        )
+    while at[0] < end:
+        n = resp.readinto(view[at[0] - start :])
+        if not n:
+            raise _Broken(f"connection closed at byte {at[0]} of {end}")
+        at[0] += n
+
+
+def _fail_status(tier: S3TierStorage, f: _File, status: int, body: bytes) -> None:
+    text = body.decode(errors="replace")
+    code = text.partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
+    if status == 412:
+        raise VerificationError(f"{f.where}: the object changed during the restore (ETag)")
+    if status in (404, 416):
+        raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
+    if status == 403 or status >= 500 or status == 429:
+        raise _Broken("resign" if status == 403 else f"{code} (HTTP {status})")
+    raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
