@@ -197,3 +197,67 @@ def test_a_ranged_get_that_keeps_breaking_fails_cleanly(
     assert "model.bin: read broke at byte" in out
     assert proxy.faults, "the ranged GETs were cut short"
     _nothing_restored(dest)
+
+
+def test_a_changed_object_among_200_fails_the_restore_naming_it_and_leaves_nothing(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    files = {f"shard-{i % 8}/part-{i:03d}.bin": 1 + (i * 997) % 20_000 for i in range(200)}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+    s3 = _client(s3_reset)
+    key = node.key("shard-5/part-117.bin")
+    body = bytearray(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[0] ^= 0x01  # same size: only the hash can tell
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    dest = tmp_path / "restored"
+    code, out = node.restore(dest)
+    assert code == 1, out
+    assert "shard-5/part-117.bin: hash" in out and "changed since cataloged" in out
+    _nothing_restored(dest)
+
+
+def test_an_object_replaced_during_the_restore_is_never_stitched_together(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy]
+) -> None:
+    """The object is rewritten (same size) while its ranges are being fetched: the ranges that
+    arrive from the new object carry another ETag, or their If-Match fails, or the whole file no
+    longer hashes to the manifest; whichever comes first, the restore fails and leaves nothing."""
+    size = 2 * 2**20 + 5
+    node = Node(tmp_path, s3_bucket, s3_reset, {"model.bin": size})
+    s3 = _client(s3_reset)
+    replaced: list[int] = []
+
+    def replace_once(req: Request) -> str | None:
+        ranged = any(k.lower() == "range" and not v.startswith("bytes=0-") for k, v in req.headers)
+        if req.method == "GET" and req.path.endswith(node.key("model.bin")) and ranged and not replaced:
+            replaced.append(1)
+            s3.put_object(Bucket=s3_bucket, Key=node.key("model.bin"), Body=os.urandom(size))
+        return None
+
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[replace_once])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start())
+    dest = tmp_path / "restored"
+    code, out = node.restore(dest)
+    assert replaced, "the object was replaced during the restore"
+    assert code == 1, out
+    assert "model.bin: " in out and ("changed during the restore" in out or "changed since cataloged" in out)
+    _nothing_restored(dest)
+
+
+def test_with_a_proxy_configured_the_restore_goes_through_the_s3_client(
+    tmp_path: Path, store: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain GETs would bypass a proxy only the S3 client knows how to use: with one set, the
+    restore takes the client's own path (here the store is exempt through NO_PROXY), same result."""
+    bucket, options = store
+    files = {"model.bin": 1 * 2**20 + 3, **{f"small/part-{i}.bin": 100 + i for i in range(20)}}
+    node = Node(tmp_path, bucket, options["endpoint_url"], files)
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    called: list[str] = []
+    monkeypatch.setattr(s3_get, "fetch_direct", lambda *a, **k: called.append("direct"))
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert called == []
+    assert _tree(tmp_path / "restored" / CKPT) == node.original

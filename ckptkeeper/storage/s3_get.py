@@ -237,7 +237,7 @@ def _tls_context(tier: S3TierStorage) -> ssl.SSLContext:
         with contextlib.suppress(Exception):
             from botocore.httpsession import get_cert_path
 
-            cafile = get_cert_path(True)  # type: ignore[no-untyped-call]
+            cafile = get_cert_path(True)
     return ssl.create_default_context(cafile=cafile if isinstance(cafile, str) else None)
 
 
