@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import socket
 import ssl
@@ -54,14 +55,37 @@ URL_SECONDS = 6 * 3600
 _PROXY_ENV = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy")
 
 
+_OPTIONS = frozenset(
+    {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "profile", "anon"}
+    | {"requester_pays", "use_ssl"}
+)
+"""``storage_options`` the signing client understands as s3fs does; any other keeps the S3 client."""
+_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
 def usable(tier: S3TierStorage) -> bool:
-    """Plain GETs reach the store the way the S3 client would: no proxy is configured."""
-    options = getattr(getattr(tier, "spec", None), "storage_options", None) or {}
-    config = options.get("config_kwargs") or {}
-    verify = (options.get("client_kwargs") or {}).get("verify")
-    if config.get("proxies") or any(os.environ.get(k) for k in _PROXY_ENV):
+    """Plain GETs reach the store the way the tier's S3 client would: no proxy is configured, every
+    storage option is one :func:`_signer` maps, and the endpoint or region is given (s3fs follows
+    a bucket's region redirect; a presigned URL cannot)."""
+    options = _options(tier)
+    if set(options) - _OPTIONS or any(os.environ.get(k) for k in _PROXY_ENV):
         return False
-    return verify is None or isinstance(verify, bool | str)
+    config = options.get("config_kwargs") or {}
+    client_kwargs = options.get("client_kwargs") or {}
+    verify = client_kwargs.get("verify")
+    if config.get("proxies") or not (verify is None or isinstance(verify, bool | str)):
+        return False
+    return bool(
+        options.get("endpoint_url")
+        or client_kwargs.get("endpoint_url")
+        or client_kwargs.get("region_name")
+        or config.get("region_name")
+        or any(os.environ.get(k) for k in _REGION_ENV)
+    )
+
+
+def _options(tier: S3TierStorage) -> dict[str, Any]:
+    return dict(getattr(getattr(tier, "spec", None), "storage_options", None) or {})
 
 
 @dataclass(eq=False)
@@ -204,32 +228,67 @@ def _locked(progress: Progress, lock: threading.Condition) -> Progress:
 
 
 def _presign(tier: S3TierStorage, keys: list[str]) -> list[str]:
-    """A GET URL per key, signed by the tier's own client (credentials, endpoint, addressing)."""
-    from fsspec.asyn import sync
-
-    fs = tier.fs
-
-    async def sign_all() -> list[str]:
-        await fs.set_session()
-        params = dict(getattr(fs, "req_kw", None) or {})
+    """A GET URL per key, signed (SigV4) by a botocore client built from the tier's options."""
+    client, params = _signer(tier)
+    try:
         return [
-            await fs.s3.generate_presigned_url(
+            client.generate_presigned_url(
                 "get_object", Params={"Bucket": tier.bucket, "Key": k, **params}, ExpiresIn=URL_SECONDS
             )
             for k in keys
         ]
-
-    try:
-        urls: list[str] = sync(fs.loop, sign_all)
     except Exception as exc:
         raise StorageError(tier._redact(f"tier {tier.name!r}: cannot sign GET requests: {exc}")) from exc
-    return urls
+
+
+_SIGNERS: dict[tuple[int, str, str, str], tuple[Any, dict[str, str]]] = {}
+_SIGNERS_LOCK = threading.Lock()
+
+
+def _signer(tier: S3TierStorage) -> tuple[Any, dict[str, str]]:
+    """The process's signing client for ``tier`` (botocore alone: it resolves credentials, region,
+    endpoint and addressing as the tier's s3fs client does, at half the start-up of s3fs) and the
+    extra GET parameters. Kept per tier, options and ``AWS_*`` environment, as s3fs clients are."""
+    options = dict(_options(tier))
+    environment = json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    cache_key = (os.getpid(), tier.name, json.dumps(options, sort_keys=True, default=repr), environment)
+    with _SIGNERS_LOCK:
+        found = _SIGNERS.get(cache_key)
+        if found is not None:
+            return found
+        import botocore.session
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        client_kwargs.pop("verify", None)  # no request is sent by this client
+        init = {
+            "aws_access_key_id": options.get("key"),
+            "aws_secret_access_key": options.get("secret"),
+            "aws_session_token": options.get("token"),
+            "endpoint_url": options.get("endpoint_url"),
+        }
+        init = {k: v for k, v in init.items() if v is not None}
+        if "use_ssl" in options:
+            init["use_ssl"] = options["use_ssl"]
+        config = {"signature_version": "s3v4", **dict(options.get("config_kwargs") or {})}
+        if options.get("anon"):
+            config["signature_version"] = UNSIGNED
+        session = botocore.session.Session(profile=options.get("profile"))
+        client = session.create_client("s3", config=Config(**config), **{**init, **client_kwargs})
+        params = {"RequestPayer": "requester"} if options.get("requester_pays") else {}
+        with contextlib.suppress(Exception):  # credentials from a profile or instance metadata
+            creds = client._request_signer._credentials
+            add = getattr(tier, "_add_secrets", None)
+            if creds is not None and add is not None:
+                add(str(getattr(creds, f"_{n}", None) or "") for n in ("access_key", "secret_key", "token"))
+        _SIGNERS[cache_key] = (client, params)
+        return client, params
 
 
 def _tls_context(tier: S3TierStorage) -> ssl.SSLContext:
     """Certificates checked as the S3 client checks them (``verify``, ``AWS_CA_BUNDLE``, botocore's bundle)."""
-    options = getattr(getattr(tier, "spec", None), "storage_options", None) or {}
-    verify = (options.get("client_kwargs") or {}).get("verify")
+    verify = (_options(tier).get("client_kwargs") or {}).get("verify")
     if verify is False:
         return ssl._create_unverified_context()
     cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
