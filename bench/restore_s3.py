@@ -1,17 +1,24 @@
 """``ckptkeeper restore`` from S3, timed whole, on a SeaweedFS server (Go: not itself the bound,
-as a Python moto server would be).
+as a Python moto server would be), against the S3 clients a user would otherwise reach for.
 
 One checkpoint per shape is pruned from a hot tmpfs tier to ``s3://bench/<shape>`` with the real
-CLI, then restored again and again, round-robin (boto3, ckptkeeper, ckptkeeper's previous path,
-then the next round), each one a fresh process measured from spawn to exit with ``os.wait4``
-(wall, client CPU of every thread, peak RSS):
+CLI, then restored again and again, round-robin (every side once per round, the order reversed
+every other round), each one a fresh process measured from spawn to exit with ``os.wait4`` (wall,
+client CPU of every thread, peak RSS); medians of the rounds:
 
 * **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
   place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
 * **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
   puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
 * **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
-  (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification.
+  (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification;
+* **s5cmd**, **rclone**, **aws s3 cp** (:mod:`bench._s3_tools`; each skipped, with a note, when it
+  is not installed): ``cp``/``copy`` of the checkpoint's prefix with the tool's defaults, no
+  verification beyond the tool's own.
+
+Then the same restore in one warm process (:mod:`bench._fetch_warm`: what a restore served by a
+long-running process costs, start-up excluded), and, for the large shape, the client CPU per GiB
+of uploading it: ``ckptkeeper prune`` to the S3 tier against boto3 and each tool.
 
 Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB-4 MiB).
 """
@@ -19,6 +26,7 @@ Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -162,8 +170,55 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
                 if name != "boto3" and got != total:
                     raise RuntimeError(f"{name} restored {got} bytes of {total}")
             cfg.log(f"restore_s3 {shape}: round {i + 1} of {reps}")
+        warm = _warm(config, dest, reps, env)
     what = f"restore from S3 (SeaweedFS), {label}, {total / MiB:.0f} MiB"
-    return _rows(what, results, total / GiB) + _tool_rows(results, total / GiB, missing)
+    rows = _rows(what, results, total / GiB) + _tool_rows(results, total / GiB, missing)
+    return rows + _warm_rows(warm, results, total / GiB)
+
+
+def _warm(config: Path, dest: Path, reps: int, env: dict[str, str]) -> dict[str, list[float]]:
+    """``reps`` restores in one warm process (:mod:`bench._fetch_warm`): wall and CPU of each."""
+    argv = [sys.executable, "-m", "bench._fetch_warm", str(config), RUN, str(STEP), str(dest), str(reps)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench._fetch_warm failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    doc: dict[str, list[float]] = json.loads(proc.stdout.splitlines()[-1])
+    return doc
+
+
+def _warm_rows(warm: dict[str, list[float]], results: dict[str, list[Usage]], gib: float) -> list[Row]:
+    """The restore in a process already warm (what a restore served by the daemon costs), against
+    s5cmd's whole process: the start-up a CLI process pays is all that separates the two."""
+    if "s5cmd" not in results:
+        return []
+    wall, cpu = median(warm["wall"]), median([c / gib for c in warm["cpu"]])
+    s5_wall = median([u.wall for u in results["s5cmd"]])
+    s5_cpu = median([u.cpu / gib for u in results["s5cmd"]])
+    return [
+        Row(
+            metric="  same, in a warm process (imports, config, client done), against s5cmd (wall)",
+            baseline=s5_wall,
+            ours=wall,
+            unit="s",
+            ratio=s5_wall / wall,
+            target="info",
+            ok=None,
+            baseline_label="s5cmd",
+            samples={"warm": warm["wall"]},
+        ),
+        Row(
+            metric="  same, in a warm process, client CPU per GiB against s5cmd",
+            baseline=s5_cpu,
+            ours=cpu,
+            unit="cpu-s/GiB",
+            ratio=cpu / s5_cpu,
+            target="info",
+            ok=None,
+            baseline_label="s5cmd",
+            samples={"warm": [c / gib for c in warm["cpu"]]},
+        ),
+    ]
 
 
 def _rows(what: str, results: dict[str, list[Usage]], gib: float) -> list[Row]:
