@@ -309,7 +309,8 @@ def _tool_rows(results: dict[str, list[Usage]], gib: float, missing: list[str]) 
 
 
 def _missing(tool: str) -> str:
-    return f"skipped: {tool} is not installed (pip install 'ckptkeeper[bench]', or put {tool} on PATH)"
+    how = "install the AWS CLI" if tool == "aws" else "pip install 'ckptkeeper[bench]'"
+    return f"skipped: {tool} is not installed ({how}, or put {tool} on PATH)"
 
 
 def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from ckptkeeper.core.model import FileEntry, Manifest
 from ckptkeeper.storage import deadline
 from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError, log
+from ckptkeeper.storage.s3_sign import GetSigner
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
@@ -113,8 +114,10 @@ class _File:
 class _Plan:
     """Which range a worker fetches next, what waits to be hashed, and the first failure."""
 
-    def __init__(self, files: list[_File]) -> None:
+    def __init__(self, files: list[_File], signer: GetSigner | None) -> None:
         self.files = files
+        self.signer = signer
+        """Signs each request (None: every URL is presigned)."""
         self.cond = threading.Condition()
         self.waiting = 0
         """Ranges done but not hashed (their buffers held)."""
@@ -189,10 +192,10 @@ def fetch_direct(
             where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
             writer: Any = sink.open_file(entry)
             files.append(_File(entry, key, where, writer, max(1, -(-entry.size // RANGE_SIZE))))
-        urls = _presign(tier, [f.key for f in files])
+        signer, urls = _urls(tier, [f.key for f in files])
         for f, url in zip(files, urls, strict=True):
             f.url = url
-        plan = _Plan(files)
+        plan = _Plan(files, signer)
         report = _locked(progress, plan.cond) if progress is not None else None
         context = _tls_context(tier) if files and files[0].url.startswith("https:") else None
         threads = [
@@ -225,6 +228,22 @@ def _locked(progress: Progress, lock: threading.Condition) -> Progress:
             progress(n)
 
     return report
+
+
+def _urls(tier: S3TierStorage, keys: list[str]) -> tuple[GetSigner | None, list[str]]:
+    """Each key's URL: unsigned, for requests signed one by one by the signer botocore's presigned
+    URL of the first key shows (:mod:`.s3_sign`); else presigned, each by botocore."""
+    if not keys:
+        return None, []
+    client, params = _signer(tier)
+    probe = _presign(tier, keys[:1])[0]
+    signer = None
+    if not params:  # a RequestPayer parameter goes in the query, which GetSigner does not sign
+        with contextlib.suppress(Exception):  # private attribute of botocore: else presign each
+            signer = GetSigner.from_probe(probe, keys[0], client._request_signer._credentials)
+    if signer is None:
+        return None, [probe, *_presign(tier, keys[1:])]
+    return signer, [signer.url(k) for k in keys]
 
 
 def _presign(tier: S3TierStorage, keys: list[str]) -> list[str]:
@@ -371,7 +390,7 @@ def _get_range(
             conn.timeout = timeout
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
-            _request(tier, conn, f, at, end, view[: end - start], start)
+            _request(tier, conn, plan.signer, f, at, end, view[: end - start], start)
             _pwrite_all(fd, view[: end - start], start)
             return conn
         except (StorageError, KeyboardInterrupt):
@@ -404,8 +423,8 @@ def _get_range(
                 RETRIES,
             )
             time.sleep(min(0.2 * 2**attempt, 5.0))
-            if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign":
-                f.url = _presign(tier, [f.key])[0]
+            if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign" and plan.signer is None:
+                f.url = _presign(tier, [f.key])[0]  # expired (a signer signs every request afresh)
 
 
 def _connect(url: str, timeout: float, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
@@ -419,6 +438,7 @@ def _connect(url: str, timeout: float, context: ssl.SSLContext | None) -> http.c
 def _request(
     tier: S3TierStorage,
     conn: http.client.HTTPConnection,
+    signer: GetSigner | None,
     f: _File,
     at: list[int],
     end: int,
@@ -430,12 +450,13 @@ def _request(
     pos = at[0]
     whole = f.ranges == 1 and pos == 0
     parts = urlsplit(f.url)
-    headers = {}
+    path = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    headers = signer.headers(path) if signer is not None else {}
     if not whole:
         headers["Range"] = f"bytes={pos}-{end - 1}"
     if f.etag:
         headers["If-Match"] = f.etag  # every range, and a resumed one, of the same object
-    conn.request("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path, headers=headers)
+    conn.request("GET", path, headers=headers)
     resp = conn.getresponse()
     if resp.status not in (200, 206):
         body = resp.read(4096)
