@@ -40,6 +40,7 @@ from ckptkeeper.util import hashing
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
 
+    from ckptkeeper.core.model import TierSpec
     from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
 
 
@@ -48,6 +49,7 @@ class S3TierStorage(Protocol):
 
     name: str
     bucket: str
+    spec: TierSpec
 
     @property
     def fs(self) -> S3FileSystem: ...

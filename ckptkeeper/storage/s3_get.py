@@ -29,7 +29,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from ckptkeeper.core.model import FileEntry, Manifest
@@ -39,8 +39,20 @@ from ckptkeeper.storage.s3_sign import GetSigner
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
+    from ckptkeeper.core.model import TierSpec
     from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
-    from ckptkeeper.storage.s3_fetch import S3TierStorage
+
+
+class S3TierStorage(Protocol):
+    """What a direct restore uses of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
+
+    name: str
+    bucket: str
+    spec: TierSpec
+
+    def _redact(self, text: str) -> str: ...
+    def _key(self, rel: str) -> str: ...
+
 
 RANGE_SIZE = 8 * 2**20
 """Bytes per ranged GET of a large object, and per worker buffer."""
@@ -86,7 +98,7 @@ def usable(tier: S3TierStorage) -> bool:
 
 
 def _options(tier: S3TierStorage) -> dict[str, Any]:
-    return dict(getattr(getattr(tier, "spec", None), "storage_options", None) or {})
+    return dict(tier.spec.storage_options or {})
 
 
 @dataclass(eq=False)
