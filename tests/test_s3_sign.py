@@ -20,7 +20,7 @@ import pytest
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from ckptkeeper.storage.s3_sign import GetSigner
+from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
 
 KEYS = [
     "ckpt/run-a/checkpoint-100/model.safetensors",
@@ -73,3 +73,99 @@ def test_a_url_that_is_not_sigv4_gives_no_signer() -> None:
     v2 = "http://127.0.0.1:9000/bkt/k?AWSAccessKeyId=AKIDEXAMPLE&Signature=abc&Expires=1"
     assert GetSigner.from_probe(v2, "k", creds) is None
     assert GetSigner.from_probe("http://127.0.0.1:9000/bkt/other?X-Amz-Algorithm=x", "k", creds) is None
+
+
+ENV = {
+    "AWS_ACCESS_KEY_ID": "AKIDENV",
+    "AWS_SECRET_ACCESS_KEY": "envsecret",
+    "AWS_DEFAULT_REGION": "eu-central-1",
+}
+
+
+@pytest.mark.parametrize(
+    ("options", "environ"),
+    [
+        (
+            {"endpoint_url": "http://127.0.0.1:8333", "key": "AKID", "secret": "s3cr3t"},
+            {"AWS_REGION": "us-east-1"},
+        ),
+        (
+            {
+                "endpoint_url": "https://s3.example.org:8443/gw",
+                "key": "AKID",
+                "secret": "s",
+                "token": "t/k+n",
+            },
+            ENV,
+        ),
+        ({"client_kwargs": {"endpoint_url": "https://store.lab", "region_name": "lab-1"}}, ENV),
+        ({"endpoint_url": "http://minio:9000", "config_kwargs": {"retries": {"max_attempts": 9}}}, ENV),
+    ],
+)
+def test_explicit_options_sign_without_botocore_as_botocore_would(
+    options: dict[str, object], environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = plain_signer(options, environ, "bkt")
+    assert plain is not None
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    client_kwargs = dict(options.get("client_kwargs") or {})  # type: ignore[call-overload]
+    client = botocore.session.Session().create_client(
+        "s3",
+        endpoint_url=options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None),
+        aws_access_key_id=options.get("key"),
+        aws_secret_access_key=options.get("secret"),
+        aws_session_token=options.get("token"),
+        config=botocore.config.Config(signature_version="s3v4"),
+        **client_kwargs,
+    )
+    probe = client.generate_presigned_url("get_object", Params={"Bucket": "bkt", "Key": KEYS[1]})
+    theirs = GetSigner.from_probe(probe, KEYS[1], client._request_signer._credentials)
+    assert theirs is not None
+    assert (plain.base, plain.host, plain.region, plain.service) == (
+        theirs.base,
+        theirs.host,
+        theirs.region,
+        theirs.service,
+    )
+    path = urlsplit(plain.url(KEYS[1])).path
+    assert plain.headers(path, now=1e9) == theirs.headers(path, now=1e9)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key": "AKID", "secret": "s"},  # no endpoint: AWS itself (region, addressing: botocore's)
+        {"endpoint_url": "http://127.0.0.1:8333"},  # no credentials given: a profile, metadata…
+        {"endpoint_url": "http://h:1", "key": "A", "secret": "s", "profile": "lab"},
+        {
+            "endpoint_url": "http://h:1",
+            "key": "A",
+            "secret": "s",
+            "config_kwargs": {"s3": {"addressing_style": "virtual"}},
+        },
+        {
+            "endpoint_url": "http://h:1",
+            "key": "A",
+            "secret": "s",
+            "config_kwargs": {"signature_version": "s3"},
+        },
+        {"endpoint_url": "http://h:1", "key": "A", "secret": "s", "requester_pays": True},
+    ],
+)
+def test_anything_to_resolve_is_left_to_botocore(options: dict[str, object]) -> None:
+    assert plain_signer(options, {"AWS_REGION": "us-east-1"}, "bkt") is None
+    assert (
+        plain_signer(
+            {**options, "key": "A", "secret": "s"} if "endpoint_url" in options else options, {}, "b"
+        )
+        is None
+    )

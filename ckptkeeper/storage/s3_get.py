@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from ckptkeeper.core.model import FileEntry, Manifest
 from ckptkeeper.storage import deadline
 from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError, log
-from ckptkeeper.storage.s3_sign import GetSigner
+from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
@@ -243,10 +243,14 @@ def _locked(progress: Progress, lock: threading.Condition) -> Progress:
 
 
 def _urls(tier: S3TierStorage, keys: list[str]) -> tuple[GetSigner | None, list[str]]:
-    """Each key's URL: unsigned, for requests signed one by one by the signer botocore's presigned
-    URL of the first key shows (:mod:`.s3_sign`); else presigned, each by botocore."""
+    """Each key's URL, and the signer of each request to it (:mod:`.s3_sign`): built from the options
+    alone when they say everything (endpoint, credentials, region), else from what botocore's
+    presigned URL of the first key shows; failing both, URLs presigned by botocore (no signer)."""
     if not keys:
         return None, []
+    plain = plain_signer(_options(tier), os.environ, tier.bucket)
+    if plain is not None:
+        return plain, [plain.url(k) for k in keys]
     client, params = _signer(tier)
     probe = _presign(tier, keys[:1])[0]
     signer = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -93,3 +94,57 @@ class GetSigner:
                 found = hmac.new(found, part.encode(), hashlib.sha256).digest()
             self._keys = {(secret, day): found}  # one day, one secret at a time
         return found
+
+
+class StaticCredentials:
+    """Credentials given outright (storage options or ``AWS_*`` variables): nothing to refresh."""
+
+    def __init__(self, access_key: str, secret_key: str, token: str | None) -> None:
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.token = token
+
+    def get_frozen_credentials(self) -> StaticCredentials:
+        return self
+
+
+_PLAIN_CONFIG = frozenset({"retries", "read_timeout", "connect_timeout", "max_pool_connections"})
+"""``config_kwargs`` that change how botocore sends a request, never where or how it is signed."""
+
+
+def plain_signer(options: Mapping[str, Any], environ: Mapping[str, str], bucket: str) -> GetSigner | None:
+    """The signer botocore would give, without botocore (~0.1 CPU-s of import and client set-up per
+    process), in the one case where nothing needs resolving: an explicit ``endpoint_url`` (path-style
+    URLs, as botocore makes for a custom endpoint), credentials given as options or ``AWS_*``
+    variables, the region given as an option or a variable. Anything else (a profile, instance
+    metadata, a region from ``~/.aws/config``, an addressing or signature setting): None."""
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    config = dict(options.get("config_kwargs") or {})
+    s3_config = dict(config.pop("s3", None) or {})
+    if (
+        not isinstance(endpoint, str)
+        or set(config) - _PLAIN_CONFIG
+        or set(s3_config) - {"payload_signing_enabled"}
+        or set(client_kwargs) - {"endpoint_url", "region_name", "verify"}
+        or options.get("profile")
+        or options.get("anon")
+        or options.get("requester_pays")
+        or "use_ssl" in options
+    ):
+        return None
+    if options.get("key") or options.get("secret"):
+        key, secret, token = options.get("key"), options.get("secret"), options.get("token")
+    else:
+        key, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
+        token = environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN")
+    region = (
+        client_kwargs.get("region_name") or environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION")
+    )
+    parts = urlsplit(endpoint)
+    if not (key and secret and region and parts.scheme in ("http", "https") and parts.netloc):
+        return None
+    if parts.query or "@" in parts.netloc or parts.netloc != parts.netloc.lower():
+        return None
+    base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/{quote_key(bucket)}/"
+    return GetSigner(base, parts.netloc, str(region), "s3", StaticCredentials(key, secret, token or None))
