@@ -12,6 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,13 +98,14 @@ class Node:
     def key(self, rel: str) -> str:
         return f"ckpt/{RUN}/{CKPT}/{rel}"
 
-    def with_endpoint(self, endpoint: str) -> None:
+    def with_endpoint(self, endpoint: str, **top: Any) -> None:
         """Point the S3 tier at another endpoint (a fault proxy in front of the same store)."""
         write_config(
             self.config,
             index=self.tmp / "index.db",
             daemon={"settle_seconds": "1s", "trust_mtimes": True},
             tiers=[local_tier("hot", self.hot, keep_last=0), s3_tier("cold", self.bucket, endpoint)],
+            **top,
         )
 
 
@@ -261,3 +266,38 @@ def test_with_a_proxy_configured_the_restore_goes_through_the_s3_client(
     assert code == 0, out
     assert called == []
     assert _tree(tmp_path / "restored" / CKPT) == node.original
+
+
+def test_ctrl_c_during_a_stalled_get_stops_every_worker_and_leaves_nothing(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy]
+) -> None:
+    """A GET the store never answers (request_timeout: a day) and Ctrl-C: the restore does not wait
+    for it, it ends (the stalled connection is shut down), and no staging directory stays."""
+    files = {"model.bin": 1 * 2**20 + 5, **{f"small/part-{i}.bin": 1000 + i for i in range(30)}}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+    held = threading.Event()
+
+    def hold_model(req: Request) -> str | None:
+        if req.method == "GET" and req.path.endswith(node.key("model.bin")):
+            held.set()
+            return "hold"
+        return None
+
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[hold_model])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start(), request_timeout="1d")
+    dest = tmp_path / "restored"
+    argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "restore", RUN]
+    argv += ["--step", str(STEP), "--to", str(dest)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert held.wait(120), "the restore asked for model.bin"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)  # a guard against hanging the suite, not a timing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, out
+    _nothing_restored(dest)
