@@ -301,3 +301,22 @@ def test_ctrl_c_during_a_stalled_get_stops_every_worker_and_leaves_nothing(
             proc.wait()
     assert proc.returncode != 0, out
     _nothing_restored(dest)
+
+
+def test_prefetch_takes_the_same_direct_path(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ckptkeeper prefetch`` (which ``job start`` runs for the scheduler's pre-stage) brings the
+    checkpoint back into the hot tier through the worker threads' GETs, not the S3 client's loop."""
+    files = {"model.bin": 1 * 2**20 + 9, **{f"shard-{i % 4}/part-{i:03d}.bin": 500 + i for i in range(60)}}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+
+    def no_loop(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the S3 client's event loop fetched bytes")
+
+    monkeypatch.setattr(s3_fetch, "_fetch_all", no_loop)
+    code, out = node.cli("prefetch", RUN, "--json")
+    assert code == 0, out
+    doc = json.loads(out[out.index("{") : out.rindex("}") + 1])
+    assert doc["from_tier"] == "cold" and doc["step"] == STEP
+    assert _tree(node.hot / RUN / CKPT) == node.original
