@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -320,3 +321,25 @@ def test_prefetch_takes_the_same_direct_path(
     doc = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert doc["from_tier"] == "cold" and doc["step"] == STEP
     assert _tree(node.hot / RUN / CKPT) == node.original
+
+
+def test_a_checkpoint_of_more_files_than_open_descriptors_allowed_restores(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """Each file is opened when its first bytes are fetched and closed once written (synced at the
+    commit, a bounded number kept open): 400 files restore under a limit of 160 descriptors."""
+    files = {f"shard-{i % 4}/part-{i:04d}.bin": 10 + i for i in range(400)}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+    dest = tmp_path / "restored"
+    argv = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "restore", RUN]
+    argv += ["--step", str(STEP), "--to", str(dest)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (160, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=300, check=False, preexec_fn=few_descriptors
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(dest / CKPT) == node.original

@@ -106,9 +106,11 @@ class _File:
     entry: FileEntry
     key: str
     where: str
-    writer: _LocalFileWriter
     ranges: int
     url: str = ""
+    writer: _LocalFileWriter | None = None
+    """Opened when its first range is handed out (a checkpoint of thousands of files never holds
+    a descriptor for each at once)."""
     hasher: hashing.Hasher = field(default_factory=hashing.new_hasher)
     handed: int = 0
     """Ranges given to a worker so far (they are handed out in order)."""
@@ -126,8 +128,11 @@ class _File:
 class _Plan:
     """Which range a worker fetches next, what waits to be hashed, and the first failure."""
 
-    def __init__(self, files: list[_File], signer: GetSigner | None) -> None:
+    def __init__(self, files: list[_File], sink: _LocalSink, signer: GetSigner | None) -> None:
         self.files = files
+        self.sink = sink
+        self.first = 0
+        """Files before this one have every range handed out."""
         self.signer = signer
         """Signs each request (None: every URL is presigned)."""
         self.cond = threading.Condition()
@@ -141,18 +146,20 @@ class _Plan:
         """The next range to fetch (a file's next range, within its window), None when none is left."""
         with self.cond:
             while not self.failed:
-                left = False
-                for f in self.files:
-                    if f.handed >= f.ranges:
-                        continue
-                    left = True
+                files = self.files
+                while self.first < len(files) and files[self.first].handed >= files[self.first].ranges:
+                    self.first += 1
+                if self.first == len(files):
+                    return None
+                for i in range(self.first, len(files)):
+                    f = files[i]
                     # the range at a file's frontier is always given (it is hashed as soon as it is
                     # done, never held), so the restore can always progress
-                    if f.handed == f.frontier or self.waiting < AHEAD:
+                    if f.handed < f.ranges and (f.handed == f.frontier or self.waiting < AHEAD):
+                        if f.writer is None:
+                            f.writer = self.sink.open_file(f.entry)  # type: ignore[assignment]
                         f.handed += 1
                         return f, f.handed - 1
-                if not left:
-                    return None
                 self.cond.wait()
             return None
 
@@ -202,12 +209,11 @@ def fetch_direct(
         for entry in sorted(manifest.files, key=lambda e: (-e.size, e.path)):
             key = tier._key(f"{rel}/{entry.path}" if entry.path else rel)
             where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
-            writer: Any = sink.open_file(entry)
-            files.append(_File(entry, key, where, writer, max(1, -(-entry.size // RANGE_SIZE))))
+            files.append(_File(entry, key, where, max(1, -(-entry.size // RANGE_SIZE))))
         signer, urls = _urls(tier, [f.key for f in files])
         for f, url in zip(files, urls, strict=True):
             f.url = url
-        plan = _Plan(files, signer)
+        plan = _Plan(files, sink, signer)
         report = _locked(progress, plan.cond) if progress is not None else None
         context = _tls_context(tier) if files and files[0].url.startswith("https:") else None
         threads = [
@@ -230,7 +236,7 @@ def fetch_direct(
             raise plan.failed[0]
     finally:
         for f in files:
-            if f.writer.fd is not None:
+            if f.writer is not None and f.writer.fd is not None:
                 f.writer.close()
 
 
@@ -366,6 +372,7 @@ def _check(f: _File) -> None:
         raise VerificationError(
             f"{f.where}: hash {digest} != {f.entry.hash} in manifest (changed since cataloged)"
         )
+    assert f.writer is not None
     f.writer.written = f.entry.size
     f.writer.finish()
 
@@ -389,6 +396,7 @@ def _get_range(
     at = [start]  # the next byte to receive (a broken stream is resumed there)
     attempt = 0
     what = f"GET {f.key}"
+    assert f.writer is not None
     fd = f.writer.fd
     assert fd is not None
     while True:
