@@ -17,8 +17,8 @@ client CPU of every thread, peak RSS); medians of the rounds:
   verification beyond the tool's own.
 
 Then the same restore in one warm process (:mod:`bench._fetch_warm`: what a restore served by a
-long-running process costs, start-up excluded), and, for the large shape, the client CPU per GiB
-of uploading it: ``ckptkeeper prune`` to the S3 tier against boto3 and each tool.
+long-running process costs, start-up excluded), and the client CPU per GiB of uploading a
+checkpoint of 4 files of 512 MiB: ``ckptkeeper prune`` to the S3 tier against boto3 and each tool.
 
 Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB-4 MiB).
 """
@@ -320,7 +320,7 @@ def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     tool_env = _s3_tools.env(env)
     with cfg.tempdir(cfg.fast_dir, "upload") as home:
-        total = _make_checkpoint(home / "pristine", "large", cfg.pick(128 * MiB, 32 * MiB, 1 * MiB), 0)
+        total = _make_checkpoint(home / "pristine", "large", cfg.pick(512 * MiB, 32 * MiB, 1 * MiB), 0)
         src = home / "pristine" / RUN / f"checkpoint-{STEP}"
         boto3_job = [sys.executable, "-m", "bench._boto3_job", "upload", endpoint, BUCKET]
         sides: dict[str, Any] = {"boto3": lambda p: [*boto3_job, p, str(src)]}
@@ -353,7 +353,7 @@ def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:
     note += "".join(f"; {_missing(t)}" for t in missing)
     return [
         Row(
-            metric=f"upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files, {total / MiB:.0f} MiB: client CPU per GiB",
+            metric=f"upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files, {total / GiB:.2f} GiB: client CPU per GiB",
             baseline=others[best],
             ours=cpu["ckptkeeper"],
             unit="cpu-s/GiB",
