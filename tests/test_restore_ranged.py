@@ -343,3 +343,22 @@ def test_a_checkpoint_of_more_files_than_open_descriptors_allowed_restores(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _tree(dest / CKPT) == node.original
+
+
+def test_a_refused_get_fails_the_restore_naming_the_object_and_leaves_nothing(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy]
+) -> None:
+    files = {f"part-{i:02d}.bin": 100 + i for i in range(20)}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+
+    def deny(req: Request) -> str | None:
+        return "denied" if req.method == "GET" and req.path.endswith(node.key("part-07.bin")) else None
+
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[deny])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start())
+    dest = tmp_path / "restored"
+    code, out = node.restore(dest)
+    assert code == 1, out
+    assert "part-07.bin" in out and "AccessDenied" in out
+    _nothing_restored(dest)

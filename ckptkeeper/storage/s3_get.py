@@ -27,7 +27,6 @@ import os
 import socket
 import ssl
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -446,7 +445,8 @@ def _get_range(
                 attempt,
                 RETRIES,
             )
-            time.sleep(min(0.2 * 2**attempt, 5.0))
+            with plan.cond:  # a pause that a failure elsewhere (or Ctrl-C) ends at once
+                plan.cond.wait_for(lambda: bool(plan.failed), timeout=min(0.2 * 2**attempt, 5.0))
             if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign" and plan.signer is None:
                 f.url = _presign(tier, [f.key])[0]  # expired (a signer signs every request afresh)
 
@@ -484,7 +484,7 @@ def _request(
     resp = conn.getresponse()
     if resp.status not in (200, 206):
         body = resp.read(4096)
-        _fail_status(tier, f, resp.status, body)
+        _fail_status(tier, f, resp.status, body, presigned=signer is None)
     etag = resp.getheader("ETag")
     if f.etag is None:
         f.etag = etag
@@ -509,15 +509,19 @@ def _request(
         at[0] += n
 
 
-def _fail_status(tier: S3TierStorage, f: _File, status: int, body: bytes) -> None:
+def _fail_status(tier: S3TierStorage, f: _File, status: int, body: bytes, *, presigned: bool) -> None:
+    """The error a store's answer means: transient ones (5xx, 429; a presigned URL refused, which
+    may have expired) are retried, the others end the restore naming the object and the code."""
     text = body.decode(errors="replace")
     code = text.partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
     if status == 412:
         raise VerificationError(f"{f.where}: the object changed during the restore (ETag)")
     if status in (404, 416):
         raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
-    if status == 403 or status >= 500 or status == 429:
-        raise _Broken("resign" if status == 403 else f"{code} (HTTP {status})")
+    if status >= 500 or status == 429:
+        raise _Broken(f"{code} (HTTP {status})")
+    if status == 403 and presigned:
+        raise _Broken("resign")
     raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
 
 
