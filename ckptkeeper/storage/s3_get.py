@@ -118,6 +118,8 @@ class _File:
     held: dict[int, bytearray] = field(default_factory=dict)
     """Ranges done before their turn: their bytes, written already, waiting to be hashed."""
     etag: str | None = None
+    hashing: bool = False
+    """A worker is hashing this file's frontier range (the others hold theirs)."""
 
     def span(self, r: int) -> tuple[int, int]:
         start = r * RANGE_SIZE
@@ -164,24 +166,30 @@ class _Plan:
 
     def done(self, f: _File, r: int, buf: bytearray) -> tuple[bytearray, bool]:
         """Range ``r`` of ``f`` is in ``buf`` (and written): hash it now, or hold it until its turn.
-        Returns the buffer the worker goes on with and whether the whole file is hashed."""
+        Returns the buffer the worker goes on with and whether the whole file is hashed.
+
+        Hashing (the GIL released) happens outside the lock, by one worker at a time per file: the
+        one whose range is at the frontier, which then hashes the held ranges that follow it."""
         with self.cond:
-            if r != f.frontier:
+            if r != f.frontier or f.hashing:
                 f.held[r] = buf
                 self.waiting += 1
                 return (self.spare.pop() if self.spare else bytearray(RANGE_SIZE)), False
+            f.hashing = True
+        mine, chunk = buf, buf
+        while True:
             start, end = f.span(r)
-            f.hasher.update(memoryview(buf)[: end - start])
-            f.frontier += 1
-            while f.frontier in f.held:
-                held = f.held.pop(f.frontier)
-                start, end = f.span(f.frontier)
-                f.hasher.update(memoryview(held)[: end - start])
-                self.spare.append(held)
-                self.waiting -= 1
-                f.frontier += 1
-            self.cond.notify_all()
-            return buf, f.frontier >= f.ranges
+            f.hasher.update(memoryview(chunk)[: end - start])
+            with self.cond:
+                if chunk is not mine:
+                    self.spare.append(chunk)
+                    self.waiting -= 1
+                r = f.frontier = r + 1
+                if r not in f.held:
+                    f.hashing = False
+                    self.cond.notify_all()
+                    return mine, f.frontier >= f.ranges
+                chunk = f.held.pop(r)
 
     def fail(self, exc: BaseException) -> None:
         """Stop every worker: no new range is given, and reads in progress end now."""
