@@ -4,10 +4,11 @@ into a reused buffer, hashed there and written at its offset (``os.pwrite``).
 Why not the S3 client's event loop (:mod:`.s3_fetch`, still used behind a proxy): every byte
 that passes through aiohttp is copied three times in Python (socket read, stream buffer, the
 ``read()`` that joins it) on one thread that also parses and signs each request; a restore spent
-about twice the CPU per byte of s5cmd that way (bench/restore_s3.py). Here the tier's own client
-only signs: one presigned URL per object (its credentials, endpoint and addressing, ~0.1 ms), and
-``http.client`` fetches ranges of it with ``readinto`` straight into the worker's buffer, every
-socket read, hash and write made with the GIL released.
+about twice the CPU per byte of s5cmd that way (bench/restore_s3.py). Here each request is signed
+by :mod:`.s3_sign` (SigV4, ~15 µs; where the bucket lives and with which credentials as the tier's
+S3 client would resolve them) and ``http.client`` fetches it with ``readinto`` straight into the
+worker's buffer, every socket read, hash and write made with the GIL released. The S3 client
+(s3fs, aiohttp) is never imported for a restore.
 
 Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a range that is done
 before its turn waits, in its buffer, for the earlier ones; how many ranges may wait is bounded),
