@@ -20,6 +20,7 @@ import pytest
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
+from ckptkeeper.storage import s3_get
 from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
 
 KEYS = [
@@ -169,3 +170,31 @@ def test_anything_to_resolve_is_left_to_botocore(options: dict[str, object]) -> 
         )
         is None
     )
+
+
+class _Tier:
+    def __init__(self, options: dict[str, object]) -> None:
+        self.spec = type("Spec", (), {"storage_options": options})()
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "direct"),
+    [
+        ({"endpoint_url": "http://127.0.0.1:8333", "key": "A", "secret": "s"}, {}, True),
+        ({"client_kwargs": {"region_name": "eu-west-1"}}, {}, True),  # AWS, region known
+        ({}, {"AWS_REGION": "eu-west-1"}, False),  # maybe the compute's region, not the bucket's
+        ({}, {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:8333"}, True),
+        ({}, {}, False),  # AWS, region unknown: s3fs follows the bucket's region redirect
+        ({"endpoint_url": "http://h:1", "session": "x"}, {}, False),  # an option plain GETs cannot honour
+        ({"endpoint_url": "http://h:1", "config_kwargs": {"proxies": {"http": "http://p:3128"}}}, {}, False),
+        ({"endpoint_url": "http://h:1"}, {"HTTPS_PROXY": "http://p:3128"}, False),
+    ],
+)
+def test_which_restores_take_plain_gets(
+    options: dict[str, object], environ: dict[str, str], direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (*s3_get._PROXY_ENV, *s3_get._ENDPOINT_ENV, "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert s3_get.usable(_Tier(options)) is direct  # type: ignore[arg-type]

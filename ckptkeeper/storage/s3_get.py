@@ -73,13 +73,12 @@ _OPTIONS = frozenset(
     | {"requester_pays", "use_ssl"}
 )
 """``storage_options`` the signing client understands as s3fs does; any other keeps the S3 client."""
-_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
 
 def usable(tier: S3TierStorage) -> bool:
     """Plain GETs reach the store the way the tier's S3 client would: no proxy is configured, every
-    storage option is one :func:`_signer` maps, and the endpoint or region is given (s3fs follows
-    a bucket's region redirect; a presigned URL cannot)."""
+    storage option is one :func:`_signer` maps, and the endpoint or the bucket's region is given."""
     options = _options(tier)
     if set(options) - _OPTIONS or any(os.environ.get(k) for k in _PROXY_ENV):
         return False
@@ -88,12 +87,14 @@ def usable(tier: S3TierStorage) -> bool:
     verify = client_kwargs.get("verify")
     if config.get("proxies") or not (verify is None or isinstance(verify, bool | str)):
         return False
+    # On AWS itself only a region given in the tier's options is trusted to be the bucket's (an
+    # AWS_REGION in the environment is often the compute's): botocore follows a wrong one, we cannot.
     return bool(
         options.get("endpoint_url")
         or client_kwargs.get("endpoint_url")
         or client_kwargs.get("region_name")
         or config.get("region_name")
-        or any(os.environ.get(k) for k in _REGION_ENV)
+        or any(os.environ.get(k) for k in _ENDPOINT_ENV)
     )
 
 
@@ -493,7 +494,8 @@ def _request(
     resp = conn.getresponse()
     if resp.status not in (200, 206):
         body = resp.read(4096)
-        _fail_status(tier, f, resp.status, body, presigned=signer is None)
+        region = resp.getheader("x-amz-bucket-region")
+        _fail_status(tier, f, resp.status, body, presigned=signer is None, region=region)
     etag = resp.getheader("ETag")
     if f.etag is None:
         f.etag = etag
@@ -518,13 +520,22 @@ def _request(
         at[0] += n
 
 
-def _fail_status(tier: S3TierStorage, f: _File, status: int, body: bytes, *, presigned: bool) -> None:
+def _fail_status(
+    tier: S3TierStorage, f: _File, status: int, body: bytes, *, presigned: bool, region: str | None
+) -> None:
     """The error a store's answer means: transient ones (5xx, 429; a presigned URL refused, which
     may have expired) are retried, the others end the restore naming the object and the code."""
     text = body.decode(errors="replace")
     code = text.partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
     if status == 412:
         raise VerificationError(f"{f.where}: the object changed during the restore (ETag)")
+    if status in (301, 307) and region:
+        raise StorageError(
+            tier._redact(
+                f"tier {tier.name!r}: GET {f.key}: {code}: the bucket is in region {region}; "
+                "set client_kwargs.region_name to it in the tier's storage_options"
+            )
+        )
     if status in (404, 416):
         raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
     if status >= 500 or status == 429:
