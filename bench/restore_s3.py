@@ -1,17 +1,24 @@
 """``ckptkeeper restore`` from S3, timed whole, on a SeaweedFS server (Go: not itself the bound,
-as a Python moto server would be).
+as a Python moto server would be), against the S3 clients a user would otherwise reach for.
 
 One checkpoint per shape is pruned from a hot tmpfs tier to ``s3://bench/<shape>`` with the real
-CLI, then restored again and again, round-robin (boto3, ckptkeeper, ckptkeeper's previous path,
-then the next round), each one a fresh process measured from spawn to exit with ``os.wait4``
-(wall, client CPU of every thread, peak RSS):
+CLI, then restored again and again, round-robin (every side once per round, the order reversed
+every other round), each one a fresh process measured from spawn to exit with ``os.wait4`` (wall,
+client CPU of every thread, peak RSS); medians of the rounds:
 
 * **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
   place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
 * **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
   puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
 * **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
-  (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification.
+  (default ``TransferConfig``: 8 MiB ranged GETs on 10 threads), with no verification;
+* **s5cmd**, **rclone**, **aws s3 cp** (:mod:`bench._s3_tools`; each skipped, with a note, when it
+  is not installed): ``cp``/``copy`` of the checkpoint's prefix with the tool's defaults, no
+  verification beyond the tool's own.
+
+Then the same restore in one warm process (:mod:`bench._fetch_warm`: what a restore served by a
+long-running process costs, start-up excluded), and the client CPU per GiB of uploading a
+checkpoint of 4 files of 512 MiB: ``ckptkeeper prune`` to the S3 tier against boto3 and each tool.
 
 Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB-4 MiB).
 """
@@ -19,6 +26,7 @@ Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -28,7 +36,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from bench import _s3_tools
 from bench._harness import Config, GiB, MiB, Row, median, python_env
 from bench.prune_e2e import Usage, _random_bytes, _safetensors, measure, write_config
 from bench.s3_transfer import _AWS_ENV
@@ -37,6 +47,10 @@ BUCKET = "bench"
 RUN = "run-a"
 STEP = 400
 MANIFEST = ".ckptkeeper-manifest.json"
+_CREDENTIALS = {
+    "aws_access_key_id": _AWS_ENV["AWS_ACCESS_KEY_ID"],
+    "aws_secret_access_key": _AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+}
 
 
 def _free_port() -> int:
@@ -63,13 +77,7 @@ def seaweedfs_server(data: Path) -> Iterator[str]:
     try:
         import boto3
 
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=_AWS_ENV["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
-        )
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **_CREDENTIALS)
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -119,6 +127,7 @@ def _make_checkpoint(hot: Path, shape: str, large: int, files: int) -> int:
 def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> list[Row]:
     env = {**python_env(), **_AWS_ENV}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # both sides run from cached bytecode
+    tool_env = _s3_tools.env(env)
     with cfg.tempdir(cfg.fast_dir, f"restore-{shape}") as home:
         total = _make_checkpoint(
             home / "hot", shape, cfg.pick(128 * MiB, 32 * MiB, 1 * MiB), cfg.pick(200, 60, 4)
@@ -134,13 +143,22 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
         dest = home / "restore"
         restore = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "restore", RUN]
         restore += ["--step", str(STEP), "--to", str(dest)]
+        prefix = f"{shape}/{RUN}/checkpoint-{STEP}"
         boto3_job = [sys.executable, "-m", "bench._boto3_job", "download", endpoint, BUCKET]
-        boto3_job += [f"{shape}/{RUN}/checkpoint-{STEP}", str(dest), MANIFEST]
+        boto3_job += [prefix, str(dest), MANIFEST]
         sides = {
             "boto3": (boto3_job, env),
             "ckptkeeper": (restore, env),
             "before": ([sys.executable, "-m", "bench._restore_stream", *restore[3:]], env),
         }
+        missing = []
+        for tool in _s3_tools.TOOLS:
+            exe = _s3_tools.find(tool)
+            if exe is None:
+                missing.append(tool)
+                continue
+            target = dest / f"checkpoint-{STEP}"
+            sides[tool] = (_s3_tools.download(tool, exe, endpoint, BUCKET, prefix, target), tool_env)
         results: dict[str, list[Usage]] = {name: [] for name in sides}
         order = list(sides)
         for i in range(reps):
@@ -152,10 +170,60 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
                 if name != "boto3" and got != total:
                     raise RuntimeError(f"{name} restored {got} bytes of {total}")
             cfg.log(f"restore_s3 {shape}: round {i + 1} of {reps}")
-    gib = total / GiB
+        warm = _warm(config, dest, reps, env)
+    what = f"restore from S3 (SeaweedFS), {label}, {total / MiB:.0f} MiB"
+    rows = _rows(what, results, total / GiB) + _tool_rows(results, total / GiB, missing)
+    return rows + _warm_rows(warm, results, total / GiB)
+
+
+def _warm(config: Path, dest: Path, reps: int, env: dict[str, str]) -> dict[str, list[float]]:
+    """``reps`` restores in one warm process (:mod:`bench._fetch_warm`): wall and CPU of each."""
+    argv = [sys.executable, "-m", "bench._fetch_warm", str(config), RUN, str(STEP), str(dest), str(reps)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench._fetch_warm failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    doc: dict[str, list[float]] = json.loads(proc.stdout.splitlines()[-1])
+    return doc
+
+
+def _warm_rows(warm: dict[str, list[float]], results: dict[str, list[Usage]], gib: float) -> list[Row]:
+    """The restore in a process already warm (what a restore served by the daemon costs), against
+    s5cmd's whole process: the start-up a CLI process pays is all that separates the two."""
+    if "s5cmd" not in results:
+        return []
+    wall, cpu = median(warm["wall"]), median([c / gib for c in warm["cpu"]])
+    s5_wall = median([u.wall for u in results["s5cmd"]])
+    s5_cpu = median([u.cpu / gib for u in results["s5cmd"]])
+    return [
+        Row(
+            metric="  same, in a warm process (imports, config, client done), against s5cmd (wall)",
+            baseline=s5_wall,
+            ours=wall,
+            unit="s",
+            ratio=s5_wall / wall,
+            target="info",
+            ok=None,
+            baseline_label="s5cmd",
+            samples={"warm": warm["wall"]},
+        ),
+        Row(
+            metric="  same, in a warm process, client CPU per GiB against s5cmd",
+            baseline=s5_cpu,
+            ours=cpu,
+            unit="cpu-s/GiB",
+            ratio=cpu / s5_cpu,
+            target="info",
+            ok=None,
+            baseline_label="s5cmd",
+            samples={"warm": [c / gib for c in warm["cpu"]]},
+        ),
+    ]
+
+
+def _rows(what: str, results: dict[str, list[Usage]], gib: float) -> list[Row]:
     wall = {k: median([u.wall for u in v]) for k, v in results.items()}
     cpu = {k: median([u.cpu / gib for u in v]) for k, v in results.items()}
-    what = f"restore from S3 (SeaweedFS), {label}, {total / MiB:.0f} MiB"
     note = (
         f"one GET per object (before): {wall['before']:.2f} s, {cpu['before']:.2f} CPU-s/GiB; "
         "whole processes, imports and config included"
@@ -197,10 +265,144 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
     ]
 
 
+def _tool_rows(results: dict[str, list[Usage]], gib: float, missing: list[str]) -> list[Row]:
+    """The same restore against s5cmd (the targets) and rclone / the AWS CLI (for information)."""
+    ours_wall = median([u.wall for u in results["ckptkeeper"]])
+    ours_cpu = median([u.cpu / gib for u in results["ckptkeeper"]])
+    rows = []
+    for tool in _s3_tools.TOOLS:
+        name = _s3_tools.LABELS[tool]
+        if tool in missing:
+            rows.append(Row(f"  same, against {name}", None, ours_wall, "s", "-", None, note=_missing(tool)))
+            continue
+        wall = median([u.wall for u in results[tool]])
+        cpu = median([u.cpu / gib for u in results[tool]])
+        target = tool == "s5cmd"
+        rows.append(
+            Row(
+                metric=f"  same, against {name} (wall)",
+                baseline=wall,
+                ours=ours_wall,
+                unit="s",
+                ratio=wall / ours_wall,
+                target=">= 1.0x" if target else "info",
+                ok=wall / ours_wall >= 1.0 if target else None,
+                baseline_label=name,
+                note=f"{name}: {cpu:.2f} CPU-s/GiB, peak RSS {max(u.maxrss for u in results[tool]):.0f} MiB",
+                samples={tool: [u.wall for u in results[tool]]},
+            )
+        )
+        rows.append(
+            Row(
+                metric=f"  same, client CPU per GiB against {name}",
+                baseline=cpu,
+                ours=ours_cpu,
+                unit="cpu-s/GiB",
+                ratio=ours_cpu / cpu,
+                target="<= 1.3x" if target else "info",
+                ok=ours_cpu / cpu <= 1.3 if target else None,
+                baseline_label=name,
+                samples={tool: [u.cpu / gib for u in results[tool]]},
+            )
+        )
+    return rows
+
+
+def _missing(tool: str) -> str:
+    how = "install the AWS CLI" if tool == "aws" else "pip install 'ckptkeeper[bench]'"
+    return f"skipped: {tool} is not installed ({how}, or put {tool} on PATH)"
+
+
+def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:
+    """Client CPU per GiB uploading the large checkpoint: ``ckptkeeper prune`` to the S3 tier (a
+    fresh hot copy and index each time) against boto3 ``upload_file`` and every tool installed."""
+    env = {**python_env(), **_AWS_ENV}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    tool_env = _s3_tools.env(env)
+    with cfg.tempdir(cfg.fast_dir, "upload") as home:
+        total = _make_checkpoint(home / "pristine", "large", cfg.pick(512 * MiB, 32 * MiB, 1 * MiB), 0)
+        src = home / "pristine" / RUN / f"checkpoint-{STEP}"
+        boto3_job = [sys.executable, "-m", "bench._boto3_job", "upload", endpoint, BUCKET]
+        sides: dict[str, Any] = {"boto3": lambda p: [*boto3_job, p, str(src)]}
+        missing = []
+        for tool in _s3_tools.TOOLS:
+            exe = _s3_tools.find(tool)
+            if exe is None:
+                missing.append(tool)
+            else:
+                sides[tool] = lambda p, t=tool, x=exe: _s3_tools.upload(t, x, endpoint, BUCKET, src, p)
+        results: dict[str, list[Usage]] = {name: [] for name in ["ckptkeeper", *sides]}
+        order = list(results)
+        for i in range(reps):
+            for name in order if i % 2 == 0 else order[::-1]:
+                prefix = f"up-{name}-{i}"
+                if name == "ckptkeeper":
+                    results[name].append(
+                        _prune_once(home / f"home-{i}", home / "pristine", endpoint, prefix, env)
+                    )
+                else:
+                    results[name].append(measure(sides[name](prefix), tool_env if name != "boto3" else env))
+                _delete_prefix(endpoint, prefix)
+            cfg.log(f"restore_s3 upload: round {i + 1} of {reps}")
+    gib = total / GiB
+    cpu = {k: median([u.cpu / gib for u in v]) for k, v in results.items()}
+    others = {k: v for k, v in cpu.items() if k != "ckptkeeper"}
+    best = min(others, key=others.__getitem__)
+    label = {"boto3": "boto3 upload_file", **_s3_tools.LABELS}
+    note = ", ".join(f"{label[k]} {v:.2f}" for k, v in others.items()) + " CPU-s/GiB"
+    note += "".join(f"; {_missing(t)}" for t in missing)
+    return [
+        Row(
+            metric=f"upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files, {total / GiB:.2f} GiB: client CPU per GiB",
+            baseline=others[best],
+            ours=cpu["ckptkeeper"],
+            unit="cpu-s/GiB",
+            ratio=cpu["ckptkeeper"] / others[best],
+            target="<= 1.0x (lowest)",
+            ok=cpu["ckptkeeper"] <= others[best],
+            baseline_label=f"lowest: {label[best]}",
+            note=note,
+            samples={k: [u.cpu / gib for u in v] for k, v in results.items()},
+        )
+    ]
+
+
+def _prune_once(home: Path, pristine: Path, endpoint: str, prefix: str, env: dict[str, str]) -> Usage:
+    """``ckptkeeper prune`` of a fresh copy of ``pristine`` to ``s3://bench/<prefix>``, timed."""
+    shutil.copytree(pristine, home / "hot", copy_function=shutil.copy2)
+    for p in (home / "hot").rglob("*"):  # copytree's directory mtimes are new: settle them
+        if p.is_dir():
+            st = (pristine / p.relative_to(home / "hot")).stat()
+            os.utime(p, (st.st_atime, st.st_mtime))
+    lower: dict[str, object] = {
+        "name": "cold",
+        "url": f"s3://{BUCKET}/{prefix}",
+        "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+    }
+    config = write_config(home, home / "hot", lower)
+    usage = measure([sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "prune"], env)
+    if any((home / "hot" / RUN).glob("checkpoint-*")):
+        raise RuntimeError("prune left the checkpoint in hot")
+    shutil.rmtree(home, ignore_errors=True)
+    return usage
+
+
+def _delete_prefix(endpoint: str, prefix: str) -> None:
+    """Remove what one upload wrote (the server's disk holds one upload at a time)."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **_CREDENTIALS)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+
+
 def run(cfg: Config) -> list[Row]:
     reps = cfg.pick(cfg.reps, 3, 1)
     rows: list[Row] = []
     with cfg.tempdir(cfg.disk_dir, "restore-weed") as data, seaweedfs_server(data) as endpoint:
         for shape, label in (("large", "4 large files"), ("small", f"{cfg.pick(200, 60, 4)} small files")):
             rows += _shape(cfg, endpoint, shape, label, reps)
+        rows += _upload(cfg, endpoint, reps)
     return rows

@@ -289,6 +289,7 @@ TEST_KINDS: dict[str, str] = {
     "test_reaper": "unit",
     "test_retention_properties": "unit",
     "test_s3_client": "unit",
+    "test_s3_sign": "unit",
     "test_undo_window_plan": "unit",
     "test_util_gc": "unit",
     "test_versions_core": "unit",

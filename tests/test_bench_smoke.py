@@ -130,6 +130,9 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
         "restore from S3 (SeaweedFS), 4 small files, 5 MiB (wall, whole process)",
     ], metrics
     assert metrics.count("  same, against the one-GET-per-object restore (wall)") == 2
+    for tool in ("s5cmd", "rclone", "aws s3 cp"):  # measured, or skipped with a note when not installed
+        assert sum(m.startswith(f"  same, against {tool}") for m in metrics) == 2, metrics
+    assert sum(m.startswith("upload to S3 (SeaweedFS, ckptkeeper prune)") for m in metrics) == 1, metrics
 
 
 def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_alone(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from ckptkeeper.util import hashing
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
 
+    from ckptkeeper.core.model import TierSpec
     from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
 
 
@@ -48,6 +49,7 @@ class S3TierStorage(Protocol):
 
     name: str
     bucket: str
+    spec: TierSpec
 
     @property
     def fs(self) -> S3FileSystem: ...
@@ -124,7 +126,15 @@ def fetch_ranged(
     """Write and verify every file of ``manifest`` from ``tier`` into ``sink`` (not committed).
 
     Returns when all files are written, each checked against the manifest; raises the first
-    failure once every transfer has stopped (the caller's abort never races a write)."""
+    failure once every transfer has stopped (the caller's abort never races a write).
+
+    Plain GETs on worker threads (:mod:`.s3_get`: about half the CPU per byte) unless a proxy
+    stands between this host and the store, which only the S3 client's own HTTP stack speaks to."""
+    from ckptkeeper.storage import s3_get
+
+    if s3_get.usable(tier):
+        s3_get.fetch_direct(tier, rel, manifest, sink, progress)
+        return
     loop = tier.fs.loop  # the s3fs client's event loop, run by fsspec's IO thread
     failed: list[BaseException] = []
     future: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
