@@ -336,3 +336,33 @@ def test_tiny_bench_measures_the_whole_prune_and_its_reads(tmp_path: Path) -> No
     reads = rows["  same: bytes read from hot per byte moved (rchar of the process)"]
     assert whole["ours"] > 0 and whole["baseline"] > 0
     assert reads["baseline"] >= 1.0 and "net of the" in reads["note"]
+
+
+@pytest.mark.parametrize("warm_options", [{"dedup": True}, {"compression": "zstd"}])
+def test_a_move_into_a_dedup_or_compressing_tier_keeps_exact_hashes(
+    shm: Path, tmp_path: Path, warm_options: dict[str, object]
+) -> None:
+    """A dedup tier's content store is keyed by hash, so its copies are hashed first (not on the
+    way); a compressing tier hashes the raw bytes on the way. Either way the copy restores byte
+    for byte and verifies."""
+    hot, warm = shm / "hot", tmp_path / "warm"
+    hot.mkdir()
+    warm.mkdir()
+    config = write_config(
+        tmp_path / "ckptkeeper.toml",
+        index=tmp_path / "index.db",
+        tiers=[local_tier("hot", hot, keep_last=1), local_tier("warm", warm, keep_last=10, **warm_options)],
+        daemon={"metrics_addr": "", "trust_mtimes": True},
+    )
+    assert _cli(config, "scan").returncode == 0
+    digests = _new_checkpoints(hot, 2 << 20)
+
+    got = _cli(config, "prune", "--json")
+
+    assert got.returncode == 0, got.stderr
+    assert not (hot / RUN / OLD).exists()
+    assert _cli(config, "verify").returncode == 0
+    restored = tmp_path / "restored"
+    back = _cli(config, "restore", RUN, "--step", "100", "--to", str(restored), "--no-daemon")
+    assert back.returncode == 0, back.stderr
+    assert _tree(restored / OLD) == digests
