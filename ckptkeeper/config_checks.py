@@ -48,6 +48,8 @@ NOT_SETTINGS = frozenset(
         "CKPTKEEPER_CONFIG",  # selects the config file (resolve_config_path)
         "CKPTKEEPER_TEST_CRASH_AFTER",  # the executor's crash points, for the crash tests
         "CKPTKEEPER_TEST_STORE_CLOCK_AHEAD",  # a dedup tier's store clock moved on, for its tests
+        "CKPTKEEPER_COMPRESS_THREADS",  # threads a compressing copy uses (docs/compression.md)
+        "CKPTKEEPER_SPOOL_DIR",  # where a compressing copy to S3 spools its frames (docs/compression.md)
         "CKPTKEEPER_HOST",  # the machine's name in keeper identities (util/host.py; a pod's node)
         # the Slurm hooks (deploy/slurm/) and a training job's environment
         "CKPTKEEPER_DEFAULTS",
