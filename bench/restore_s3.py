@@ -8,6 +8,12 @@ client CPU of every thread, peak RSS); medians of the rounds:
 
 * **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
   place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
+* **ckptkeeper, served**: the same command while a ``ckptkeeper daemon`` runs that very config
+  (started once per shape, before the rounds): the CLI is a thin client of the daemon's restore
+  socket and the daemon, warm, does the work. The daemon's own CPU during each one is read from
+  ``/proc/<pid>/stat``, so the rows give the client's CPU and the client's plus the daemon's. The
+  other ``ckptkeeper`` sides pass ``--no-daemon``; the daemon's log must show exactly one served
+  restore per round, or the bench fails;
 * **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
   puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
 * **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
