@@ -8,6 +8,12 @@ client CPU of every thread, peak RSS); medians of the rounds:
 
 * **ckptkeeper**: ``ckptkeeper restore RUN --step N --to DIR`` (parallel ranged GETs written in
   place, hashed as they arrive, verified against the manifest, fsync-ed, renamed into place);
+* **ckptkeeper, served**: the same command while a ``ckptkeeper daemon`` runs that very config
+  (started once per shape, before the rounds): the CLI is a thin client of the daemon's restore
+  socket and the daemon, warm, does the work. The daemon's own CPU during each one is read from
+  ``/proc/<pid>/stat``, so the rows give the client's CPU and the client's plus the daemon's. The
+  other ``ckptkeeper`` sides pass ``--no-daemon``; the daemon's log must show exactly one served
+  restore per round, or the bench fails;
 * **ckptkeeper, one GET per object**: the same command through :mod:`bench._restore_stream`, which
   puts back the restore path before ranged GETs (4 objects at a time, each one streamed GET);
 * **boto3**: a ``python`` process that imports boto3 and ``download_file``s the same objects
@@ -40,6 +46,7 @@ from typing import Any
 
 from bench import _s3_tools
 from bench._harness import Config, GiB, MiB, Row, median, python_env
+from bench._served import Daemon, running_daemon, served_restores
 from bench.prune_e2e import Usage, _random_bytes, _safetensors, measure, write_config
 from bench.s3_transfer import _AWS_ENV
 
@@ -148,8 +155,9 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
         boto3_job += [prefix, str(dest), MANIFEST]
         sides = {
             "boto3": (boto3_job, env),
-            "ckptkeeper": (restore, env),
-            "before": ([sys.executable, "-m", "bench._restore_stream", *restore[3:]], env),
+            "ckptkeeper": ([*restore, "--no-daemon"], env),
+            "before": ([sys.executable, "-m", "bench._restore_stream", *restore[3:], "--no-daemon"], env),
+            "served": (restore, env),
         }
         missing = []
         for tool in _s3_tools.TOOLS:
@@ -159,21 +167,45 @@ def _shape(cfg: Config, endpoint: str, shape: str, label: str, reps: int) -> lis
                 continue
             target = dest / f"checkpoint-{STEP}"
             sides[tool] = (_s3_tools.download(tool, exe, endpoint, BUCKET, prefix, target), tool_env)
-        results: dict[str, list[Usage]] = {name: [] for name in sides}
-        order = list(sides)
-        for i in range(reps):
-            for name in order if i % 2 == 0 else order[::-1]:
-                shutil.rmtree(dest, ignore_errors=True)
-                argv, side_env = sides[name]
-                results[name].append(measure(argv, side_env))
-                got = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
-                if name != "boto3" and got != total:
-                    raise RuntimeError(f"{name} restored {got} bytes of {total}")
-            cfg.log(f"restore_s3 {shape}: round {i + 1} of {reps}")
+        with running_daemon(config, env, home / "daemon.log") as daemon:
+            results, daemon_cpu = _rounds(cfg, shape, sides, dest, total, reps, daemon)
+        served = served_restores(home / "daemon.log", dest)
+        if served != reps:
+            log = (home / "daemon.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the daemon served {served} of the {reps} 'served' restores:\n{log}")
         warm = _warm(config, dest, reps, env)
     what = f"restore from S3 (SeaweedFS), {label}, {total / MiB:.0f} MiB"
     rows = _rows(what, results, total / GiB) + _tool_rows(results, total / GiB, missing)
-    return rows + _warm_rows(warm, results, total / GiB)
+    return rows + _warm_rows(warm, results, total / GiB) + _served_rows(results, daemon_cpu, total / GiB)
+
+
+def _rounds(
+    cfg: Config,
+    shape: str,
+    sides: dict[str, tuple[list[str], dict[str, str]]],
+    dest: Path,
+    total: int,
+    reps: int,
+    daemon: Daemon,
+) -> tuple[dict[str, list[Usage]], list[float]]:
+    """``reps`` rounds, every side once per round, the order reversed every other round; for the
+    restores the daemon serves, its own CPU-seconds during each (``/proc/<pid>/stat``)."""
+    results: dict[str, list[Usage]] = {name: [] for name in sides}
+    daemon_cpu: list[float] = []
+    order = list(sides)
+    for i in range(reps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            shutil.rmtree(dest, ignore_errors=True)
+            argv, side_env = sides[name]
+            before = daemon.cpu()
+            results[name].append(measure(argv, side_env))
+            if name == "served":
+                daemon_cpu.append(daemon.cpu() - before)
+            got = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+            if name != "boto3" and got != total:
+                raise RuntimeError(f"{name} restored {got} bytes of {total}")
+        cfg.log(f"restore_s3 {shape}: round {i + 1} of {reps}")
+    return results, daemon_cpu
 
 
 def _warm(config: Path, dest: Path, reps: int, env: dict[str, str]) -> dict[str, list[float]]:
@@ -217,6 +249,61 @@ def _warm_rows(warm: dict[str, list[float]], results: dict[str, list[Usage]], gi
             ok=None,
             baseline_label="s5cmd",
             samples={"warm": [c / gib for c in warm["cpu"]]},
+        ),
+    ]
+
+
+def _served_rows(results: dict[str, list[Usage]], daemon_cpu: list[float], gib: float) -> list[Row]:
+    """The restore served by the running daemon (the CLI a thin client of its socket), timed in the
+    same rounds against s5cmd: the client's whole process, then what the node pays in all (client
+    and daemon CPU)."""
+    served = results["served"]
+    wall = median([u.wall for u in served])
+    client = [u.cpu / gib for u in served]
+    both = [(u.cpu + d) / gib for u, d in zip(served, daemon_cpu, strict=True)]
+    if "s5cmd" not in results:
+        note = _missing("s5cmd")
+        return [
+            Row("  same, served by the running daemon, against s5cmd", None, wall, "s", "-", None, note=note)
+        ]
+    s5_wall = median([u.wall for u in results["s5cmd"]])
+    s5_cpu = median([u.cpu / gib for u in results["s5cmd"]])
+    daemon_note = f"the daemon's own CPU: {median([d / gib for d in daemon_cpu]):.2f} CPU-s/GiB"
+    return [
+        Row(
+            metric="  same, served by the running daemon, against s5cmd (wall, whole client process)",
+            baseline=s5_wall,
+            ours=wall,
+            unit="s",
+            ratio=s5_wall / wall,
+            target=">= 1.0x",
+            ok=s5_wall / wall >= 1.0,
+            baseline_label="s5cmd",
+            note="`ckptkeeper restore` with the daemon's config; every one served (the daemon's log)",
+            samples={"served": [u.wall for u in served], "s5cmd": [u.wall for u in results["s5cmd"]]},
+        ),
+        Row(
+            metric="  same, served: client CPU per GiB against s5cmd",
+            baseline=s5_cpu,
+            ours=median(client),
+            unit="cpu-s/GiB",
+            ratio=median(client) / s5_cpu,
+            target="<= 1.3x",
+            ok=median(client) <= 1.3 * s5_cpu,
+            baseline_label="s5cmd",
+            samples={"served": client},
+        ),
+        Row(
+            metric="  same, served: client + daemon CPU per GiB against s5cmd",
+            baseline=s5_cpu,
+            ours=median(both),
+            unit="cpu-s/GiB",
+            ratio=median(both) / s5_cpu,
+            target="<= 1.3x",
+            ok=median(both) <= 1.3 * s5_cpu,
+            baseline_label="s5cmd",
+            note=daemon_note,
+            samples={"served": both, "daemon": [d / gib for d in daemon_cpu]},
         ),
     ]
 

@@ -107,7 +107,8 @@ def test_tiny_prune_e2e_times_the_whole_cli_against_its_baselines(tmp_path: Path
 
 def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(tmp_path: Path) -> None:
     """bench/restore_s3.py: `ckptkeeper restore` from SeaweedFS, both data shapes, each against
-    boto3 and the one-GET-per-object path (every run checks the restored byte count)."""
+    boto3, the one-GET-per-object path and the tools, alone and served by the running daemon (every
+    run checks the restored byte count)."""
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
@@ -133,6 +134,23 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
     for tool in ("s5cmd", "rclone", "aws s3 cp"):  # measured, or skipped with a note when not installed
         assert sum(m.startswith(f"  same, against {tool}") for m in metrics) == 2, metrics
     assert sum(m.startswith("upload to S3 (SeaweedFS, ckptkeeper prune)") for m in metrics) == 1, metrics
+    # the restore served by a running daemon, in the same rounds (the bench fails unless its log
+    # shows every one served): whole client process, client CPU, client + daemon CPU
+    served = [row for row in doc["rows"] if row["metric"].startswith("  same, served")]
+    assert (
+        sum(r["metric"].startswith("  same, served by the running daemon, against s5cmd") for r in served)
+        == 2
+    )
+    if any(r["baseline"] is not None for r in served):  # s5cmd installed
+        assert [r["metric"] for r in served] == 2 * [
+            "  same, served by the running daemon, against s5cmd (wall, whole client process)",
+            "  same, served: client CPU per GiB against s5cmd",
+            "  same, served: client + daemon CPU per GiB against s5cmd",
+        ]
+        for r in served:
+            assert r["ours"] > 0 and r["baseline"] > 0 and len(r["samples"]["served"]) == 1, r
+        for client, both in zip(served[1::3], served[2::3], strict=True):
+            assert both["ours"] >= client["ours"]
 
 
 def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_alone(tmp_path: Path) -> None:
