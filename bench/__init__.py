@@ -21,5 +21,6 @@ BENCHMARKS = (
     "prestage",
     "history",
     "dedup",
+    "compression",
 )
 """Run order: I/O-heavy first (a quiet machine), then the latency and CPU-share measurements."""

@@ -10,7 +10,13 @@ checkpoint.save`` (DCP, one process); and the fp32 save written again after a re
 Each checkpoint is copied from a hot tier into a local slower tier with ``compression`` none, zstd
 and auto (``TierStorage.copy_from``, what the prune pass runs) and restored (``fetch``). Printed:
 cold bytes per raw byte, and client CPU per GiB uploaded and restored as a ratio to ``none`` in the
-same run. ``python -m bench.compression [--params 3000000] [--steps 200]``.
+same run. ``python -m bench.compression [--vocab 32000] [--dim 256] [--layers 4] [--steps 40]``.
+
+In ``python -m bench`` (``--only compression``) the same rows go into the harness's table, and the
+fp32 checkpoint is also pruned to a SeaweedFS S3 tier by the whole ``ckptkeeper prune`` (a process)
+with ``compression`` "auto", "zstd" and "none", against a boto3 ``upload_file`` of the same files
+(raw), in alternating rounds: wall time and client CPU per raw GiB of each. SeaweedFS runs on the
+same cores as the client, so there the client's CPU is the bound, not the store.
 """
 
 from __future__ import annotations
@@ -19,21 +25,28 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench._harness import Config, GiB, MiB, Row, median, python_env
+
 MODES = ("none", "zstd", "auto")
+FULL_SHAPE = (32000, 256, 4)
+"""Vocabulary-heavy as a real LM's: the frozen embedding and half the blocks are about a quarter
+of the half-frozen checkpoint's bytes (the trained half carries two Adam moments), as in a 42M
+Llama-style model."""
+FULL_STEPS = 40
 
 
-def _model(params: int, dtype: Any) -> Any:
+def _model(shape: tuple[int, int, int], dtype: Any) -> Any:
+    """A Llama-ish stack of ``(vocab, dim, layers)``: embedding, blocks, an untied LM head."""
     import torch
     from torch import nn
 
-    dim = 256
-    layers = max(2, params // (12 * dim * dim))
-    vocab = 4000
+    vocab, dim, layers = shape
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -72,14 +85,17 @@ def _model(params: int, dtype: Any) -> Any:
 def _train(model: Any, frozen: bool, steps: int) -> Any:
     import torch
 
+    vocab = model.embed.num_embeddings
     if frozen:
         model.embed.requires_grad_(False)
         for layer in list(model.layers)[: len(model.layers) // 2]:
             layer.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(steps):
-        ids = torch.randint(0, 4000, (4, 64))
+        ids = torch.randint(0, vocab, (2, 32))
         loss = torch.nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        if model.embed.weight.requires_grad:  # every row gets a gradient, as over a real corpus
+            loss = loss + 1e-6 * model.embed.weight.float().pow(2).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -104,11 +120,12 @@ def _dcp_save(model: Any, opt: Any, out: Path) -> None:
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(out))
 
 
-def write_checkpoints(root: Path, params: int, steps: int) -> dict[str, Path]:
+def write_checkpoints(root: Path, shape: tuple[int, int, int], steps: int) -> tuple[dict[str, Path], int]:
+    """Every checkpoint under ``root/run/``, and the bytes of the half-frozen one's frozen tensors."""
     import torch
 
     out: dict[str, Path] = {}
-    m = _model(params, torch.float32)
+    m = _model(shape, torch.float32)
     o = _train(m, frozen=False, steps=steps)
     out["HF fp32 + Adam"] = root / "run" / "fp32"
     _hf_save(m, o, out["HF fp32 + Adam"], 8)
@@ -116,15 +133,16 @@ def write_checkpoints(root: Path, params: int, steps: int) -> dict[str, Path]:
     _dcp_save(m, o, out["DCP fp32 + Adam"])
     out["the same, saved again"] = root / "run" / "resave"
     _hf_save(m, o, out["the same, saved again"], 8)
-    m = _model(params, torch.bfloat16)
+    m = _model(shape, torch.bfloat16)
     o = _train(m, frozen=False, steps=steps)
     out["HF pure bf16"] = root / "run" / "bf16"
     _hf_save(m, o, out["HF pure bf16"], 8)
-    m = _model(params, torch.float32)
+    m = _model(shape, torch.float32)
     o = _train(m, frozen=True, steps=steps)
     out["half frozen fp32"] = root / "run" / "frozen"
     _hf_save(m, o, out["half frozen fp32"], 8)
-    return out
+    frozen = sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+    return out, frozen
 
 
 def _manifest(path: Path, name: str) -> Any:
@@ -201,16 +219,154 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _local_rows(rows: list[dict[str, Any]], frozen_share: float) -> list[Row]:
+    """Cold bytes per raw byte of each checkpoint (auto against zstd), and the client CPU per GiB
+    over all of them against ``none``."""
+    out = []
+    for r in rows:
+        raw = r["raw_bytes"]
+        zstd, auto = (100 * r[m]["stored_bytes"] / raw for m in ("zstd", "auto"))
+        note = f"raw {raw / MiB:.1f} MiB"
+        if r["checkpoint"] == "half frozen fp32":
+            note += f"; frozen tensors are {100 * frozen_share:.1f} % of its bytes"
+        out.append(
+            Row(
+                metric=f"compression: cold bytes per raw byte, {r['checkpoint']}",
+                baseline=round(zstd, 2),
+                ours=round(auto, 2),
+                unit="%",
+                ratio=round(auto / zstd, 4),
+                target="informational",
+                ok=None,
+                baseline_label="zstd",
+                note=note,
+            )
+        )
+    raw_gib = sum(r["raw_bytes"] for r in rows) / GiB
+    for key, what in (("cpu_up", "copied into a slower tier"), ("cpu_down", "restored")):
+        cpu = {m: sum(r[m][key] for r in rows) / raw_gib for m in MODES}
+        out.append(
+            Row(
+                metric=f"compression auto: client CPU per raw GiB {what} (all checkpoints, in process)",
+                baseline=cpu["none"],
+                ours=cpu["auto"],
+                unit="cpu-s/GiB",
+                ratio=cpu["auto"] / cpu["none"],
+                target="informational",
+                ok=None,
+                baseline_label="none",
+                note=f"zstd {cpu['zstd']:.2f} CPU-s/GiB",
+            )
+        )
+    return out
+
+
+def _s3_rows(cfg: Config, ckpt: Path, reps: int) -> list[Row]:
+    """``ckptkeeper prune`` of ``ckpt`` to SeaweedFS with zstd and auto against boto3 (raw), in
+    alternating rounds; wall time and client CPU per raw GiB."""
+    from bench.prune_e2e import Usage
+    from bench.prune_e2e import measure as measure_process
+    from bench.restore_s3 import BUCKET, RUN, STEP, _delete_prefix, _prune_once, seaweedfs_server
+    from bench.s3_transfer import _AWS_ENV
+
+    env = {**python_env(), **_AWS_ENV}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    sides = ("boto3", "none", "zstd", "auto")
+    results: dict[str, list[Usage]] = {side: [] for side in sides}
+    with (
+        cfg.tempdir(cfg.disk_dir, "compress-weed") as data,
+        seaweedfs_server(data) as endpoint,
+        cfg.tempdir(cfg.fast_dir, "compress-up") as home,
+    ):
+        src = home / "pristine" / RUN / f"checkpoint-{STEP}"
+        shutil.copytree(ckpt, src)
+        when = time.time() - 3600
+        for p in [*src.rglob("*"), src]:
+            os.utime(p, (when, when))
+        total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+        boto3_job = [sys.executable, "-m", "bench._boto3_job", "upload", endpoint, BUCKET]
+        for i in range(reps):
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                prefix = f"up-{side}-{i}"
+                if side == "boto3":
+                    results[side].append(measure_process([*boto3_job, prefix, str(src)], env))
+                else:
+                    extra: dict[str, object] = {"compression": side}
+                    results[side].append(
+                        _prune_once(home / f"home-{i}", home / "pristine", endpoint, prefix, env, extra)
+                    )
+                _delete_prefix(endpoint, prefix)
+            cfg.log(f"compression prune to S3: round {i + 1} of {reps}")
+    gib = total / GiB
+    wall = {k: median([u.wall for u in v]) for k, v in results.items()}
+    cpu = {k: median([u.cpu / gib for u in v]) for k, v in results.items()}
+    rows = []
+    for side in ("auto", "zstd", "none"):
+        rows.append(
+            Row(
+                metric=f'prune to S3 (SeaweedFS), compression = "{side}", HF fp32 checkpoint, '
+                f"{total / MiB:.0f} MiB (wall, whole process)",
+                baseline=wall["boto3"],
+                ours=wall[side],
+                unit="s",
+                ratio=wall["boto3"] / wall[side],
+                target=">= 1.0x where the store is the bound (info here: the client's CPU is)",
+                ok=None,
+                baseline_label="boto3 upload_file, raw",
+                note=f"median of {reps}; SeaweedFS shares this box's {os.cpu_count()} cores with the client",
+                samples={
+                    "baseline": [u.wall for u in results["boto3"]],
+                    "ckptkeeper": [u.wall for u in results[side]],
+                },
+            )
+        )
+        rows.append(
+            Row(
+                metric="  same, client CPU per raw GiB",
+                baseline=cpu["boto3"],
+                ours=cpu[side],
+                unit="cpu-s/GiB",
+                ratio=cpu[side] / cpu["boto3"],
+                target="informational",
+                ok=None,
+                baseline_label="boto3",
+                samples={
+                    "baseline": [u.cpu / gib for u in results["boto3"]],
+                    "ckptkeeper": [u.cpu / gib for u in results[side]],
+                },
+            )
+        )
+    return rows
+
+
+def run(cfg: Config) -> list[Row]:
+    shape = cfg.pick(FULL_SHAPE, (8000, 128, 4), (300, 32, 2))
+    steps = cfg.pick(FULL_STEPS, 10, 2)
+    reps = cfg.pick(cfg.reps, 3, 3)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with cfg.tempdir(cfg.disk_dir, "compress") as tmp:
+        root = tmp / "hot"
+        ckpts, frozen = write_checkpoints(root, shape, steps)
+        cfg.log(f"compression: wrote {len(ckpts)} checkpoints of a {shape} model")
+        rows = measure(root, ckpts)
+        frozen_raw = next(r["raw_bytes"] for r in rows if r["checkpoint"] == "half frozen fp32")
+        out = _local_rows(rows, frozen / frozen_raw)
+        out += _s3_rows(cfg, ckpts["HF fp32 + Adam"], reps)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=3_000_000, help="model parameters (default 3M)")
-    parser.add_argument("--steps", type=int, default=200, help="AdamW steps before the saves (default 200)")
+    parser.add_argument("--vocab", type=int, default=FULL_SHAPE[0], help="vocabulary (default 32000)")
+    parser.add_argument("--dim", type=int, default=FULL_SHAPE[1], help="hidden size (default 256)")
+    parser.add_argument("--layers", type=int, default=FULL_SHAPE[2], help="blocks (default 4)")
+    parser.add_argument("--steps", type=int, default=FULL_STEPS, help="AdamW steps before the saves")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="ckptkeeper-bench-compress-") as tmp:
         root = Path(tmp) / "hot"
-        ckpts = write_checkpoints(root, args.params, args.steps)
+        ckpts, _ = write_checkpoints(root, (args.vocab, args.dim, args.layers), args.steps)
         rows = measure(root, ckpts)
     print(json.dumps(rows, indent=1) if args.json else report(rows))
 

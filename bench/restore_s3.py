@@ -454,8 +454,16 @@ def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:
     ]
 
 
-def _prune_once(home: Path, pristine: Path, endpoint: str, prefix: str, env: dict[str, str]) -> Usage:
-    """``ckptkeeper prune`` of a fresh copy of ``pristine`` to ``s3://bench/<prefix>``, timed."""
+def _prune_once(
+    home: Path,
+    pristine: Path,
+    endpoint: str,
+    prefix: str,
+    env: dict[str, str],
+    options: dict[str, object] | None = None,
+) -> Usage:
+    """``ckptkeeper prune`` of a fresh copy of ``pristine`` to ``s3://bench/<prefix>``, timed
+    (``options``: more keys of the S3 tier's table, e.g. ``compression``)."""
     shutil.copytree(pristine, home / "hot", copy_function=shutil.copy2)
     for p in (home / "hot").rglob("*"):  # copytree's directory mtimes are new: settle them
         if p.is_dir():
@@ -465,6 +473,7 @@ def _prune_once(home: Path, pristine: Path, endpoint: str, prefix: str, env: dic
         "name": "cold",
         "url": f"s3://{BUCKET}/{prefix}",
         "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+        **(options or {}),
     }
     config = write_config(home, home / "hot", lower)
     usage = measure([sys.executable, "-m", "ckptkeeper.cli", "--config", str(config), "prune"], env)

@@ -171,3 +171,36 @@ def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_al
     )
     assert metrics[1] == "  same, client CPU"
     assert all(row["ours"] is not None and row["baseline"] is not None for row in doc["rows"])
+
+
+def test_tiny_compression_and_dedup_run_in_the_harness(tmp_path: Path) -> None:
+    """bench/compression.py and bench/dedup.py in ``python -m bench``: cold bytes per raw byte of
+    each real-framework checkpoint, client CPU against ``none``, and the whole ``ckptkeeper prune``
+    to SeaweedFS with each mode against a boto3 upload of the same files."""
+    out = tmp_path / "bench.json"
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "compression,dedup", "--json", str(out)]
+    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    metrics = [row["metric"] for row in doc["rows"]]
+    for ckpt in (
+        "HF fp32 + Adam",
+        "DCP fp32 + Adam",
+        "the same, saved again",
+        "HF pure bf16",
+        "half frozen fp32",
+    ):
+        assert f"compression: cold bytes per raw byte, {ckpt}" in metrics, metrics
+    for side in ("auto", "zstd", "none"):
+        assert any(m.startswith(f'prune to S3 (SeaweedFS), compression = "{side}"') for m in metrics), metrics
+    assert metrics.count("  same, client CPU per raw GiB") == 3
+    assert any(m.startswith("dedup_tensors: warm bytes per raw byte") for m in metrics), metrics
+    for row in doc["rows"]:
+        assert row["ours"] is not None and row["ours"] > 0 and row["baseline"] > 0, row
+        if row["samples"]:  # the prune rows: 3 alternating rounds of each side
+            assert len(row["samples"]["ckptkeeper"]) == 3 == len(row["samples"]["baseline"]), row
+    assert list(fast.iterdir()) == []  # every hot copy removed
