@@ -462,11 +462,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"tiers[{i}].dedup_tensors needs dedup = true")
             if t.dedup and t.shared and t.is_local:
                 raise ValueError(f"tiers[{i}].dedup: not available on a shared local tier (docs/dedup.md)")
-            if t.dedup and t.compression != "none":
-                raise ValueError(
-                    f"tiers[{i}].compression: not available on a dedup tier yet (its content store is "
-                    "written raw); choose dedup or compression for this tier (docs/compression.md)"
-                )
             _check_compression(i, t)
             if t.headroom is not None:
                 raise ValueError(

@@ -371,6 +371,7 @@ TEST_KINDS: dict[str, str] = {
     "test_hot_once": "e2e",
     "test_max_rate": "integration",
     "test_dedup": "e2e",
+    "test_dedup_compression": "e2e",
     "test_dedup_properties": "integration",
     "test_training_e2e": "e2e",
     "test_watermark_e2e": "e2e",

@@ -59,10 +59,16 @@ class FileEntry:
     else one of :data:`ENCODINGS`. ``size`` and ``hash`` stay the raw file's: not in the digest."""
     stored: int | None = field(default=None, compare=False)
     """Bytes the tier holds for an encoded file (None when raw)."""
+    forms: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    """With ``parts``: ``(encoding, stored size)`` of each piece's content object ("" and its size:
+    raw), in the order of ``parts``; empty: every piece raw. Written into ``parts`` items as
+    ``[size, hash, encoding, stored]``; not in the digest."""
 
     @property
     def stored_size(self) -> int:
         """Bytes the tier holds for this file."""
+        if self.forms:
+            return sum(stored for _enc, stored in self.forms)
         return self.stored if self.encoding and self.stored is not None else self.size
 
     def to_doc(self) -> dict[str, Any]:
@@ -70,7 +76,11 @@ class FileEntry:
         if self.location:
             doc["location"] = self.location
         if self.parts:
-            doc["parts"] = [[size, digest] for size, digest in self.parts]
+            forms = self.forms or tuple(("", size) for size, _ in self.parts)
+            doc["parts"] = [
+                [size, digest, enc, stored] if enc else [size, digest]
+                for (size, digest), (enc, stored) in zip(self.parts, forms, strict=True)
+            ]
         if self.encoding:  # written only when set: a raw copy's manifest is byte-identical to before
             doc["encoding"] = self.encoding
             doc["stored"] = self.stored
@@ -95,26 +105,42 @@ def _location(entry: Mapping[str, Any], i: int, digest: str) -> str:
     return IN_CONTENT
 
 
-def _parts(entry: Mapping[str, Any], i: int, size: int, location: str) -> tuple[tuple[int, str], ...]:
-    """The ``parts`` of a file entry read back: pieces of content-store objects adding up to the
-    file's size, each named by a 32-digit hex hash."""
+def _parts(
+    entry: Mapping[str, Any], i: int, size: int, location: str
+) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[str, int], ...]]:
+    """The ``parts`` of a file entry read back (pieces of content-store objects adding up to the
+    file's size, each named by a 32-digit hex hash), and how each piece is stored (all raw: ())."""
     raw = entry.get("parts")
     if raw is None:
-        return ()
+        return (), ()
     field = f"files[{i}].parts"
     if location != IN_CONTENT:
         raise schema.SchemaError(field, "parts only for a file in the content store")
+    if entry.get("encoding") not in (None, ""):
+        raise schema.SchemaError(
+            f"files[{i}].encoding", "a file in pieces records the encoding of each piece"
+        )
     out = []
+    forms = []
     for j, item in enumerate(schema.array(raw, field, max_len=1_000_000)):
-        if not isinstance(item, list) or len(item) != 2:
-            raise schema.SchemaError(f"{field}[{j}]", "want [size, hash]")
-        digest = schema.text(item[1], f"{field}[{j}]", max_len=64)
+        where = f"{field}[{j}]"
+        if not isinstance(item, list) or len(item) not in (2, 4):
+            raise schema.SchemaError(where, "want [size, hash] or [size, hash, encoding, stored]")
+        digest = schema.text(item[1], where, max_len=64)
         if len(digest) != 32 or not set(digest) <= _CONTENT_HASH_CHARS:
-            raise schema.SchemaError(f"{field}[{j}]", "a piece needs a 32-digit hex hash")
-        out.append((schema.size(item[0], f"{field}[{j}]"), digest))
+            raise schema.SchemaError(where, "a piece needs a 32-digit hex hash")
+        piece = schema.size(item[0], where)
+        out.append((piece, digest))
+        if len(item) == 2:
+            forms.append(("", piece))
+            continue
+        encoding, stored = _stored_form({"encoding": item[2], "stored": item[3]}, i, piece)
+        if not encoding or stored is None:
+            raise schema.SchemaError(where, "an encoded piece needs its encoding and stored size")
+        forms.append((encoding, stored))
     if sum(s for s, _ in out) != size:
         raise schema.SchemaError(field, "pieces do not add up to the file's size")
-    return tuple(out)
+    return tuple(out), (tuple(forms) if any(enc for enc, _ in forms) else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,15 +288,17 @@ class Manifest:
             digest = schema.text(entry.get("hash"), f"files[{i}].hash", max_len=256)
             location = _location(entry, i, digest)
             encoding, stored = _stored_form(entry, i, size)
+            parts, forms = _parts(entry, i, size, location)
             files.append(
                 FileEntry(
                     path=schema.rel_path(entry.get("path"), f"files[{i}].path", empty=True),
                     size=size,
                     hash=digest,
                     location=location,
-                    parts=_parts(entry, i, size, location),
+                    parts=parts,
                     encoding=encoding,
                     stored=stored,
+                    forms=forms,
                 )
             )
         if total > schema.MAX_BYTES:

@@ -5,9 +5,12 @@ Layout, relative to the tier's own area (the root, or ``<node>/`` of a shared bu
 
     .ckptkeeper/content/<node>/<hash[:2]>/<hash>
 
-named by the raw content hash the manifest already has (xxh3-128). A copy's manifest marks each
-such file ``"location": "content"`` (:attr:`ckptkeeper.core.model.FileEntry.location`); its digest
-does not change. A local copy keeps an empty directory at its place (the commit point of a local
+named by the raw content hash the manifest already has (xxh3-128); ``<hash>.z`` holds the same
+bytes in the framed format of :mod:`~ckptkeeper.storage.codec` (written when the tier compresses).
+A copy's manifest marks each such file ``"location": "content"``
+(:attr:`ckptkeeper.core.model.FileEntry.location`) and records which form it references and its
+stored size (``encoding``/``stored``, per piece in ``parts``); its digest does not change. Either
+form of a hash dedups the other: a copy references whichever is there. A local copy keeps an empty directory at its place (the commit point of a local
 copy is the rename of its staging directory); an S3 copy is its manifest alone.
 
 Order (kill -9 at any instant loses nothing): every content object of a copy is written whole
@@ -25,11 +28,7 @@ A reference is only ever followed into the reading node's own content store, by 
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
-import string
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +45,39 @@ from ckptkeeper.storage.base import (
     _split_rel,
     log,
 )
+from ckptkeeper.storage.content_codec import (
+    ENCODED_SUFFIX,
+    REUSED_ENCODING,
+    Ref,
+    refs,
+    with_refs,
+    write_encoded,
+)
+from ckptkeeper.storage.content_store import (
+    _HEX,
+    CONTENT_DIR,
+    _is_s3,
+    _local_size,
+    content_rel,
+    name_rel,
+    node_dir,
+    size_of,
+    sizes_of,
+)
 from ckptkeeper.util import hashing
+
+__all__ = [
+    "CONTENT_DIR",
+    "ENCODED_SUFFIX",
+    "_HEX",
+    "Ref",
+    "_is_s3",
+    "content_rel",
+    "name_rel",
+    "node_dir",
+    "refs",
+    "size_of",
+]
 
 if TYPE_CHECKING:  # the contract, without importing it (tier imports this module)
     from typing import Protocol
@@ -69,28 +100,6 @@ if TYPE_CHECKING:  # the contract, without importing it (tier imports this modul
         def list_trash(self) -> list[tuple[str, Manifest | None, float, str | None]]: ...
 
 
-CONTENT_DIR = ".ckptkeeper/content"
-_HEX = frozenset(string.digits + "abcdef")
-
-
-# -- names ----------------------------------------------------------------------------------
-
-
-def node_dir(tier: TierStorage) -> str:
-    """This node's directory in the content store (``_`` for an unnamed node)."""
-    node = tier.node or "_"
-    if len(_split_rel(node, "node name")) != 1:
-        raise StorageError(f"tier {tier.name!r}: node name {node!r} cannot name a content store")
-    return f"{CONTENT_DIR}/{node}"
-
-
-def content_rel(tier: TierStorage, digest: str) -> str:
-    """Tier-relative path of the content object ``digest`` (never anything a manifest spells)."""
-    if len(digest) != 32 or not set(digest) <= _HEX:
-        raise StorageError(f"tier {tier.name!r}: {digest!r} cannot name a content object")
-    return f"{node_dir(tier)}/{digest[:2]}/{digest}"
-
-
 def has_content(manifest: Manifest) -> bool:
     return any(e.location for e in manifest.files)
 
@@ -100,7 +109,11 @@ def plain(manifest: Manifest) -> Manifest:
     if not has_content(manifest):
         return manifest
     return dataclasses.replace(
-        manifest, files=tuple(dataclasses.replace(e, location="") for e in manifest.files)
+        manifest,
+        files=tuple(
+            dataclasses.replace(e, location="", encoding="", stored=None, forms=()) if e.location else e
+            for e in manifest.files
+        ),
     )
 
 
@@ -121,13 +134,8 @@ def _check_refs(tier: TierStorage, manifest: Manifest) -> None:
     if not all(e.location == IN_CONTENT for e in manifest.files):
         raise StorageError(f"tier {tier.name!r}: {_rel_of(manifest)} mixes content references and files")
     for e in manifest.files:
-        for _size, digest in objects(e):
-            content_rel(tier, digest)
-
-
-def objects(entry: FileEntry) -> list[tuple[int, str]]:
-    """``(size, hash)`` of the content objects holding a file: its pieces, or the file whole."""
-    return list(entry.parts) if entry.parts else [(entry.size, entry.hash)]
+        for ref in refs(e):
+            content_rel(tier, ref.digest)
 
 
 def layout(tier: TierStorage, manifest: Manifest) -> Manifest | None:
@@ -148,67 +156,6 @@ def layout(tier: TierStorage, manifest: Manifest) -> Manifest | None:
         return None
     _check_refs(tier, found)
     return dataclasses.replace(found, run=manifest.run)
-
-
-# -- the backends' content primitives --------------------------------------------------------
-
-
-def _is_s3(tier: TierStorage) -> bool:
-    return not tier.is_local
-
-
-def size_of(tier: TierStorage, digest: str) -> int | None:
-    """Size of the content object ``digest``, None if absent (or not a regular file)."""
-    return sizes_of(tier, [digest]).get(digest)
-
-
-def sizes_of(tier: TierStorage, digests: Iterable[str]) -> dict[str, int | None]:
-    """Size of each content object (None: absent); S3 asks 16 HEADs at once."""
-    wanted = sorted(set(digests))
-    rels = {d: content_rel(tier, d) for d in wanted}
-    if _is_s3(tier):
-        return _s3_sizes(tier, rels)
-    return {d: _local_size(tier, rel) for d, rel in rels.items()}
-
-
-def _local_size(tier: Any, rel: str) -> int | None:
-    parts = _split_rel(rel)
-    try:
-        with tier._parent_fd(parts, dev_check=False) as dir_fd:
-            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        raise StorageError(f"tier {tier.name!r}: cannot look at {rel}: {_describe(exc)}") from exc
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def _s3_sizes(tier: Any, rels: dict[str, str]) -> dict[str, int | None]:
-    import asyncio
-
-    from fsspec.asyn import sync
-
-    async def head(key: str) -> int | None:
-        try:
-            resp = await tier.fs._call_s3("head_object", Bucket=tier.bucket, Key=key)
-        except FileNotFoundError:
-            return None
-        return int(resp["ContentLength"])
-
-    async def all_heads() -> list[int | None]:
-        sem = asyncio.Semaphore(16)
-
-        async def one(key: str) -> int | None:
-            async with sem:
-                return await head(key)
-
-        return await asyncio.gather(*(one(tier._key(r)) for r in rels.values()))
-
-    if not rels:
-        return {}
-    with tier._errors("looking at content objects"):
-        got = sync(tier.fs.loop, all_heads)
-    return dict(zip(rels, got, strict=True))
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -268,11 +215,31 @@ def open_entry(tier: TierStorage, rel: str, entry: FileEntry) -> _Reader:
     if entry.location == IN_CONTENT and entry.parts:
         from ckptkeeper.storage.content_tensors import Concat
 
-        rels = [content_rel(tier, digest) for _size, digest in entry.parts]
-        return Concat([lambda r=r: tier._open_read(r, "") for r in rels])  # type: ignore[misc]
+        where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
+        return Concat([lambda r=r: _open_ref(tier, r, where) for r in refs(entry)])  # type: ignore[misc]
     if entry.location == IN_CONTENT:
-        return tier._open_read(content_rel(tier, entry.hash), "")
+        where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
+        return _open_ref(tier, refs(entry)[0], where)
     return tier._open_entry(rel, entry)  # decoded when that tier stores it compressed
+
+
+def _open_ref(tier: TierStorage, ref: Ref, where: str = "") -> _Reader:
+    """The raw bytes of one content object (decoded from its framed form)."""
+    reader = tier._open_read(name_rel(tier, ref.name), "")
+    if not ref.encoding:
+        return reader
+    from ckptkeeper.storage import codec
+
+    return codec.DecodingReader(reader, ref.stored, f"{where or tier.name} (content {ref.name})")
+
+
+def _source(src: TierStorage, rel: str, src_entry: FileEntry, piece: tuple[int, int, str] | None) -> _Reader:
+    reader = open_entry(src, rel, src_entry)
+    if piece is not None:
+        from ckptkeeper.storage.content_tensors import Window
+
+        reader = Window(reader, piece[0], piece[1])
+    return reader
 
 
 def _write_content(
@@ -282,35 +249,83 @@ def _write_content(
     src_entry: FileEntry,
     piece: tuple[int, int, str] | None,
     progress: Progress | None,
-) -> None:
+    mode: str = "none",
+) -> Ref:
     """Write one content object from ``src``'s file (or the ``(offset, size, hash)`` piece of
-    it), whole and checked, before any reference."""
+    it), whole and checked, before any reference; encoded (``<hash>.z``) when ``mode`` compresses
+    and that saves enough, else raw. Returns what was written."""
     size, digest = (src_entry.size, src_entry.hash) if piece is None else piece[1:]
-    target = content_rel(tier, digest)
-    if not _is_s3(tier) and _local_size(tier, target) is not None:
-        tier.delete(target)  # damaged (another size): this node's own; a correct one replaces it
-    item = FileEntry(path="", size=size, hash=digest)
-    writer, committer = _content_sink(tier, target, item)
-    reader = open_entry(src, rel, src_entry)
-    if piece is not None:
-        from ckptkeeper.storage.content_tensors import Window
-
-        reader = Window(reader, piece[0], size)
     where = f"{src.name}:{rel}/{src_entry.path}" if src_entry.path else f"{src.name}:{rel}"
+    item = FileEntry(path="", size=size, hash=digest)
+    if mode != "none" and size:
+        ref = _write_encoded(tier, _source(src, rel, src_entry, piece), item, mode, where, progress)
+        if ref is not None:
+            return ref
+        progress = None  # compressing saved too little: the raw bytes, read again (counted once)
+    _write_object(tier, content_rel(tier, digest), item, _source(src, rel, src_entry, piece), where, progress)
+    return Ref(size, digest)
+
+
+def _write_encoded(
+    tier: TierStorage, reader: _Reader, item: FileEntry, mode: str, where: str, progress: Progress | None
+) -> Ref | None:
+    """:func:`~.content_codec.write_encoded` into ``<hash>.z``, from ``reader``."""
+    target = content_rel(tier, item.hash, encoded=True)
+
+    def opener(stored: FileEntry) -> tuple[_FileWriter, Any, Any]:
+        if not _is_s3(tier) and _local_size(tier, target) is not None:
+            tier.delete(target)  # damaged (a scrub found it): a correct one replaces it
+        writer, committer = _content_sink(tier, target, stored)
+        return (
+            writer,
+            lambda: _commit_object(tier, committer, target, stored),
+            lambda: _abort_object(tier, committer, target),
+        )
+
+    spool = str(getattr(tier, "root", "")) if tier.is_local else ""
     try:
-        _pump(reader, writer, item, where, progress)
-        if _is_s3(tier):
-            _s3_trust(tier, committer, target, item)
-        else:
-            committer.commit(None)
-    except BaseException:
-        try:
-            committer.abort()
-        except Exception as exc:  # the staging name stays for list_staging / the next pass
-            log.warning("%s: cleaning up content %s: %s", tier.name, digest, _describe(exc))
-        raise
+        return write_encoded(
+            opener,
+            lambda writer: _pump(reader, writer, item, where, progress),
+            item,
+            mode,
+            f"{tier.name}:content {item.hash}",
+            spool or None,
+        )
     finally:
         reader.close()
+
+
+def _write_object(
+    tier: TierStorage, target: str, item: FileEntry, reader: _Reader, where: str, progress: Progress | None
+) -> None:
+    """Pump ``reader`` (checked against ``item``) into the content object at ``target``."""
+    try:
+        if not _is_s3(tier) and _local_size(tier, target) is not None:
+            tier.delete(target)  # damaged (another size): this node's own; a correct one replaces it
+        writer, committer = _content_sink(tier, target, item)
+        try:
+            _pump(reader, writer, item, where, progress)
+            _commit_object(tier, committer, target, item)
+        except BaseException:
+            _abort_object(tier, committer, target)
+            raise
+    finally:
+        reader.close()
+
+
+def _commit_object(tier: TierStorage, committer: Any, target: str, item: FileEntry) -> None:
+    if _is_s3(tier):
+        _s3_trust(tier, committer, target, item)
+    else:
+        committer.commit(None)
+
+
+def _abort_object(tier: TierStorage, committer: Any, target: str) -> None:
+    try:
+        committer.abort()
+    except Exception as exc:  # the staging name stays for list_staging / the next pass
+        log.warning("%s: cleaning up content %s: %s", tier.name, target, _describe(exc))
 
 
 def _s3_trust(tier: Any, writer: Any, rel: str, item: FileEntry) -> None:
@@ -336,6 +351,8 @@ class CopyStats:
     deduped_bytes: int = 0
     uploaded_files: int = 0
     deduped_files: int = 0
+    stored_bytes: int = 0
+    """Bytes the objects written hold in the store (less than ``uploaded_bytes`` when encoded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -384,27 +401,32 @@ def copy_deduped(
         ),
     )
     _check_refs(tier, stored)
+    files: list[FileEntry] = []
     stats = CopyStats(tier=tier.name, path=rel)
-    present = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
-    if rehash:
-        present = {h: size for h, size in present.items() if size is not None and _intact(tier, h, size)}
-    written: set[str] = set()
+    mode = getattr(tier.spec, "compression", "none") or "none"
+    found = _present(tier, stored, rehash=rehash)
     for entry in stored.files:
         cut: list[tuple[int, int, str] | None] = list(pieces.get(entry.path, [])) or [None]
+        held: list[Ref] = []
         for piece in cut:
             size, digest = (entry.size, entry.hash) if piece is None else piece[1:]
-            if present.get(digest) == size or digest in written:
+            ref = found.get(digest)
+            if ref is not None:
                 stats.deduped_bytes += size
                 stats.deduped_files += 1
                 if progress is not None and size:
                     progress(size)
-                continue
-            _write_content(tier, src, rel, src_entries[entry.path], piece, progress)
-            if progress is not None:
-                progress(0)  # a content object committed, its manifest not yet: a crash point of its own
-            written.add(digest)
-            stats.uploaded_bytes += size
-            stats.uploaded_files += 1
+            else:
+                ref = _write_content(tier, src, rel, src_entries[entry.path], piece, progress, mode)
+                if progress is not None:
+                    progress(0)  # a content object committed, its manifest not yet: a crash point of its own
+                found[digest] = ref
+                stats.uploaded_bytes += size
+                stats.uploaded_files += 1
+                stats.stored_bytes += ref.stored_size
+            held.append(ref)
+        files.append(with_refs(entry, held))
+    stored = dataclasses.replace(stored, files=tuple(files))
     # Everything referenced is there, at its size, now: then (and only then) the commit.
     damage = content_damage(tier, stored)
     if damage:
@@ -419,6 +441,29 @@ def copy_deduped(
         raise StorageError(f"commit of {rel} in {tier.name!r} failed: {_describe(exc)}") from exc
     with _RECORDER.lock:
         _RECORDER.copies.append(stats)
+
+
+def _present(tier: TierStorage, stored: Manifest, *, rehash: bool) -> dict[str, Ref]:
+    """Hash -> the object of that hash already in the store, raw (at its size) or encoded; with
+    ``rehash`` only one that reads back to its hash."""
+    wanted = {r.digest: r.size for e in stored.files for r in refs(e)}
+    sizes = sizes_of(tier, [d + sfx for d in wanted for sfx in ("", ENCODED_SUFFIX)])
+    mode = getattr(tier.spec, "compression", "none") or "none"
+    out: dict[str, Ref] = {}
+    for digest, size in wanted.items():
+        options = []
+        if sizes.get(digest) == size:
+            options.append(Ref(size, digest))
+        z = sizes.get(digest + ENCODED_SUFFIX)
+        if z is not None and (z > 0 or size == 0):
+            options.append(Ref(size, digest, REUSED_ENCODING, z))
+        if mode != "none":
+            options.reverse()  # a compressing tier prefers the encoded form
+        for ref in options:
+            if not rehash or _intact(tier, ref):
+                out[digest] = ref
+                break
+    return out
 
 
 def _split(
@@ -446,15 +491,18 @@ def _split(
     return out
 
 
-def _intact(tier: TierStorage, digest: str, size: int) -> bool:
-    """The content object ``digest`` hashes to its name (read whole)."""
-    reader = tier._open_read(content_rel(tier, digest), "")
+def _intact(tier: TierStorage, ref: Ref) -> bool:
+    """The content object ``ref`` (decoded) hashes to its name (read whole)."""
     try:
-        got, found = hashing.hash_stream(reader)  # type: ignore[arg-type]
-    finally:
-        reader.close()
-    if (got, found) != (size, digest):
-        log.warning("%s: content %s does not hash to its name; writing it again", tier.name, digest)
+        reader = _open_ref(tier, ref)
+        try:
+            got, found = hashing.hash_stream(reader)  # type: ignore[arg-type]
+        finally:
+            reader.close()
+    except VerificationError:
+        got, found = -1, ""
+    if (got, found) != (ref.size, ref.digest):
+        log.warning("%s: content %s does not hash to its name; writing it again", tier.name, ref.name)
         return False
     return True
 
@@ -476,18 +524,20 @@ def _placeholder_sink(tier: TierStorage, rel: str, stored: Manifest) -> _Sink:
 
 
 def content_damage(tier: TierStorage, stored: Manifest) -> list[str]:
-    """Referenced content objects missing or of another size ([] = all there)."""
+    """Referenced content objects missing or of another stored size ([] = all there)."""
     rel = _rel_of(stored)
-    sizes = sizes_of(tier, [h for e in stored.files for _, h in objects(e)])
+    sizes = sizes_of(tier, [r.name for e in stored.files for r in refs(e)])
     problems = []
     for e in stored.files:
         where = f"{rel}/{e.path}" if e.path else rel
-        for size, digest in objects(e):
-            got = sizes.get(digest)
+        for ref in refs(e):
+            got = sizes.get(ref.name)
             if got is None:
-                problems.append(f"{where}: content {digest} missing")
-            elif got != size:
-                problems.append(f"{where}: content {digest} is {got} bytes, manifest says {size}")
+                problems.append(f"{where}: content {ref.name} missing")
+            elif got != ref.stored_size:
+                problems.append(
+                    f"{where}: content {ref.name} is {got} bytes, manifest says {ref.stored_size}"
+                )
     return problems
 
 
@@ -516,6 +566,9 @@ def verify(tier: TierStorage, stored: Manifest, *, deep: bool, on_bytes: Progres
                 got_size += len(chunk)
                 if on_bytes is not None:
                     on_bytes(len(chunk))
+        except VerificationError as exc:  # an encoded object that does not decode
+            problems.append(str(exc))
+            continue
         finally:
             reader.close()
         digest = hasher.hexdigest()

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.storage.base import StorageError, _describe, _split_rel
-from ckptkeeper.storage.content import _HEX, _is_s3, content_rel, node_dir, objects
+from ckptkeeper.storage.content_codec import ENCODED_SUFFIX, refs
+from ckptkeeper.storage.content_store import _HEX, _is_s3, content_rel, node_dir
 
 if TYPE_CHECKING:
     from ckptkeeper.storage.content import TierStorage
@@ -28,6 +29,13 @@ class ContentObject:
     """When the store wrote it, by the store's clock (mtime; S3 ``LastModified``)."""
     staging: str = ""
     """The name of an interrupted write of it (a local staging file, never referenced)."""
+    encoded: bool = False
+    """``<hash>.z``: stored in the codec's framed format."""
+
+    @property
+    def name(self) -> str:
+        """Its name in the store, as :attr:`~.content.Ref.name` spells a reference to it."""
+        return self.digest + (ENCODED_SUFFIX if self.encoded else "")
 
 
 def list_content(tier: TierStorage) -> list[ContentObject]:
@@ -41,9 +49,12 @@ def list_content(tier: TierStorage) -> list[ContentObject]:
             objs = s3._list_objects(prefix)
         for o in objs:
             rest = str(o["Key"])[len(prefix) :]
-            sub, _, digest = rest.partition("/")
+            sub, _, name = rest.partition("/")
+            digest, encoded = _split_name(name)
             if _valid_name(sub, digest):
-                out.append(ContentObject(digest, int(o["Size"]), o["LastModified"].timestamp()))
+                out.append(
+                    ContentObject(digest, int(o["Size"]), o["LastModified"].timestamp(), encoded=encoded)
+                )
         return out
     local: Any = tier
     parts = _split_rel(base)
@@ -56,9 +67,10 @@ def list_content(tier: TierStorage) -> list[ContentObject]:
             try:
                 for sub in sorted(os.listdir(fd)):
                     for name, st in _local_entries(fd, sub):
-                        digest = name.split(STAGING_MARK, 1)[0]
-                        staging = name if name != digest else ""
-                        out.append(ContentObject(digest, st.st_size, st.st_mtime, staging))
+                        base = name.split(STAGING_MARK, 1)[0]
+                        digest, encoded = _split_name(base)
+                        staging = name if name != base else ""
+                        out.append(ContentObject(digest, st.st_size, st.st_mtime, staging, encoded))
             finally:
                 os.close(fd)
     except OSError as exc:
@@ -84,7 +96,7 @@ def _local_entries(fd: int, sub: str) -> list[tuple[str, os.stat_result]]:
     try:
         found = []
         for name in os.listdir(sfd):
-            digest = name.split(STAGING_MARK, 1)[0]
+            digest, _encoded = _split_name(name.split(STAGING_MARK, 1)[0])
             if _valid_name(sub, digest):
                 st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode):
@@ -94,17 +106,26 @@ def _local_entries(fd: int, sub: str) -> list[tuple[str, os.stat_result]]:
         os.close(sfd)
 
 
+def _split_name(name: str) -> tuple[str, bool]:
+    """``(hash, encoded)`` of a content object's name (``<hash>`` or ``<hash>.z``)."""
+    if name.endswith(ENCODED_SUFFIX):
+        return name[: -len(ENCODED_SUFFIX)], True
+    return name, False
+
+
 def _valid_name(sub: str, digest: str) -> bool:
     return len(digest) == 32 and set(digest) <= _HEX and digest[:2] == sub and STAGING_MARK not in digest
 
 
-def remove(tier: TierStorage, digest: str, staging: str = "") -> None:
-    """Remove the content object ``digest`` (or its interrupted write ``staging``)."""
-    rel = content_rel(tier, digest)
+def remove(tier: TierStorage, digest: str, staging: str = "", *, encoded: bool = False) -> None:
+    """Remove the content object ``digest`` (its ``.z`` form if ``encoded``; or its interrupted
+    write ``staging``)."""
+    rel = content_rel(tier, digest, encoded)
+    name = rel.rsplit("/", 1)[-1]
     if staging:
-        if not staging.startswith(digest + STAGING_MARK) or "/" in staging:
-            raise StorageError(f"tier {tier.name!r}: {staging!r} is not a staging name of {digest}")
-        rel = rel[: -len(digest)] + staging
+        if not staging.startswith(name + STAGING_MARK) or "/" in staging:
+            raise StorageError(f"tier {tier.name!r}: {staging!r} is not a staging name of {name}")
+        rel = rel[: -len(name)] + staging
     if _is_s3(tier):
         s3: Any = tier
         with s3._errors(f"removing content {digest}"):
@@ -170,17 +191,18 @@ class Collected:
 
 
 def live_refs(tier: TierStorage) -> set[str]:
-    """Every content hash a manifest of this node in the tier references: committed copies
-    (damaged ones too) and trash entries. Raises :class:`TierUnavailable` if either listing is
-    incomplete: unknown references are never taken for none."""
-    refs: set[str] = set()
+    """Every content object (by name: ``<hash>`` or ``<hash>.z``) a manifest of this node in the
+    tier references: committed copies (damaged ones too) and trash entries. Raises
+    :class:`TierUnavailable` if either listing is incomplete: unknown references are never taken
+    for none."""
+    names: set[str] = set()
     for _rel, manifest, _err in tier.list_manifests():
         if manifest is not None:
-            refs.update(h for e in manifest.files if e.location for _, h in objects(e))
+            names.update(r.name for e in manifest.files if e.location for r in refs(e))
     for _entry, manifest, _when, _why in tier.list_trash():
         if manifest is not None:
-            refs.update(h for e in manifest.files if e.location for _, h in objects(e))
-    return refs
+            names.update(r.name for e in manifest.files if e.location for r in refs(e))
+    return names
 
 
 def collect(
@@ -197,19 +219,19 @@ def collect(
     candidate, and every manifest committed before the reference listing is seen (every tier
     write of this node holds the executor lock the pass holds, so none commits in between)."""
     objects = list_content(tier)
-    refs = live_refs(tier)
+    live = live_refs(tier)
     clock = store_now(tier) if now is None else now
     out = Collected(tier=tier.name, objects=len(objects), stored_bytes=sum(o.size for o in objects))
     for obj in objects:
-        if obj.digest in refs and not obj.staging:
+        if obj.name in live and not obj.staging:
             out.referenced += 1
         elif clock - obj.mtime <= grace:
             out.young += 1
         else:
             if not dry_run:
                 if before_remove is not None:
-                    before_remove(obj.digest)
-                remove(tier, obj.digest, obj.staging)
+                    before_remove(obj.name)
+                remove(tier, obj.digest, obj.staging, encoded=obj.encoded)
             out.removed += 1
             out.removed_bytes += obj.size
     return out

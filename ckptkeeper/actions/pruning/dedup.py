@@ -28,6 +28,7 @@ class ContentCollection(Participant):
             doc: dict[str, Any] = {
                 "uploaded_bytes": sum(c.uploaded_bytes for c in mine),
                 "deduped_bytes": sum(c.deduped_bytes for c in mine),
+                "stored_bytes": sum(c.stored_bytes for c in mine),
                 "collected": None,
             }
             try:
