@@ -252,3 +252,56 @@ def test_kill9_at_every_crash_point_of_a_compressed_collection(
 
     points = sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300))
     assert points > 3
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+
+H1, H2 = "1" * 32, "2" * 32
+
+
+def _doc(entry: dict[str, Any]) -> str:
+    return json.dumps(
+        {
+            "version": 1,
+            "run": "run",
+            "step": 1,
+            "name": "checkpoint-1",
+            "layout": "hf",
+            "is_dir": True,
+            "files": [{"path": "a", "size": 3000, "hash": "0" * 32, "location": "content", **entry}],
+        }
+    )
+
+
+def test_manifest_records_the_form_of_each_piece_and_reads_old_ones_unchanged() -> None:
+    split = Manifest.from_json(_doc({"parts": [[1000, H1], [2000, H2, "zipnn", 1500]]}))
+    (entry,) = split.files
+    assert [r.name for r in content.refs(entry)] == [H1, H2 + ".z"]
+    assert [r.stored_size for r in content.refs(entry)] == [1000, 1500]
+    assert entry.stored_size == 2500
+    assert Manifest.from_json(split.to_json()) == split
+    assert Manifest.from_json(split.to_json()).files[0].forms == entry.forms
+    whole = Manifest.from_json(_doc({"encoding": "zstd", "stored": 900}))
+    assert [(r.name, r.stored_size) for r in content.refs(whole.files[0])] == [("0" * 32 + ".z", 900)]
+    raw = Manifest.from_json(_doc({"parts": [[1000, H1], [2000, H2]]}))
+    assert raw.files[0].forms == () and '"parts": [\n' in raw.to_json()
+    assert "zipnn" not in raw.to_json() and '"stored"' not in raw.to_json()
+    # how the bytes are stored is not the version: one digest for every form
+    assert split.digest == whole.digest == raw.digest == Manifest.from_json(_doc({})).digest
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"parts": [[1000, H1], [2000, H2, "zipnn"]]},
+        {"parts": [[1000, H1], [2000, H2, "lz4", 1500]]},
+        {"parts": [[1000, H1], [2000, H2, "", 1500]]},
+        {"parts": [[1000, H1], [2000, H2, "zipnn", None]]},
+        {"parts": [[1000, H1], [2000, H2, "zipnn", 10**9]]},  # more stored than raw allows
+        {"parts": [[1000, H1], [2000, H2, "zipnn", -1]]},
+        {"parts": [[1000, H1], [2000, H2]], "encoding": "zipnn", "stored": 10},  # per piece only
+    ],
+)
+def test_manifest_forms_are_validated(entry: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"files\[0\]"):
+        Manifest.from_json(_doc(entry))
