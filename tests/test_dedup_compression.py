@@ -247,7 +247,7 @@ def test_kill9_at_every_crash_point_of_a_compressed_collection(
         _save(node, 200, _tensors(2, frozen=1))
         _save(node, 300, _tensors(3, frozen=1))
         node.prune()
-        node.configure(keep_last=1, **ZIP)  # 100 expires: its trained half becomes unreferenced
+        node.configure(keep_last=2, **ZIP)  # 100 expires: its trained half becomes unreferenced
         return node
 
     points = sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300))
