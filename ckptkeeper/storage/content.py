@@ -10,8 +10,9 @@ bytes in the framed format of :mod:`~ckptkeeper.storage.codec` (written when the
 A copy's manifest marks each such file ``"location": "content"``
 (:attr:`ckptkeeper.core.model.FileEntry.location`) and records which form it references and its
 stored size (``encoding``/``stored``, per piece in ``parts``); its digest does not change. Either
-form of a hash dedups the other: a copy references whichever is there. A local copy keeps an empty directory at its place (the commit point of a local
-copy is the rename of its staging directory); an S3 copy is its manifest alone.
+form of a hash dedups the other: a copy references whichever is there. A local copy keeps an
+empty directory at its place (the commit point of a local copy is the rename of its staging
+directory); an S3 copy is its manifest alone.
 
 Order (kill -9 at any instant loses nothing): every content object of a copy is written whole
 (local: staging name + fsync + rename; S3: one PUT or a completed multipart upload, which a
