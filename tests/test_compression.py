@@ -450,7 +450,20 @@ def test_the_compression_bench_runs_on_checkpoints_it_trains(tmp_path: Path) -> 
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.compression", "--vocab", "2000", "--dim", "64", "--layers", "2", "--steps", "2", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "bench.compression",
+            "--vocab",
+            "2000",
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+        ],
         cwd=Path(__file__).parent.parent,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "TMPDIR": str(tmp_path)},
         capture_output=True,
