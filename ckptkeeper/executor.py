@@ -30,7 +30,7 @@ from ckptkeeper.core.model import Action, ActionKind, Artifact, CheckpointState,
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.ingest import hookfiles, layouts
-from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
+from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage, content
 from ckptkeeper.undo import TrashSteps
 from ckptkeeper.util.fingerprint import Fingerprint
 from ckptkeeper.util.logs import get_logger
@@ -79,6 +79,8 @@ class ExecResult:
     stopped: bool = False
     compressed: list[tuple[Action, dict[str, Any]]] = field(default_factory=list)
     """Per copy into a compressing tier: raw and stored bytes, compression CPU (docs/compression.md)."""
+    deduped: list[content.CopyStats] = field(default_factory=list)
+    """Per copy into a dedup tier: bytes uploaded and bytes referenced instead (docs/dedup.md)."""
 
     @property
     def ok(self) -> bool:
@@ -114,6 +116,7 @@ class Executor(TrashSteps):
         self._crash = _CrashPoints()
         self._reclaimed: dict[str, int] = {}
         self._compressed: list[tuple[Action, dict[str, Any]]] = []
+        self._deduped: list[content.CopyStats] = []
         """tier -> bytes freed by the current :meth:`apply` (recorded with the index's total)."""
 
     def storage(self, tier: str) -> TierStorage:
@@ -213,6 +216,7 @@ class Executor(TrashSteps):
         result = ExecResult()
         self._reclaimed = result.reclaimed_bytes
         self._compressed = result.compressed
+        self._deduped = result.deduped
         result.recovered = self.recover()
         moves = self._local_moves(plan.actions)
         copied_ok: set[tuple[str, str]] = set()
@@ -394,7 +398,10 @@ class Executor(TrashSteps):
                     self.progress(action, done, total)
                 self._crash.hit("copy-progress")
 
-            stats = dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace).stats
+            copied = dst.copy_from(src, manifest, progress=on_bytes, replace_damaged=replace)
+            stats = copied.stats
+            if copied.deduped is not None:
+                self._deduped.append(copied.deduped)
             stored = (
                 None if stats is None else stats.stored_bytes
             )  # None: as recorded (a listing corrects it)

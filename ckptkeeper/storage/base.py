@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ckptkeeper.core.model import (
@@ -185,3 +186,62 @@ def _parse_pin(rel: str, data: bytes) -> tuple[str, str] | None:
     except StorageError:
         return None
     return run, name
+
+
+FileCopy = Callable[[FileEntry, "Progress | None", threading.Event], None]
+"""Copies one file of a checkpoint, reporting bytes to the progress given and stopping at its next
+chunk once the event is set (another file failed)."""
+
+
+def largest_first(
+    entries: Iterable[FileEntry],
+    workers: int,
+    make_worker: Callable[[], FileCopy],
+    progress: Progress | None,
+    name: str,
+) -> None:
+    """Run ``make_worker()``'s copy (one per thread, so each may keep its own buffer) over every
+    entry on ``workers`` threads, the largest files first, so no big file is left to run alone at
+    the end. The first failure stops the other threads at their next chunk and is raised once all
+    of them have returned, so the caller's abort (its staging removed) never races a writer;
+    Ctrl-C while waiting does the same."""
+    pending = iter(sorted(entries, key=lambda e: (-e.size, e.path)))
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    report: Progress | None = None
+    if progress is not None:
+        outer = progress
+
+        def report(n: int) -> None:
+            with lock:
+                outer(n)
+
+    def work() -> None:
+        copy = make_worker()
+        while not stop.is_set():
+            with lock:
+                entry = next(pending, None)
+            if entry is None:
+                return
+            try:
+                copy(entry, report, stop)
+            except BaseException as exc:  # raised by the caller's thread below
+                with lock:
+                    errors.append(exc)  # before stop is set: the first error is a real one
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, name=f"{name}-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper.core.model import IN_CONTENT, FileEntry, Manifest
 from ckptkeeper.storage.base import (
+    FileCopy,
     Progress,
     StorageError,
     VerificationError,
@@ -44,6 +45,7 @@ from ckptkeeper.storage.base import (
     _rel_of,
     _Sink,
     _split_rel,
+    largest_first,
     log,
 )
 from ckptkeeper.storage.content_codec import (
@@ -95,6 +97,7 @@ if TYPE_CHECKING:  # the contract, without importing it (tier imports this modul
         def _open_read(self, rel: str, file_path: str) -> _Reader: ...
         def _open_entry(self, rel: str, entry: FileEntry) -> _Reader: ...
         def _stored_form(self, manifest: Manifest) -> Manifest: ...
+        def _how_stored(self, manifest: Manifest) -> tuple[Manifest | None, Manifest]: ...
         def _begin_write(self, rel: str, manifest: Manifest) -> _Sink: ...
         def delete(self, rel_path: str) -> int: ...
         def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]: ...
@@ -152,6 +155,11 @@ def layout(tier: TierStorage, manifest: Manifest) -> Manifest | None:
         committed = tier.read_manifest(_rel_of(manifest))
     except StorageError:
         committed = None
+    return layout_from(tier, manifest, committed)
+
+
+def layout_from(tier: TierStorage, manifest: Manifest, committed: Manifest | None) -> Manifest | None:
+    """:func:`layout` with the tier's committed manifest already read (None: none readable)."""
     found = committed if committed is not None and committed.digest == manifest.digest else manifest
     if not has_content(found):
         return None
@@ -359,22 +367,6 @@ class CopyStats:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class _Recorder:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    copies: list[CopyStats] = field(default_factory=list)
-
-
-_RECORDER = _Recorder()
-
-
-def drain_stats() -> list[CopyStats]:
-    """The dedup copies made in this process since the last call (the prune pass reports them)."""
-    with _RECORDER.lock:
-        out, _RECORDER.copies = _RECORDER.copies, []
-    return out
-
-
 def copy_deduped(
     tier: TierStorage,
     src: TierStorage,
@@ -382,14 +374,16 @@ def copy_deduped(
     progress: Progress | None,
     *,
     rehash: bool = False,
-) -> None:
+) -> CopyStats:
     """:meth:`TierStorage.copy_from` into a dedup tier: each file not yet in this node's content
     store is written there (whole, checked), then the manifest referencing all of them commits.
+    Returns what was uploaded and what was referenced instead (the prune pass reports it).
 
     ``rehash``: the copy replaces one a scrub found damaged, whose bytes a size check cannot
     see: every object already there is hashed, and one that does not match is written again."""
     rel = _rel_of(manifest)
-    source = layout(src, manifest) or src._stored_form(manifest)  # a compressed source decodes
+    in_content, stored_form = src._how_stored(manifest)
+    source = in_content or stored_form  # a compressed source decodes
     src_entries = {e.path: e for e in source.files}
     pieces = _split(tier, src, rel, manifest, src_entries)
     stored = dataclasses.replace(
@@ -440,8 +434,7 @@ def copy_deduped(
         if isinstance(exc, StorageError) or not isinstance(exc, Exception):
             raise
         raise StorageError(f"commit of {rel} in {tier.name!r} failed: {_describe(exc)}") from exc
-    with _RECORDER.lock:
-        _RECORDER.copies.append(stats)
+    return stats
 
 
 def _present(tier: TierStorage, stored: Manifest, *, rehash: bool) -> dict[str, Ref]:
@@ -595,45 +588,11 @@ def stream_into(
         for e in stored.files:
             _copy_one(src, rel, e, sink, progress, None)
         return
-    pending = iter(sorted(stored.files, key=lambda e: (-e.size, e.path)))
-    lock = threading.Lock()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    report: Progress | None = None
-    if progress is not None:
-        outer = progress
 
-        def report(n: int) -> None:
-            with lock:
-                outer(n)
+    def make_worker() -> FileCopy:
+        return lambda entry, report, stop: _copy_one(src, rel, entry, sink, report, stop)
 
-    def work() -> None:
-        while not stop.is_set():
-            with lock:
-                entry = next(pending, None)
-            if entry is None:
-                return
-            try:
-                _copy_one(src, rel, entry, sink, report, stop)
-            except BaseException as exc:  # raised by the caller's thread below
-                with lock:
-                    errors.append(exc)
-                stop.set()
-                return
-
-    threads = [threading.Thread(target=work, name=f"ckptkeeper-content-{i}") for i in range(workers)]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            t.join()
-    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
-        stop.set()
-        for t in threads:
-            t.join()
-        raise
-    if errors:
-        raise errors[0]
+    largest_first(stored.files, workers, make_worker, progress, "ckptkeeper-content")
 
 
 def _copy_one(

@@ -21,6 +21,7 @@ from ckptkeeper.core.model import (
 from ckptkeeper.hook.protocol import TRASH_DIR
 from ckptkeeper.storage import compressed, content
 from ckptkeeper.storage.base import (
+    FileCopy,
     Progress,
     StorageError,
     VerificationError,
@@ -30,6 +31,7 @@ from ckptkeeper.storage.base import (
     _rel_of,
     _Sink,
     _split_rel,
+    largest_first,
     log,
 )
 from ckptkeeper.storage.localfs import _LocalSink
@@ -45,10 +47,12 @@ _BACKENDS: dict[str, type[TierStorage]] = {}
 @dataclass(frozen=True, slots=True)
 class Copied:
     """What :meth:`TierStorage.copy_from` committed: the manifest (with the hashes a copy that
-    hashed its source computed) and, when the tier compresses, what it stored."""
+    hashed its source computed) and, when the tier compresses, what it stored; when it dedups,
+    what it uploaded and what it referenced instead."""
 
     manifest: Manifest
     stats: compressed.CopyStats | None = None
+    deduped: content.CopyStats | None = None
 
 
 class TierStorage:
@@ -266,16 +270,20 @@ class TierStorage:
                 raise StorageError(
                     f"{rel}: a dedup tier takes only hashed checkpoints (the content store is keyed by hash)"
                 )
-            content.copy_deduped(self, src, manifest, _limiter(src, self, progress), rehash=replace_damaged)
-            return Copied(manifest)
-        source = content.layout(src, manifest)
+            return Copied(
+                manifest,
+                deduped=content.copy_deduped(
+                    self, src, manifest, _limiter(src, self, progress), rehash=replace_damaged
+                ),
+            )
+        source, src_stored = src._how_stored(manifest)
         sink = self._encoding(self._begin_write(rel, manifest), rel)
         limit = _limiter(src, self, progress)
         try:
             if source is not None:  # a dedup copy in src: its bytes are in src's content store
                 content.stream_into(src, rel, source, sink, limit)
             else:
-                hashed = _stream_checkpoint(src, rel, src._stored_form(manifest), sink, limit, fingerprints)
+                hashed = _stream_checkpoint(src, rel, src_stored, sink, limit, fingerprints)
                 if fingerprints is not None:
                     _check_unchanged(src, rel, manifest, fingerprints)
                     manifest = dataclasses.replace(manifest, files=tuple(hashed))
@@ -304,9 +312,8 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
-        stored = self._stored_form(manifest)
+        layout, stored = self._how_stored(manifest)
         try:
-            layout = content.layout(self, manifest)
             if layout is not None:
                 content.stream_into(self, rel, layout, sink, progress, workers=self.fetch_workers)
             elif any(e.encoding for e in stored.files):  # decoded as it streams: no ranged fast path
@@ -341,13 +348,13 @@ class TierStorage:
         """
         _check_manifest(manifest)
         rel = _rel_of(manifest)
-        stored = content.layout(self, manifest)
-        if stored is not None:
-            return content.verify(self, stored, deep=deep, on_bytes=on_bytes)
+        in_content, stored = self._how_stored(manifest)
+        if in_content is not None:
+            return content.verify(self, in_content, deep=deep, on_bytes=on_bytes)
         present = self._list_files(rel, manifest.is_dir)
         if present is None:
             return [f"{rel}: missing"]
-        manifest = self._stored_form(manifest)
+        manifest = stored
         problems = _compare_sizes(rel, manifest, present)
         for entry in manifest.files:
             where = f"{rel}/{entry.path}" if entry.path else rel
@@ -413,14 +420,29 @@ class TierStorage:
         index's copy says nothing about a tier's encoding)."""
         if self.hot:
             return compressed.raw_form(manifest)
+        return compressed.with_stored_form(manifest, self._committed(manifest))
+
+    def _how_stored(self, manifest: Manifest) -> tuple[Manifest | None, Manifest]:
+        """Where this tier holds ``manifest``'s bytes, from one read of its committed manifest
+        (a GET on S3): the content store's layout (:func:`content.layout`; None: files at their
+        paths) and :meth:`_stored_form`."""
+        if self.hot:
+            return None, compressed.raw_form(manifest)
+        committed = self._committed(manifest)
+        return content.layout_from(self, manifest, committed), compressed.with_stored_form(
+            manifest, committed
+        )
+
+    def _committed(self, manifest: Manifest) -> Manifest | None:
+        """This tier's committed manifest at ``manifest``'s path (None: none there, or a trash
+        entry's, whose manifest names the copy's own path and is read as raw)."""
         rel = _rel_of(manifest)
         try:
-            committed = self.read_manifest(rel)
+            return self.read_manifest(rel)
         except StorageError:
             if not rel.startswith(TRASH_DIR + "/"):
                 raise
-            committed = None  # a trash entry's manifest names the copy's own path: read as raw
-        return compressed.with_stored_form(manifest, committed)
+            return None
 
     def _open_entry(self, rel: str, entry: FileEntry) -> _Reader:
         """A reader of ``entry``'s raw bytes: decoded on the way when the tier stores it encoded."""
@@ -497,46 +519,16 @@ def _stream_concurrently(
     have returned, so the caller's abort never races a writer. Returns only when every file is
     written and checked; the commit (fsync, rename into place) stays with the caller.
     """
-    pending = iter(sorted(manifest.files, key=lambda e: (-e.size, e.path)))
-    lock = threading.Lock()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    report: Progress | None = None
-    if progress is not None:
-        outer = progress
 
-        def report(n: int) -> None:
-            with lock:
-                outer(n)
+    def make_worker() -> FileCopy:
+        buf = bytearray(hashing.CHUNK_SIZE)  # one per thread, reused for every file it copies
 
-    def work() -> None:
-        buf = bytearray(hashing.CHUNK_SIZE)
-        while not stop.is_set():
-            with lock:
-                entry = next(pending, None)
-            if entry is None:
-                return
-            try:
-                _stream_file(src, rel, entry, sink, report, buf, stop)
-            except BaseException as exc:  # raised by the caller's thread below
-                with lock:
-                    errors.append(exc)  # before stop is set: the first error is a real one
-                stop.set()
-                return
+        def copy(entry: FileEntry, report: Progress | None, stop: threading.Event) -> None:
+            _stream_file(src, rel, entry, sink, report, buf, stop)
 
-    threads = [threading.Thread(target=work, name=f"ckptkeeper-fetch-{i}") for i in range(workers)]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            t.join()
-    except BaseException:  # Ctrl-C while waiting: stop the workers before the staging goes
-        stop.set()
-        for t in threads:
-            t.join()
-        raise
-    if errors:
-        raise errors[0]
+        return copy
+
+    largest_first(manifest.files, workers, make_worker, progress, "ckptkeeper-fetch")
 
 
 def _stream_file(

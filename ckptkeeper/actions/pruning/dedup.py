@@ -9,7 +9,7 @@ from typing import Any
 
 from ckptkeeper.actions.pruning.state import Participant, PassState
 from ckptkeeper.executor import _CrashPoints
-from ckptkeeper.storage import StorageError, TierStorage, content, content_gc
+from ckptkeeper.storage import StorageError, TierStorage, content_gc
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.prune")
@@ -17,7 +17,7 @@ log = get_logger("ckptkeeper.actions.prune")
 
 class ContentCollection(Participant):
     def after(self, state: PassState) -> list[str]:
-        copies = content.drain_stats()
+        copies = [] if state.result is None else state.result.deduped
         notes: list[str] = []
         tiers: dict[str, Any] = {}
         crash = _CrashPoints()  # the executor's crash points, counted apart (tests only)
