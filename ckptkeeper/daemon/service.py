@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.daemon.restore_server import RestoreServer
     from ckptkeeper.index import Index
+    from ckptkeeper.ingest.catalog import Catalog
     from ckptkeeper.ingest.report import ReconcileReport
     from ckptkeeper.ingest.watcher import Watcher
 
@@ -103,6 +104,8 @@ class Daemon(PruneJob):
         self.scheduler: Any = None
         self.pinger: WatchdogPinger | None = None
         self._reconcile_lock = threading.Lock()
+        self._passing = threading.local()
+        """``active`` in the thread running a prune pass (:mod:`.prune_job`)."""
         self._last_watcher_restart = 0.0
         self.restore_server: RestoreServer | None = None
         self._served: tuple[str | None, Settings] = (_config_identity(config_path), settings)
@@ -308,16 +311,24 @@ class Daemon(PruneJob):
         return settings if current is not None and identity == current else None
 
     def _make_watcher(self, settings: Settings) -> Watcher:
-        from ckptkeeper.ingest.catalog import Catalog
         from ckptkeeper.ingest.watcher import Watcher
 
-        assert self.index is not None
         return Watcher(
-            Catalog(settings, self.index),
+            self._catalog_for(settings),
             on_reconciled=self._on_reconciled,
             on_error=self._on_reconcile_error,
             reconcile_lock=self._reconcile_lock,
+            on_deferred=self._on_deferred,
         )
+
+    def _catalog_for(self, settings: Settings) -> Catalog:
+        """The watcher's catalog: new checkpoints left unhashed when a move can hash them on the
+        way (:mod:`ckptkeeper.actions.pruning.watched`), as ``prune``'s catalog does."""
+        from ckptkeeper.actions.pruning import watched
+        from ckptkeeper.ingest.catalog import Catalog
+
+        assert self.index is not None
+        return Catalog(settings, self.index, defer_new=watched.defers(settings, self.index))
 
     def _start_pinger(self) -> None:
         interval = watchdog_interval()
@@ -365,7 +376,9 @@ class Daemon(PruneJob):
             log.warning(
                 "interrupted executor steps found; the first prune finishes or undoes them", steps=pending
             )
-        return make_scheduler(self.settings, pending, self._job_function)
+        # The first reconcile held new checkpoints for their move: the pass that moves them now.
+        held = bool(self.watcher is not None and self.watcher.catalog.deferred)
+        return make_scheduler(self.settings, pending, self._job_function, prompt=held)
 
     def _job_function(self, job_id: str) -> Callable[[], None]:
         body: Callable[[], str | None]
@@ -478,6 +491,14 @@ class Daemon(PruneJob):
             return
         self.prompt_retention()
 
+    def _on_deferred(self, catalog: Catalog, report: ReconcileReport) -> None:
+        """The watcher deferred new checkpoints (its reconcile lock held): each is hashed in place,
+        or held for the pass that moves it, asked for now (unless this thread is that pass)."""
+        from ckptkeeper.actions.pruning import watched
+
+        if watched.triage(catalog.settings, catalog, report) and not getattr(self._passing, "active", False):
+            self.prompt_retention()
+
     def _on_reconcile_error(self, run: str, exc: BaseException) -> None:
         if self.metrics is not None:
             self.metrics.record_error("reconcile")
@@ -510,8 +531,6 @@ class Daemon(PruneJob):
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep running with the old one. True if applied."""
-        from ckptkeeper.ingest.catalog import Catalog
-
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             before = _config_identity(self.config_path)
@@ -551,7 +570,9 @@ class Daemon(PruneJob):
                 self._restart_watcher(new)
             else:
                 with self._reconcile_lock:
-                    self.watcher.catalog = Catalog(new, self.index)
+                    held = self.watcher.catalog.deferred
+                    self.watcher.catalog = self._catalog_for(new)
+                    self.watcher.catalog.deferred.extend(held)  # the same hot root: still held
             self._reschedule(old, new)
             if new.daemon.serve_restores != old.daemon.serve_restores:
                 if new.daemon.serve_restores:
