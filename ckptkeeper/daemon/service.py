@@ -493,11 +493,12 @@ class Daemon(PruneJob):
 
     def _on_deferred(self, catalog: Catalog, report: ReconcileReport) -> None:
         """The watcher deferred new checkpoints (its reconcile lock held): each is hashed in place,
-        or held for the pass that moves it, asked for now (unless this thread is that pass)."""
+        or held for the pass that moves it, asked for now (unless this thread is that pass): a
+        held checkpoint is not in the index until that pass has copied it."""
         from ckptkeeper.actions.pruning import watched
 
         if watched.triage(catalog.settings, catalog, report) and not getattr(self._passing, "active", False):
-            self.prompt_retention()
+            self.prompt_retention(delay=0.0)
 
     def _on_reconcile_error(self, run: str, exc: BaseException) -> None:
         if self.metrics is not None:
@@ -509,14 +510,14 @@ class Daemon(PruneJob):
         tiers = self.settings.tiers
         return any(t.replicate for t in tiers[1:]) or tiers[0].high_watermark is not None
 
-    def prompt_retention(self) -> bool:
-        """Move the retention job's next run to within ``PROMPT_RETENTION_DELAY``; never later."""
+    def prompt_retention(self, delay: float = PROMPT_RETENTION_DELAY) -> bool:
+        """Move the retention job's next run to within ``delay``; never later."""
         scheduler = self.scheduler
         if scheduler is None or not scheduler.running or self.stopping.is_set():
             return False
         from apscheduler.jobstores.base import JobLookupError
 
-        target = datetime.now(UTC) + timedelta(seconds=PROMPT_RETENTION_DELAY)
+        target = datetime.now(UTC) + timedelta(seconds=delay)
         try:
             job = scheduler.get_job("retention")
             if job is None or (job.next_run_time is not None and job.next_run_time <= target):
