@@ -203,3 +203,31 @@ def test_a_checkpoint_rewritten_after_it_settled_fails_its_copy_and_stays_in_hot
     assert rewritten["model.safetensors"] != hashlib.sha256(b"").hexdigest()
     again.send_signal(signal.SIGTERM)
     assert again.wait(timeout=30) == 0, node.log_text(again)
+
+
+def test_a_held_checkpoint_is_hashed_in_place_while_no_pass_can_move_it(
+    node: Node, notify: Notifications
+) -> None:
+    """Another process holds the executor lock (a manual ``prune``): every pass is skipped, and
+    the checkpoints the watcher held for their move are hashed in place and shown by ``ls`` rather
+    than wait; once the lock is free a pass moves them (reading them again)."""
+    from ckptkeeper.actions.index import executor_lock
+    from ckptkeeper.config import load_settings
+
+    node.write_config(daemon=DAEMON, hot={"keep_last": 5}, warm={"keep_last": 10}, warm_replicate=True)
+    proc = node.start(notify)
+    assert notify.wait_for("READY=1", 60), node.log_text(proc)
+    hot_only = ("complete", frozenset({"hot"}))
+    with executor_lock(load_settings(str(node.config)), timeout=10):
+        digests = write_newest_first(node, 1 << 20)
+        assert wait_for(lambda: node.state(RUN, OLD) == hot_only == node.state(RUN, NEW), 60, interval=0.2), (
+            node.log_text(proc)[-4000:]
+        )
+        text = node.log_text(proc)
+        assert "held for its move" in text and "no pass can move them now" in text, text[-4000:]
+        assert not (node.warm / RUN).exists()
+        assert {c["name"] for c in node.ls().values()} == {OLD, NEW}
+
+    assert wait_for(lambda: moved(node, replicated=True), 60, interval=0.2), node.log_text(proc)[-4000:]
+    assert_exact_in_warm(node, digests)
+    stop_cleanly(node, proc, notify)
