@@ -9,6 +9,7 @@ the move is a copy. What it read is ``rchar`` from ``/proc/<daemon pid>/io``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -231,3 +232,25 @@ def test_a_held_checkpoint_is_hashed_in_place_while_no_pass_can_move_it(
     assert wait_for(lambda: moved(node, replicated=True), 60, interval=0.2), node.log_text(proc)[-4000:]
     assert_exact_in_warm(node, digests)
     stop_cleanly(node, proc, notify)
+
+
+def test_tiny_bench_measures_what_the_daemon_reads_per_byte_moved(tmp_path: Path) -> None:
+    """bench/daemon_move.py: a real daemon replicating new checkpoints tmpfs → disk, the bytes it
+    reads (rchar) per byte moved, and how long after its last write each is in the index."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "daemon_move", "--json", str(out)]
+    proc = subprocess.run(
+        [*argv, "--disk-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    reads, waits = doc["rows"]
+    assert "bytes read from hot per byte moved" in reads["metric"] and reads["baseline_label"] == "cp -r"
+    assert reads["ok"], reads  # rchar, not a time: 2.0x before
+    assert "in the index" in waits["metric"] and waits["ours"] > 0
