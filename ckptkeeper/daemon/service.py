@@ -23,6 +23,10 @@ retention or reap pass in between syncs only the runs the watcher queued plus th
 the clock can change (:meth:`Watcher.sync`). The price: a change no event reports (an mtime-only
 touch, a lost event nobody noticed) waits for the next full walk, at most ``rescan_interval``.
 
+Hot bytes read once per move: when a slower tier is local on another filesystem, a new checkpoint
+that a pass would copy out of hot at once is not hashed by the watcher but held, and the retention
+pass started for it hashes it while copying it (:mod:`ckptkeeper.actions.pruning.watched`).
+
 Single instance per index (``<index>.daemon.lock``); the executor lock inside ``run_prune``
 serialises the daemon's jobs with a manual ``ckptkeeper prune``.
 """
