@@ -174,7 +174,7 @@ def _start_rewriting(node: Node, notify: Notifications, target: Path) -> Any:
             cwd=REPO,
         )
     proc.log_path = log_path  # type: ignore[attr-defined]
-    node.procs.append(proc)  # type: ignore[arg-type]
+    node.procs.append(proc)
     return proc
 
 
@@ -255,3 +255,64 @@ def test_tiny_bench_measures_what_the_daemon_reads_per_byte_moved(tmp_path: Path
     assert "bytes read from hot per byte moved" in reads["metric"] and reads["baseline_label"] == "cp -r"
     assert reads["ok"], reads  # rchar, not a time: 2.0x before
     assert "in the index" in waits["metric"] and waits["ours"] > 0
+
+
+def test_a_held_checkpoint_is_checked_again_before_its_pass_copies_it(node: Node) -> None:
+    """What the daemon's two halves do, in process: the watcher's triage hashes what stays in hot
+    and holds what a pass moves; the pass copies a held checkpoint only if it is still unrecorded
+    and its files still show the fingerprints the watcher took (else its run is cataloged afresh)."""
+    from ckptkeeper.actions.index import open_index
+    from ckptkeeper.actions.pruning import watched
+    from ckptkeeper.actions.pruning.state import PassState
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.ingest.catalog import Catalog
+    from ckptkeeper.ingest.report import ReconcileReport
+    from ckptkeeper.util import fingerprint
+
+    settings = load_settings(str(node.config))
+    index = open_index(settings, rebuild=True)
+    requested: list[str] = []
+    write_newest_first(node, 1 << 20)
+    target = node.hot / RUN / OLD / "model.safetensors"
+    files = [p for name in (OLD, NEW) for p in (node.hot / RUN / name, *(node.hot / RUN / name).iterdir())]
+    assert wait_for(lambda: all(fingerprint.settled(fingerprint.take(p)) for p in files), 10)
+    for p in files:  # back-dated: settled for the catalog (trust_mtimes), as after settle_seconds
+        os.utime(p, (time.time() - 600, time.time() - 600))
+    assert wait_for(lambda: all(fingerprint.settled(fingerprint.take(p)) for p in files), 10)
+
+    def watcher_sees_it() -> Catalog:
+        catalog = Catalog(settings, index, defer_new=watched.defers(settings, index))
+        report = catalog.reconcile_run(RUN)
+        assert watched.triage(settings, catalog, report) == 1
+        assert [d.path for d in catalog.deferred] == [f"{RUN}/{OLD}"]
+        return catalog
+
+    def the_pass(catalog: Catalog) -> None:
+        state = PassState(settings, index, kinds=("retention",))
+        state.observed = time.time()
+        watched.resolve_held(state, watched.take_held(catalog), ReconcileReport(), requested.append)
+
+    try:
+        assert watched.defers(settings, index)
+        # Rewritten after the watcher saw it: not copied, not recorded; its run is looked at again.
+        catalog = watcher_sees_it()
+        assert node.state(RUN, NEW) == ("complete", frozenset({"hot"}))  # stays in hot: hashed now
+        assert node.state(RUN, OLD) == (None, frozenset())  # held: not in the index yet
+        with open(target, "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            f.write(b"XXXXX")
+        the_pass(catalog)
+        assert requested == [RUN]
+        assert node.state(RUN, OLD) == (None, frozenset()) and not (node.warm / RUN).exists()
+
+        # Recorded meanwhile by another process (a manual prune): left alone.
+        for p in (target, target.parent):
+            os.utime(p, (time.time() - 600, time.time() - 600))
+        assert wait_for(lambda: fingerprint.settled(fingerprint.take(target)), 10)
+        catalog = watcher_sees_it()
+        Catalog(settings, index).reconcile_run(RUN)
+        assert node.state(RUN, OLD) == ("complete", frozenset({"hot"}))
+        the_pass(catalog)
+        assert requested == [RUN] and not (node.warm / RUN).exists()
+    finally:
+        index.close()
