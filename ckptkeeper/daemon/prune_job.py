@@ -33,6 +33,8 @@ log = get_logger("ckptkeeper.daemon.service")  # the service's logger: its log l
 
 EXECUTOR_LOCK_WAIT = 2.0
 """A manual prune holds the executor lock: skip this round rather than queue behind it."""
+HELD_FOLLOW_UPS = 3
+"""Passes run at once after one during which the watcher held new checkpoints for their move."""
 
 
 class PruneJob:
@@ -47,6 +49,20 @@ class PruneJob:
     _passing: threading.local
 
     def _prune(self, job: str, kinds: tuple[str, ...]) -> str | None:
+        """One pass; again while the watcher held checkpoints for their move during it (the
+        retention job's prompt for them is refused while it runs), at most ``HELD_FOLLOW_UPS``
+        times, then they are hashed in place: a held checkpoint never waits for an interval."""
+        error = self._one_pass(job, kinds)
+        for _ in range(HELD_FOLLOW_UPS):
+            if self.stopping.is_set() or self.watcher is None or not self.watcher.catalog.deferred:
+                return error
+            log.info("checkpoints held while the pass ran: another pass moves them", job=job)
+            error = self._one_pass(job, kinds)
+        if not self.stopping.is_set():
+            self._record_held_in_place()
+        return error
+
+    def _one_pass(self, job: str, kinds: tuple[str, ...]) -> str | None:
         from ckptkeeper.actions.prune import run_prune
         from ckptkeeper.actions.pruning.catalog import WatcherSync
 
