@@ -342,13 +342,18 @@ class Watcher(HotObserver):
         (:attr:`on_deferred`; hashed in place without it)."""
         if not self.catalog.deferred:
             return
-        if self.on_deferred is not None:
-            self.on_deferred(self.catalog, report)
-            return
-        pending = list(self.catalog.deferred)
-        self.catalog.deferred.clear()
-        for d in pending:
-            self.catalog.record_deferred(d, None, report=report)
+        try:
+            if self.on_deferred is not None:
+                self.on_deferred(self.catalog, report)
+                return
+            pending = list(self.catalog.deferred)
+            self.catalog.deferred.clear()
+            for d in pending:
+                self.catalog.record_deferred(d, None, report=report)
+        except BaseException:
+            # Some may be unrecorded now, and no event will bring them back: look at everything.
+            self.mark_untrusted("recording new checkpoints failed")
+            raise
 
     def _reconcile_slower_tiers(self) -> ReconcileReport:
         from ckptkeeper.ingest.report import ReconcileReport
