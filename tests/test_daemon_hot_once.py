@@ -316,3 +316,23 @@ def test_a_held_checkpoint_is_checked_again_before_its_pass_copies_it(node: Node
         assert requested == [RUN] and not (node.warm / RUN).exists()
     finally:
         index.close()
+
+
+def test_checkpoints_found_at_start_up_are_moved_reading_them_once(node: Node, notify: Notifications) -> None:
+    """Written while the daemon was down: its first reconcile hashes NEW (it stays in hot) and
+    holds OLD, and the first retention pass, started right after ``READY``, copies OLD hashing it."""
+    node.write_config(
+        daemon={**DAEMON, "retention_interval": "1h", "reap_interval": "1h"}, hot={"keep_last": 1}
+    )
+    assert node.cli("scan").returncode == 0  # the index exists (a first start builds it hashing all)
+    past = time.time() - 600
+    _hf(node.hot / RUN, NEW, 4096, past)
+    digests = _hf(node.hot / RUN, OLD, 2 << 20, past - 60)
+    proc = node.start(notify)
+    assert notify.wait_for("READY=1", 60), node.log_text(proc)
+
+    assert wait_for(lambda: moved(node), 90, interval=0.2), (node.ls(), node.log_text(proc)[-4000:])
+    text = node.log_text(proc)
+    assert "held for its move" in text and "copying a new checkpoint while hashing it" in text, text[-4000:]
+    assert_exact_in_warm(node, digests)
+    stop_cleanly(node, proc, notify)
