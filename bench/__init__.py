@@ -6,6 +6,7 @@ them in order and prints one table (metric, baseline, ckptkeeper, ratio, target,
 
 BENCHMARKS = (
     "tier_move",
+    "daemon_move",
     "s3_transfer",
     "upload_resume",
     "prune_e2e",

@@ -352,6 +352,7 @@ TEST_KINDS: dict[str, str] = {
     "test_bench_smoke": "e2e",
     "test_daemon_e2e": "e2e",
     "test_daemon_restore": "e2e",
+    "test_daemon_hot_once": "e2e",
     "test_demo_output": "e2e",
     "test_faults_crash": "e2e",
     "test_faults_disk": "e2e",

@@ -36,8 +36,11 @@ def intervals(settings: Settings) -> dict[str, float]:
     return out
 
 
-def make_scheduler(settings: Settings, journal_pending: int, job_function: Callable[[str], Any]) -> Any:
-    """A started-later ``BackgroundScheduler`` with every job of :func:`intervals`."""
+def make_scheduler(
+    settings: Settings, journal_pending: int, job_function: Callable[[str], Any], *, prompt: bool = False
+) -> Any:
+    """A started-later ``BackgroundScheduler`` with every job of :func:`intervals`; ``retention``
+    runs at once when steps were interrupted or ``prompt`` (new checkpoints wait for their move)."""
     from apscheduler.executors.pool import ThreadPoolExecutor
     from apscheduler.jobstores.memory import MemoryJobStore
     from apscheduler.schedulers.background import BackgroundScheduler
@@ -58,7 +61,7 @@ def make_scheduler(settings: Settings, journal_pending: int, job_function: Calla
     for job_id, interval in intervals(settings).items():
         if job_id == "rescan":
             first = now + timedelta(seconds=interval)
-        elif job_id == "retention" and journal_pending:
+        elif job_id == "retention" and (journal_pending or prompt):
             first = now
         else:
             first = now + timedelta(seconds=min(interval, FIRST_RUN_DELAY[job_id]))

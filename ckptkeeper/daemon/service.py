@@ -23,6 +23,10 @@ retention or reap pass in between syncs only the runs the watcher queued plus th
 the clock can change (:meth:`Watcher.sync`). The price: a change no event reports (an mtime-only
 touch, a lost event nobody noticed) waits for the next full walk, at most ``rescan_interval``.
 
+Hot bytes read once per move: when a slower tier is local on another filesystem, a new checkpoint
+that a pass would copy out of hot at once is not hashed by the watcher but held, and the retention
+pass started for it hashes it while copying it (:mod:`ckptkeeper.actions.pruning.watched`).
+
 Single instance per index (``<index>.daemon.lock``); the executor lock inside ``run_prune``
 serialises the daemon's jobs with a manual ``ckptkeeper prune``.
 """
@@ -64,6 +68,7 @@ if TYPE_CHECKING:
     from ckptkeeper.daemon.metrics import Metrics, MetricsServer
     from ckptkeeper.daemon.restore_server import RestoreServer
     from ckptkeeper.index import Index
+    from ckptkeeper.ingest.catalog import Catalog
     from ckptkeeper.ingest.report import ReconcileReport
     from ckptkeeper.ingest.watcher import Watcher
 
@@ -103,6 +108,8 @@ class Daemon(PruneJob):
         self.scheduler: Any = None
         self.pinger: WatchdogPinger | None = None
         self._reconcile_lock = threading.Lock()
+        self._passing = threading.local()
+        """``active`` in the thread running a prune pass (:mod:`.prune_job`)."""
         self._last_watcher_restart = 0.0
         self.restore_server: RestoreServer | None = None
         self._served: tuple[str | None, Settings] = (_config_identity(config_path), settings)
@@ -308,16 +315,24 @@ class Daemon(PruneJob):
         return settings if current is not None and identity == current else None
 
     def _make_watcher(self, settings: Settings) -> Watcher:
-        from ckptkeeper.ingest.catalog import Catalog
         from ckptkeeper.ingest.watcher import Watcher
 
-        assert self.index is not None
         return Watcher(
-            Catalog(settings, self.index),
+            self._catalog_for(settings),
             on_reconciled=self._on_reconciled,
             on_error=self._on_reconcile_error,
             reconcile_lock=self._reconcile_lock,
+            on_deferred=self._on_deferred,
         )
+
+    def _catalog_for(self, settings: Settings) -> Catalog:
+        """The watcher's catalog: new checkpoints left unhashed when a move can hash them on the
+        way (:mod:`ckptkeeper.actions.pruning.watched`), as ``prune``'s catalog does."""
+        from ckptkeeper.actions.pruning import watched
+        from ckptkeeper.ingest.catalog import Catalog
+
+        assert self.index is not None
+        return Catalog(settings, self.index, defer_new=watched.defers(settings, self.index))
 
     def _start_pinger(self) -> None:
         interval = watchdog_interval()
@@ -365,7 +380,9 @@ class Daemon(PruneJob):
             log.warning(
                 "interrupted executor steps found; the first prune finishes or undoes them", steps=pending
             )
-        return make_scheduler(self.settings, pending, self._job_function)
+        # The first reconcile held new checkpoints for their move: the pass that moves them now.
+        held = bool(self.watcher is not None and self.watcher.catalog.deferred)
+        return make_scheduler(self.settings, pending, self._job_function, prompt=held)
 
     def _job_function(self, job_id: str) -> Callable[[], None]:
         body: Callable[[], str | None]
@@ -478,6 +495,15 @@ class Daemon(PruneJob):
             return
         self.prompt_retention()
 
+    def _on_deferred(self, catalog: Catalog, report: ReconcileReport) -> None:
+        """The watcher deferred new checkpoints (its reconcile lock held): each is hashed in place,
+        or held for the pass that moves it, asked for now (unless this thread is that pass): a
+        held checkpoint is not in the index until that pass has copied it."""
+        from ckptkeeper.actions.pruning import watched
+
+        if watched.triage(catalog.settings, catalog, report) and not getattr(self._passing, "active", False):
+            self.prompt_retention(delay=0.0)
+
     def _on_reconcile_error(self, run: str, exc: BaseException) -> None:
         if self.metrics is not None:
             self.metrics.record_error("reconcile")
@@ -488,14 +514,14 @@ class Daemon(PruneJob):
         tiers = self.settings.tiers
         return any(t.replicate for t in tiers[1:]) or tiers[0].high_watermark is not None
 
-    def prompt_retention(self) -> bool:
-        """Move the retention job's next run to within ``PROMPT_RETENTION_DELAY``; never later."""
+    def prompt_retention(self, delay: float = PROMPT_RETENTION_DELAY) -> bool:
+        """Move the retention job's next run to within ``delay``; never later."""
         scheduler = self.scheduler
         if scheduler is None or not scheduler.running or self.stopping.is_set():
             return False
         from apscheduler.jobstores.base import JobLookupError
 
-        target = datetime.now(UTC) + timedelta(seconds=PROMPT_RETENTION_DELAY)
+        target = datetime.now(UTC) + timedelta(seconds=delay)
         try:
             job = scheduler.get_job("retention")
             if job is None or (job.next_run_time is not None and job.next_run_time <= target):
@@ -510,8 +536,6 @@ class Daemon(PruneJob):
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep running with the old one. True if applied."""
-        from ckptkeeper.ingest.catalog import Catalog
-
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             before = _config_identity(self.config_path)
@@ -551,7 +575,9 @@ class Daemon(PruneJob):
                 self._restart_watcher(new)
             else:
                 with self._reconcile_lock:
-                    self.watcher.catalog = Catalog(new, self.index)
+                    held = self.watcher.catalog.deferred
+                    self.watcher.catalog = self._catalog_for(new)
+                    self.watcher.catalog.deferred.extend(held)  # the same hot root: still held
             self._reschedule(old, new)
             if new.daemon.serve_restores != old.daemon.serve_restores:
                 if new.daemon.serve_restores:

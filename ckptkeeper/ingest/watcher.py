@@ -132,8 +132,14 @@ class Watcher(HotObserver):
         on_error: Callable[[str, BaseException], None] | None = None,
         reconcile_lock: threading.Lock | None = None,
         observer_factory: Callable[[bool], Any] | None = None,
+        on_deferred: Callable[[Catalog, ReconcileReport], None] | None = None,
     ) -> None:
         self.catalog = catalog
+        self.on_deferred = on_deferred
+        """Called, with ``reconcile_lock`` held, after a reconcile of the hot tier that left new
+        checkpoints unhashed in ``catalog.deferred`` (``Catalog(defer_new=True)``): the daemon
+        hashes each in place or holds it for the pass that moves it. Without it they are hashed
+        in place at once."""
         self.quiet = quiet
         self.max_wait = max_wait
         self.on_reconciled = on_reconciled
@@ -269,6 +275,7 @@ class Watcher(HotObserver):
         since = time.time()
         with self.reconcile_lock:
             report = self._reconcile_hot_full()
+            self._settle_deferred(report)
         if report.partial:
             self._schedule_settle_checks(None, since)
         if slower_tiers:
@@ -312,6 +319,7 @@ class Watcher(HotObserver):
                 report.merge(run_report)
                 if run_report.partial:
                     settling.append(run)
+            self._settle_deferred(report)
         for run in settling:
             self._schedule_settle_checks(run, since)
         if slower_tiers:
@@ -327,6 +335,24 @@ class Watcher(HotObserver):
             return self.catalog.reconcile_hot()
         except BaseException:
             self._full_needed = True
+            raise
+
+    def _settle_deferred(self, report: ReconcileReport) -> None:
+        """Caller holds ``reconcile_lock``: what becomes of the checkpoints the catalog deferred
+        (:attr:`on_deferred`; hashed in place without it)."""
+        if not self.catalog.deferred:
+            return
+        try:
+            if self.on_deferred is not None:
+                self.on_deferred(self.catalog, report)
+                return
+            pending = list(self.catalog.deferred)
+            self.catalog.deferred.clear()
+            for d in pending:
+                self.catalog.record_deferred(d, None, report=report)
+        except BaseException:
+            # Some may be unrecorded now, and no event will bring them back: look at everything.
+            self.mark_untrusted("recording new checkpoints failed")
             raise
 
     def _reconcile_slower_tiers(self) -> ReconcileReport:
@@ -447,6 +473,7 @@ class Watcher(HotObserver):
                     return
                 started, since = time.monotonic(), time.time()
                 report = self._reconcile_hot_full() if run == FULL_RESCAN else self.catalog.reconcile_run(run)
+                self._settle_deferred(report)
             self.stats.reconciles[run] = self.stats.reconciles.get(run, 0) + 1
         except Exception as exc:
             self.stats.errors += 1

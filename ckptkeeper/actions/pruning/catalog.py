@@ -5,7 +5,8 @@ the plan, and again after the executor.
   something was done (cheap: unchanged checkpoints are not rehashed).
 * :class:`WatcherSync` (the daemon): the runs the watcher queued, under its reconcile lock, so no
   reconcile of the same run interleaves (a full walk while deletes are frozen after an index
-  rebuild); afterwards exactly what the executor touched.
+  rebuild), then the new checkpoints the watcher held for their move, copied while hashed
+  (:mod:`.watched`); afterwards exactly what the executor touched.
 * :class:`NoCatalog`: the caller keeps the index current itself.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckptkeeper.actions.index import read_freeze
-from ckptkeeper.actions.pruning import hot_once
+from ckptkeeper.actions.pruning import hot_once, watched
 from ckptkeeper.actions.pruning.state import PassState
 from ckptkeeper.hook.protocol import STAGING_MARK
 from ckptkeeper.ingest.catalog import Catalog
@@ -89,6 +90,9 @@ class WatcherSync(CatalogStep):
             report = self.watcher.sync()
             self.hot_reconcile = "full" if self.watcher.last_sync_full else "runs"
         self.runs = report.runs
+        with self.watcher.reconcile_lock:
+            held = watched.take_held(self.watcher.catalog)
+        watched.resolve_held(state, held, report, self.watcher.request)
         state.catalog, state.report = self.watcher.catalog, report
 
     def after_execute(self, state: PassState, result: ExecResult) -> None:

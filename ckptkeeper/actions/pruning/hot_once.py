@@ -42,7 +42,7 @@ from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.pruning.hot_once")
 
-__all__ = ["applies", "resolve"]
+__all__ = ["applies", "copies_now", "resolve"]
 
 
 def applies(state: PassState) -> bool:
@@ -106,6 +106,12 @@ def resolve(
                     error=str(exc),
                 )
         catalog.record_deferred(d, None, report=report)
+
+
+def copies_now(state: PassState, catalog: Catalog, pending: list[Deferred]) -> dict[str, Action]:
+    """Which of ``pending`` a pass would copy out of the hot tier now, hashing on the way (the
+    what-if of :func:`resolve`; the daemon's watcher asks it when a checkpoint settles)."""
+    return _what_if_copies(state, catalog, pending)
 
 
 def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred]) -> dict[str, Action]:
