@@ -1,4 +1,5 @@
-"""Dedup in a slower tier (docs/dedup.md), through the real CLI on a local warm tier and on moto S3.
+"""Dedup in a slower tier (docs/dedup.md), through the real CLI on a local warm tier, on moto S3
+and on SeaweedFS.
 
 A run saves the same weights again after a restart (identical model and optimizer files, a new
 step): the dedup tier stores those bytes once, both checkpoints restore byte-identical, deleting
@@ -119,12 +120,33 @@ class Node:
         return tree(self.originals / f"checkpoint-{step}")
 
 
-@pytest.fixture(params=["local", "s3"])
+def seaweedfs_bucket(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(bucket, endpoint) of a fresh bucket on the SeaweedFS S3 gateway (tests/conftest.py)."""
+    import uuid
+
+    import boto3
+
+    endpoint = request.getfixturevalue("seaweedfs")
+    bucket = f"dedup-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    return bucket, endpoint
+
+
+@pytest.fixture(params=["local", "s3", "seaweedfs"])
 def node(request: pytest.FixtureRequest, tmp_path: Path) -> Node:
+    """The warm dedup tier: a local directory, a prefix on moto, or one on SeaweedFS."""
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_reset")
         bucket = request.getfixturevalue("s3_bucket")
         return Node(tmp_path, "s3", (bucket, endpoint))
+    if request.param == "seaweedfs":
+        return Node(tmp_path, "s3", seaweedfs_bucket(request))
     return Node(tmp_path, "local", None)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +306,84 @@ def test_manifest_records_the_form_of_each_piece_and_reads_old_ones_unchanged() 
 def test_manifest_forms_are_validated(entry: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"files\[0\]"):
         Manifest.from_json(_doc(entry))
+
+
+# -- every layout of the real-framework fixtures, on every store -------------------------------------
+
+
+def _add_fixtures(node: Node) -> dict[tuple[str, str, int], dict[str, str]]:
+    """Every framework's complete fixture twice (runs ``<framework>-a`` and ``-b``: the same bytes
+    saved by two runs), an hour old (settled, not yet stale: no reaping); each complete
+    checkpoint's file hashes by (run, name, step)."""
+    from test_compression import FIXTURES, LAYOUTS, _tree
+
+    for framework in LAYOUTS:
+        for copy in ("a", "b"):
+            run = node.hot / f"{framework}-{copy}"
+            shutil.copytree(FIXTURES / framework / "complete" / "run", run, symlinks=True)
+            for keep in run.rglob(".keep-empty-dir"):
+                keep.unlink()
+    then = node.t0 + 3600
+    for p in sorted(node.hot.rglob("*"), reverse=True):
+        os.utime(p, (then, then), follow_symlinks=False)
+    code, out = node.cli("scan", "--json")
+    assert code == 0, out
+    code, out = node.cli("ls", "--json")
+    assert code == 0, out
+    found = {
+        (r["name"], c["name"], c["step"]): _tree(node.hot / r["name"] / c["name"])
+        for r in json.loads(out)["runs"]
+        for c in r["checkpoints"]
+        if c["state"] == "complete"
+    }
+    assert {run.rsplit("-", 1)[0] for run, _, _ in found} == set(LAYOUTS)
+    return found
+
+
+def _restored(node: Node, run: str, name: str, step: int) -> dict[str, str]:
+    from test_compression import _tree
+
+    dest = node.tmp / f"restored-{run}-{step}-{time.monotonic_ns()}"
+    code, out = node.cli("restore", run, "--step", str(step), "--to", str(dest))
+    assert code == 0, out
+    return _tree(dest / name)
+
+
+@pytest.mark.parametrize("warm", [{}, ZIP], ids=["file-dedup", "tensor-dedup-auto"])
+def test_every_framework_layout_round_trips_deduped(node: Node, warm: dict[str, Any]) -> None:
+    """Each layout of tests/fixtures through a dedup tier (whole files, or tensors and compressed):
+    the second run's copies reference the first's content; every checkpoint restores byte-identical;
+    after the older saves expire, collection leaves exactly what the kept manifests reference."""
+    node.configure(hot={"keep_last": 0}, **warm)
+    originals = _add_fixtures(node)
+    doc = node.prune()
+    assert not [k for k in originals if (node.hot / k[0] / k[1]).exists()], "all pruned into warm"
+    raw = sum(f["size"] for f in _warm_files(node))
+    assert doc["dedup"]["tiers"]["warm"]["deduped_bytes"] >= raw // 2 - 4096, doc["dedup"]
+    assert sum(content_objects(node).values()) < raw // 2 + 4096
+    encoded = [k for k in content_objects(node) if k.endswith(".z")]
+    assert bool(encoded) == bool(warm), encoded  # stored compressed where the tier compresses
+    code, out = node.cli("verify", "--json")
+    assert code == 0 and json.loads(out)["problems"] == [], out
+    for (run, name, step), want in originals.items():
+        assert _restored(node, run, name, step) == want, (run, name)
+    node.configure(hot={"keep_last": 0}, **{**warm, "keep_last": 1})  # the older saves expire
+    node.prune(env=AHEAD)
+    assert set(content_objects(node)) == referenced(node)
+    code, out = node.cli("ls", "--json")
+    kept = {(r["name"], c["step"]) for r in json.loads(out)["runs"] for c in r["checkpoints"]}
+    assert len(kept) < len(originals)
+    for (run, name, step), want in originals.items():
+        if (run, step) in kept:
+            assert _restored(node, run, name, step) == want, (run, name)
+
+
+def _warm_files(node: Node) -> list[dict[str, Any]]:
+    """Every file of every committed copy in the warm tier (its manifests' entries)."""
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.storage import TierStorage
+
+    tier = TierStorage(load_settings(node.config).tier_specs()[1])
+    return [
+        {"path": e.path, "size": e.size} for _rel, m, _err in tier.list_manifests() if m for e in m.files
+    ]
