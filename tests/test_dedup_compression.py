@@ -16,7 +16,17 @@ from typing import Any
 import pytest
 from builders import local_tier, write_config
 from click.testing import CliRunner
-from test_dedup import AHEAD, Node, content_objects, node, prune_killed_at, referenced, sweep
+from test_dedup import (
+    AHEAD,
+    MODEL,
+    OPTIM,
+    Node,
+    content_objects,
+    node,
+    prune_killed_at,
+    referenced,
+    sweep,
+)
 
 from ckptkeeper.cli import main
 from ckptkeeper.core.model import Manifest
@@ -255,6 +265,50 @@ def test_kill9_at_every_crash_point_of_a_compressed_collection(
     assert points > 3
 
 
+def _compressible(n: int) -> bytes:
+    """``n`` bytes zstd stores in a fraction of the space, different every call."""
+    return os.urandom(64) * (n // 64)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("phase", ["copy", "delete"])
+def test_kill9_at_every_crash_point_of_a_zstd_file_deduped_tier(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, phase: str
+) -> None:
+    """Whole files stored once as ``<hash>.z``: a copy (100 and 200 share their files), and a
+    delete whose collection removes a compressed object (100's optimizer state, 200 keeps the
+    shared weights), killed at every crash point."""
+    s3 = None
+    if kind == "s3":
+        s3 = (request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_reset"))
+    weights, optim, own = _compressible(MODEL), _compressible(OPTIM), _compressible(OPTIM)
+    fresh, other = _compressible(MODEL), _compressible(OPTIM)
+
+    def make(k: int) -> Node:
+        base = tmp_path / f"trial-{k}"
+        base.mkdir()
+        node = Node(base, kind, s3, prefix=f"trial-{k}", compression="zstd")
+        node.save(100, weights=weights, optim=own if phase == "delete" else optim)
+        node.save(200, weights=weights, optim=optim)
+        node.save(300, weights=fresh, optim=other)
+        if phase == "delete":
+            node.prune()
+            node.configure(keep_last=2, compression="zstd")  # 100 expires from warm
+        return node
+
+    sample = make(0)
+    before = set(content_objects(sample))
+    sample.prune(env=AHEAD if phase == "delete" else None)
+    after = set(content_objects(sample))
+    gone = before - after  # a delete's collection removes 100's own optimizer state, compressed
+    assert len([k for k in after if k.endswith(".z")]) == 2, after
+    assert len([k for k in gone if k.endswith(".z")]) == (phase == "delete"), gone
+    if phase == "copy":
+        assert sweep(make, prune_killed_at, (100, 200, 300)) > 6
+    else:
+        assert sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300)) > 2
+
+
 # -- the manifest ---------------------------------------------------------------------------------
 
 H1, H2 = "1" * 32, "2" * 32
@@ -384,6 +438,4 @@ def _warm_files(node: Node) -> list[dict[str, Any]]:
     from ckptkeeper.storage import TierStorage
 
     tier = TierStorage(load_settings(node.config).tier_specs()[1])
-    return [
-        {"path": e.path, "size": e.size} for _rel, m, _err in tier.list_manifests() if m for e in m.files
-    ]
+    return [{"path": e.path, "size": e.size} for _rel, m, _err in tier.list_manifests() if m for e in m.files]
