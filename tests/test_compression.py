@@ -245,6 +245,28 @@ def test_compressed_and_raw_copies_of_one_checkpoint_are_one_version(tmp_path: P
     assert after["checkpoint-4"] == before["checkpoint-4"] is not None
 
 
+def test_ls_text_shows_stored_bytes_and_the_saving_of_a_compressed_copy(tmp_path: Path) -> None:
+    from ckptkeeper.util.fmt import human_bytes
+
+    node = Node(tmp_path, _local(tmp_path, "zstd"))
+    node.add_fixture("hf")
+    node.ok("prune", "--json")
+    (ckpt,) = node.ok("ls", "--json")["runs"][0]["checkpoints"]
+    raw, stored = ckpt["bytes"], ckpt["stored_bytes"]["warm"]
+    assert stored < raw
+    text = node.ok("ls")
+    assert "STORED" in text.splitlines()[1]
+    saving = round(100.0 * (raw - stored) / raw)
+    assert f"{human_bytes(raw)}  warm: {human_bytes(stored)} (-{saving} %)" in text, text
+    # a tier storing copies as they are: no column
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    node = Node(plain, _local(plain, "none"))
+    node.add_fixture("hf")
+    node.ok("prune", "--json")
+    assert "STORED" not in node.ok("ls") and "SIZE" in node.ok("ls")
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
