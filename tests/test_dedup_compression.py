@@ -309,6 +309,26 @@ def test_kill9_at_every_crash_point_of_a_zstd_file_deduped_tier(
         assert sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300)) > 2
 
 
+@pytest.mark.parametrize("dedup", [False, True], ids=["compressed", "deduped-compressed"])
+def test_undelete_of_a_compressed_copy_restores_byte_identical(node: Node, dedup: bool) -> None:
+    """An expired copy of a compressing tier goes to the trash as stored, comes back with
+    ``undelete`` still stored compressed, and restores byte-identical."""
+    node.configure(compression="zstd", dedup=dedup)
+    for step in (100, 200, 300):
+        node.save(step, weights=_compressible(MODEL), optim=_compressible(OPTIM))
+    node.prune()
+    node.configure(compression="zstd", dedup=dedup, keep_last=1, undo_window="1d")
+    node.prune()  # 100 and 200 into the trash
+    code, out = node.cli("ls", "--deleted", "--json")
+    assert code == 0 and {d["step"] for d in json.loads(out)["deleted"]} == {100, 200}, out
+    code, out = node.cli("undelete", "run", "100")
+    assert code == 0, out
+    assert node.restore(100) == node.original(100)
+    assert any(e.encoding for e in _warm_manifest(node, 100).files)  # still stored compressed
+    code, out = node.cli("verify", "run")
+    assert code == 0, out
+
+
 # -- the manifest ---------------------------------------------------------------------------------
 
 H1, H2 = "1" * 32, "2" * 32

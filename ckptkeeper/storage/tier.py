@@ -419,7 +419,10 @@ class TierStorage:
         except StorageError:
             if not rel.startswith(TRASH_DIR + "/"):
                 raise
-            committed = None  # a trash entry's manifest names the copy's own path: read as raw
+            # a trash entry's manifest names the copy's own path: the caller's is the entry's own
+            # (read by the trash listing), which says how the files are stored; decoded bytes are
+            # checked against the raw hash all the same
+            return manifest
         return compressed.with_stored_form(manifest, committed)
 
     def _open_entry(self, rel: str, entry: FileEntry) -> _Reader:
