@@ -27,6 +27,7 @@ from ckptkeeper.storage import codec
 from ckptkeeper.storage.base import VerificationError
 
 FIXTURES = Path(__file__).parent / "fixtures"
+GIB = float(1 << 30)
 RUN = "run"
 LAYOUTS = {
     # framework → (checkpoint name, step) of one complete save in tests/fixtures/<framework>/complete
@@ -265,6 +266,42 @@ def test_ls_text_shows_stored_bytes_and_the_saving_of_a_compressed_copy(tmp_path
     node.add_fixture("hf")
     node.ok("prune", "--json")
     assert "STORED" not in node.ok("ls") and "SIZE" in node.ok("ls")
+
+
+def test_dry_run_prices_copies_into_a_compressed_tier_at_the_stored_bytes_its_copies_achieved(
+    tmp_path: Path,
+) -> None:
+    price = 1_000_000.0  # per GiB-month: a few KiB cost more than a cent
+    node = Node(tmp_path, {**_local(tmp_path, "zstd"), "cost_per_gib_month": price})
+    node.add_fixture("hf")
+    first = node.ok("prune", "--dry-run", "--json")  # no copy into warm yet: priced at raw bytes
+    assert first["stored_estimate"] is None
+    copied = sum(a["bytes"] for a in first["actions"] if a["action"] == "copy" and a["to_tier"] == "warm")
+    assert first["cost_saving_per_month"]["tiers"]["warm"] == pytest.approx(-round(copied / GIB * price, 4))
+    node.ok("prune", "--json")
+    history = [c for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"] if "warm" in c["tiers"]]
+    raw, stored = sum(c["bytes"] for c in history), sum(c["stored_bytes"]["warm"] for c in history)
+    assert stored < raw
+
+    shutil.copytree(FIXTURES / "hf" / "complete" / RUN, node.hot / "run2")  # the next run's saves
+    node.backdate()
+    doc = node.ok("prune", "--dry-run", "--json")
+    copied = sum(a["bytes"] for a in doc["actions"] if a["action"] == "copy" and a["to_tier"] == "warm")
+    assert copied > 0
+    estimate = doc["stored_estimate"]["warm"]
+    assert estimate["copy_bytes"] == copied  # the actions keep their raw bytes
+    assert estimate["estimated_stored_bytes"] == round(copied * stored / raw) < copied
+    assert estimate["stored_per_raw"] == round(stored / raw, 4) and estimate["from_copies"] == len(history)
+    saving = doc["cost_saving_per_month"]["tiers"]["warm"]
+    assert saving == pytest.approx(-round(estimate["estimated_stored_bytes"] / GIB * price, 4))
+    text = node.ok("prune", "--dry-run")
+    from ckptkeeper.util.fmt import human_bytes
+
+    assert (
+        f"would copy {human_bytes(copied)} into warm, stored as "
+        f"~{human_bytes(estimate['estimated_stored_bytes'])} (estimate: {100 * stored / raw:.1f} % of raw"
+    ) in text, text
+    assert "per month in storage (warm " in text and "; copies at their estimated stored bytes)" in text
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,16 @@ from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.core.reaper import summarize_reclaim
 from ckptkeeper.executor import ExecResult
 
-__all__ = ["PruneOutcome", "exit_code"]
+__all__ = ["PruneOutcome", "exit_code", "stored_ratios"]
+
+
+def stored_ratios(settings: Any, index: Any) -> dict[str, cost.StoredRatio]:
+    """Tier -> what its past copies stored per raw byte, for each tier with ``compression`` on
+    and such copies in ``index`` (docs/compression.md): how the plan's copies into it are priced."""
+    compressing = [t.name for t in settings.tiers[1:] if getattr(t, "compression", "none") != "none"]
+    if not compressing:
+        return {}
+    return cost.stored_ratios(index.stored_history(), compressing)
 
 
 @dataclass
@@ -37,10 +46,29 @@ class PruneOutcome:
     """Tier -> ``cost_per_gib_month`` (None: not priced), for :meth:`cost_change`."""
     dedup: dict[str, Any] = field(default_factory=dict)
     """Dedup tiers: bytes uploaded vs referenced by this pass's copies, content collected."""
+    ratios: dict[str, cost.StoredRatio] = field(default_factory=dict)
+    """Compressing tiers: what their past copies stored per raw byte (:func:`stored_ratios`)."""
 
     def cost_change(self) -> dict[str, float]:
-        """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
-        return cost.plan_change(self.plan.actions, self.prices)
+        """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers
+        only; copies into a compressing tier at their estimated stored bytes)."""
+        return cost.plan_change(self.plan.actions, self.prices, self.ratios)
+
+    def stored_estimate(self) -> dict[str, Any] | None:
+        """``prune --json``'s ``stored_estimate``: per compressing tier the plan copies into,
+        raw bytes and the stored bytes its past copies suggest (None: no such tier)."""
+        est = cost.copies_estimate(self.plan.actions, self.ratios)
+        if not est:
+            return None
+        return {
+            t: {
+                "copy_bytes": raw,
+                "estimated_stored_bytes": stored,
+                "stored_per_raw": round(self.ratios[t].ratio, 4),
+                "from_copies": self.ratios[t].copies,
+            }
+            for t, (raw, stored) in est.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """``prune --json``: the plan, and what was done (``result``, absent from a dry run)."""
@@ -62,6 +90,7 @@ class PruneOutcome:
         if self.dedup:
             doc["dedup"] = self.dedup
         change = self.cost_change()
+        doc["stored_estimate"] = self.stored_estimate()
         doc["cost_saving_per_month"] = (
             {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}
             if change
