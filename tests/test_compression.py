@@ -257,8 +257,8 @@ def test_ls_text_shows_stored_bytes_and_the_saving_of_a_compressed_copy(tmp_path
     assert stored < raw
     text = node.ok("ls")
     assert "STORED" in text.splitlines()[1]
-    saving = round(100.0 * (raw - stored) / raw)
-    assert f"{human_bytes(raw)}  warm: {human_bytes(stored)} (-{saving} %)" in text, text
+    saving = 100.0 * (raw - stored) / raw
+    assert f"{human_bytes(raw)}  warm: {human_bytes(stored)} (-{saving:.1f} %)" in text, text
     # a tier storing copies as they are: no column
     plain = tmp_path / "plain"
     plain.mkdir()

@@ -77,10 +77,10 @@ def _render(listing: Listing) -> None:
 
 
 def _stored_text(c: dict[str, Any]) -> str:
-    """Where a copy is stored smaller than its raw bytes (compressed): ``cold: 1.2 MiB (-70 %)``
+    """Where a copy is stored smaller than its raw bytes (compressed): ``cold: 1.2 MiB (-70.0 %)``
     per such tier, the saving against SIZE in brackets; empty when every copy is stored as it is."""
     return ", ".join(
-        f"{tier}: {human_bytes(n)} (-{100.0 * (c['bytes'] - n) / max(1, c['bytes']):.0f} %)"
+        f"{tier}: {human_bytes(n)} (-{100.0 * (c['bytes'] - n) / max(1, c['bytes']):.1f} %)"
         for tier, n in c["stored_bytes"].items()
         if n < c["bytes"]
     )
