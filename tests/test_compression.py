@@ -304,6 +304,24 @@ def test_dry_run_prices_copies_into_a_compressed_tier_at_the_stored_bytes_its_co
     assert "per month in storage (warm " in text and "; copies at their estimated stored bytes)" in text
 
 
+def test_dry_run_prices_the_delete_of_a_compressed_copy_at_the_bytes_it_takes(tmp_path: Path) -> None:
+    price = 1_000_000.0
+    node = Node(tmp_path, {**_local(tmp_path, "zstd"), "cost_per_gib_month": price})
+    shutil.copytree(FIXTURES / "hf" / "complete" / RUN, node.hot / RUN)
+    then = time.time() - 3600  # settled, not stale: both saves go to warm
+    for p in sorted(node.hot.rglob("*"), reverse=True):
+        os.utime(p, (then, then), follow_symlinks=False)
+    node.ok("prune", "--json")
+    stored = {c["step"]: c["stored_bytes"]["warm"] for c in node.ok("ls", "--json")["runs"][0]["checkpoints"]}
+    node.configure({**_local(tmp_path, "zstd"), "cost_per_gib_month": price, "keep_last": 1})
+    doc = node.ok("prune", "--dry-run", "--json")
+    (delete,) = doc["actions"]
+    assert (delete["action"], delete["step"], delete["tier"]) == ("delete", 2, "warm")
+    assert stored[2] < delete["bytes"]  # the action keeps the raw bytes
+    saving = doc["cost_saving_per_month"]["tiers"]["warm"]
+    assert saving == pytest.approx(round(stored[2] / GIB * price, 4))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -89,9 +89,16 @@ def test_copies_into_a_compressing_tier_are_priced_at_what_its_past_copies_store
         Action(ActionKind.COPY, "demote", "r", 2, "hot", "new", "r/c2", GIB),
     ]
     prices = {"cold": 1.0, "new": 1.0}
-    assert cost.plan_change(actions, prices, ratios) == {"cold": 1.0, "new": 1.0}
+    assert cost.plan_change(actions, prices, cost.StoredBasis(ratios)) == {"cold": 1.0, "new": 1.0}
     assert cost.plan_change(actions, prices) == {"cold": 4.0, "new": 1.0}
     assert cost.copies_estimate(actions, ratios) == {"cold": (4 * GIB, GIB)}
+    # a delete of a copy stored compressed frees the bytes it takes, not its raw bytes
+    deletes = [
+        Action(ActionKind.DELETE, "expired", "r", 0, "cold", None, "r/c0", 2 * GIB),
+        Action(ActionKind.DELETE, "expired", "r", 9, "cold", None, "r/c9", 2 * GIB),
+    ]
+    basis = cost.StoredBasis(copies={("r", 0, "cold"): GIB // 2})
+    assert cost.plan_change(deletes, prices, basis) == {"cold": -2.5}
 
 
 # --------------------------------------------------------------------------------------------

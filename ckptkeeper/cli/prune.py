@@ -24,7 +24,7 @@ from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 if TYPE_CHECKING:
     from ckptkeeper.actions.prune import PruneOutcome
     from ckptkeeper.config import Settings
-    from ckptkeeper.core.cost import StoredRatio
+    from ckptkeeper.core.cost import StoredBasis, StoredRatio
     from ckptkeeper.core.model import Action, Plan
     from ckptkeeper.index import Index
 
@@ -58,9 +58,7 @@ def _policy_summary(settings: Settings) -> str:
     return "; ".join(parts)
 
 
-def _render_plan(
-    plan: Plan, settings: Settings, *, dry_run: bool, ratios: Mapping[str, StoredRatio] | None = None
-) -> None:
+def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool, basis: StoredBasis | None = None) -> None:
     from ckptkeeper.core.reaper import summarize_reclaim  # with the planner: not for --help
 
     width = out_width()
@@ -114,8 +112,8 @@ def _render_plan(
     verb = "would reclaim" if dry_run else "reclaiming"
     per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in reclaim.items()) or "nothing"
     click.echo(f"{verb} {human_bytes(total)}: {per_tier}")
-    estimates = _render_estimate(plan, ratios or {}, dry_run=dry_run)
-    change = _cost_change(plan, settings, ratios)
+    estimates = _render_estimate(plan, basis.ratios if basis else {}, dry_run=dry_run)
+    change = _cost_change(plan, settings, basis)
     if change:
         net = sum(change.values())
         word = "saves" if net <= 0 else "adds"
@@ -152,13 +150,11 @@ def _render_estimate(plan: Plan, ratios: Mapping[str, StoredRatio], *, dry_run: 
     return bool(est)
 
 
-def _cost_change(
-    plan: Plan, settings: Settings, ratios: Mapping[str, StoredRatio] | None = None
-) -> dict[str, float]:
+def _cost_change(plan: Plan, settings: Settings, basis: StoredBasis | None = None) -> dict[str, float]:
     """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
     from ckptkeeper.core import cost
 
-    return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers}, ratios)
+    return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers}, basis)
 
 
 def _progress_printer() -> Callable[[Action, int, int], None] | None:
@@ -197,9 +193,9 @@ def prune(
 
     def print_plan(plan: Plan) -> None:
         """Before any copy starts: the plan is what a user reads while the bytes move."""
-        from ckptkeeper.actions.pruning.outcome import stored_ratios
+        from ckptkeeper.actions.pruning.outcome import cost_basis
 
-        _render_plan(plan, settings, dry_run=False, ratios=stored_ratios(settings, ix))
+        _render_plan(plan, settings, dry_run=False, basis=cost_basis(settings, ix))
         sys.stdout.flush()
         printed.append(plan)
 
@@ -227,7 +223,7 @@ def prune(
         click.echo(json.dumps(outcome.to_dict(), indent=2))
     else:
         if not printed:
-            _render_plan(outcome.plan, settings, dry_run=dry_run, ratios=outcome.ratios)
+            _render_plan(outcome.plan, settings, dry_run=dry_run, basis=outcome.basis)
         _render_outcome(outcome, dry_run=dry_run)
     sys.exit(outcome.exit_code)
 

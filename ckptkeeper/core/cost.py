@@ -8,7 +8,7 @@ these functions, so their figures agree by construction.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptkeeper.core.model import Action, ActionKind
 
@@ -77,6 +77,17 @@ def stored_ratios(
     return out
 
 
+@dataclass(frozen=True)
+class StoredBasis:
+    """What the index says of stored bytes, for pricing a plan (docs/compression.md)."""
+
+    ratios: Mapping[str, StoredRatio] = field(default_factory=dict)
+    """Compressing tier -> what its past copies stored per raw byte: prices copies into it."""
+    copies: Mapping[tuple[str, int, str], int] = field(default_factory=dict)
+    """``(run, step, tier)`` -> bytes an existing copy takes there, where less than its raw bytes
+    (stored compressed): prices its delete."""
+
+
 def copies_estimate(
     actions: Iterable[Action], ratios: Mapping[str, StoredRatio]
 ) -> dict[str, tuple[int, int]]:
@@ -92,21 +103,23 @@ def copies_estimate(
 def plan_change(
     actions: Iterable[Action],
     prices: Mapping[str, float | None],
-    ratios: Mapping[str, StoredRatio] | None = None,
+    basis: StoredBasis | None = None,
 ) -> dict[str, float]:
     """Tier -> change of the monthly bill if the plan is carried out (negative: a saving).
 
-    A copy adds its bytes to its destination tier (into a tier of ``ratios``: the stored bytes
-    its past copies suggest, an estimate); a delete or a reap of stored bytes removes them
-    from its tier (a multipart upload being aborted counts too: stores bill for its parts). A move
-    into the trash (``undo_window``) saves nothing until the purge of that entry, which does.
+    A copy adds its bytes to its destination tier (into a compressing tier of ``basis``: the
+    stored bytes its past copies suggest, an estimate); a delete or a reap of stored bytes
+    removes them from its tier (a copy stored compressed: the bytes it takes; a multipart upload
+    being aborted counts too: stores bill for its parts). A move into the trash (``undo_window``)
+    saves nothing until the purge of that entry, which does.
     """
     delta: dict[str, int] = {}
-    ratios = ratios or {}
+    basis = basis or StoredBasis()
     for a in actions:
         if a.action is ActionKind.COPY and a.to_tier:
-            r = ratios.get(a.to_tier)
+            r = basis.ratios.get(a.to_tier)
             delta[a.to_tier] = delta.get(a.to_tier, 0) + (a.bytes if r is None else r.estimate(a.bytes))
         elif a.action in (ActionKind.DELETE, ActionKind.REAP, ActionKind.PURGE) and a.tier and not a.trash:
-            delta[a.tier] = delta.get(a.tier, 0) - a.bytes
+            held = basis.copies.get((a.run, a.step, a.tier)) if a.run and a.step is not None else None
+            delta[a.tier] = delta.get(a.tier, 0) - (a.bytes if held is None else held)
     return {t: monthly(b, p) for t, b in sorted(delta.items()) if (p := prices.get(t)) is not None}

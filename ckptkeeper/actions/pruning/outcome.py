@@ -13,16 +13,30 @@ from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.core.reaper import summarize_reclaim
 from ckptkeeper.executor import ExecResult
 
-__all__ = ["PruneOutcome", "exit_code", "stored_ratios"]
+__all__ = ["PruneOutcome", "cost_basis", "exit_code"]
 
 
-def stored_ratios(settings: Any, index: Any) -> dict[str, cost.StoredRatio]:
-    """Tier -> what its past copies stored per raw byte, for each tier with ``compression`` on
-    and such copies in ``index`` (docs/compression.md): how the plan's copies into it are priced."""
+def cost_basis(settings: Any, index: Any) -> cost.StoredBasis:
+    """What ``index`` says of stored bytes (docs/compression.md): per tier with ``compression``
+    on, what its past copies stored per raw byte; per copy stored compressed, the bytes it takes."""
     compressing = [t.name for t in settings.tiers[1:] if getattr(t, "compression", "none") != "none"]
-    if not compressing:
-        return {}
-    return cost.stored_ratios(index.stored_history(), compressing)
+    ratios = cost.stored_ratios(index.stored_history(), compressing) if compressing else {}
+    stored = index.stored_bytes()
+    copies: dict[tuple[str, int, str], int] = {}
+    if stored:
+        rows = {c.id: c for c in index.checkpoints()}
+        seen: set[tuple[str, int, str]] = set()
+        for (cid, tier), n in stored.items():
+            row = rows.get(cid)
+            if row is None:
+                continue
+            key = (row.run, row.step, tier)
+            if key in seen:  # two checkpoints of one step: the action cannot tell which
+                copies.pop(key, None)
+                continue
+            seen.add(key)
+            copies[key] = n
+    return cost.StoredBasis(ratios, copies)
 
 
 @dataclass
@@ -46,26 +60,27 @@ class PruneOutcome:
     """Tier -> ``cost_per_gib_month`` (None: not priced), for :meth:`cost_change`."""
     dedup: dict[str, Any] = field(default_factory=dict)
     """Dedup tiers: bytes uploaded vs referenced by this pass's copies, content collected."""
-    ratios: dict[str, cost.StoredRatio] = field(default_factory=dict)
-    """Compressing tiers: what their past copies stored per raw byte (:func:`stored_ratios`)."""
+    basis: cost.StoredBasis = field(default_factory=cost.StoredBasis)
+    """What the index said of stored bytes before the plan ran (:func:`cost_basis`)."""
 
     def cost_change(self) -> dict[str, float]:
         """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers
         only; copies into a compressing tier at their estimated stored bytes)."""
-        return cost.plan_change(self.plan.actions, self.prices, self.ratios)
+        return cost.plan_change(self.plan.actions, self.prices, self.basis)
 
     def stored_estimate(self) -> dict[str, Any] | None:
         """``prune --json``'s ``stored_estimate``: per compressing tier the plan copies into,
         raw bytes and the stored bytes its past copies suggest (None: no such tier)."""
-        est = cost.copies_estimate(self.plan.actions, self.ratios)
+        ratios = self.basis.ratios
+        est = cost.copies_estimate(self.plan.actions, ratios)
         if not est:
             return None
         return {
             t: {
                 "copy_bytes": raw,
                 "estimated_stored_bytes": stored,
-                "stored_per_raw": round(self.ratios[t].ratio, 4),
-                "from_copies": self.ratios[t].copies,
+                "stored_per_raw": round(ratios[t].ratio, 4),
+                "from_copies": ratios[t].copies,
             }
             for t, (raw, stored) in est.items()
         }
