@@ -97,7 +97,7 @@ def test_copies_into_a_compressing_tier_are_priced_at_what_its_past_copies_store
         Action(ActionKind.DELETE, "expired", "r", 0, "cold", None, "r/c0", 2 * GIB),
         Action(ActionKind.DELETE, "expired", "r", 9, "cold", None, "r/c9", 2 * GIB),
     ]
-    basis = cost.StoredBasis(copies={("r", 0, "cold"): GIB // 2})
+    basis = cost.StoredBasis(copies={("cold", "r/c0"): GIB // 2})
     assert cost.plan_change(deletes, prices, basis) == {"cold": -2.5}
 
 

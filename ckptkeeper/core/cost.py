@@ -83,8 +83,8 @@ class StoredBasis:
 
     ratios: Mapping[str, StoredRatio] = field(default_factory=dict)
     """Compressing tier -> what its past copies stored per raw byte: prices copies into it."""
-    copies: Mapping[tuple[str, int, str], int] = field(default_factory=dict)
-    """``(run, step, tier)`` -> bytes an existing copy takes there, where less than its raw bytes
+    copies: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """``(tier, path)`` -> bytes an existing copy takes there, where less than its raw bytes
     (stored compressed): prices its delete."""
 
 
@@ -120,6 +120,6 @@ def plan_change(
             r = basis.ratios.get(a.to_tier)
             delta[a.to_tier] = delta.get(a.to_tier, 0) + (a.bytes if r is None else r.estimate(a.bytes))
         elif a.action in (ActionKind.DELETE, ActionKind.REAP, ActionKind.PURGE) and a.tier and not a.trash:
-            held = basis.copies.get((a.run, a.step, a.tier)) if a.run and a.step is not None else None
-            delta[a.tier] = delta.get(a.tier, 0) - (a.bytes if held is None else held)
+            held = basis.copies.get((a.tier, a.path or ""), a.bytes)
+            delta[a.tier] = delta.get(a.tier, 0) - held
     return {t: monthly(b, p) for t, b in sorted(delta.items()) if (p := prices.get(t)) is not None}

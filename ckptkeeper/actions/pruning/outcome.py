@@ -21,22 +21,7 @@ def cost_basis(settings: Any, index: Any) -> cost.StoredBasis:
     on, what its past copies stored per raw byte; per copy stored compressed, the bytes it takes."""
     compressing = [t.name for t in settings.tiers[1:] if getattr(t, "compression", "none") != "none"]
     ratios = cost.stored_ratios(index.stored_history(), compressing) if compressing else {}
-    stored = index.stored_bytes()
-    copies: dict[tuple[str, int, str], int] = {}
-    if stored:
-        rows = {c.id: c for c in index.checkpoints()}
-        seen: set[tuple[str, int, str]] = set()
-        for (cid, tier), n in stored.items():
-            row = rows.get(cid)
-            if row is None:
-                continue
-            key = (row.run, row.step, tier)
-            if key in seen:  # two checkpoints of one step: the action cannot tell which
-                copies.pop(key, None)
-                continue
-            seen.add(key)
-            copies[key] = n
-    return cost.StoredBasis(ratios, copies)
+    return cost.StoredBasis(ratios, index.stored_copies())
 
 
 @dataclass
