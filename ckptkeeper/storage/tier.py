@@ -419,10 +419,7 @@ class TierStorage:
         except StorageError:
             if not rel.startswith(TRASH_DIR + "/"):
                 raise
-            # a trash entry's manifest names the copy's own path: the caller's is the entry's own
-            # (read by the trash listing), which says how the files are stored; decoded bytes are
-            # checked against the raw hash all the same
-            return manifest
+            committed = None  # a trash entry's manifest names the copy's own path: read as raw
         return compressed.with_stored_form(manifest, committed)
 
     def _open_entry(self, rel: str, entry: FileEntry) -> _Reader:
