@@ -27,6 +27,7 @@ from ckptkeeper.storage import codec
 from ckptkeeper.storage.base import VerificationError
 
 FIXTURES = Path(__file__).parent / "fixtures"
+GIB = float(1 << 30)
 RUN = "run"
 LAYOUTS = {
     # framework → (checkpoint name, step) of one complete save in tests/fixtures/<framework>/complete
@@ -243,6 +244,82 @@ def test_compressed_and_raw_copies_of_one_checkpoint_are_one_version(tmp_path: P
     assert Manifest.from_json(json.dumps(stripped)).digest == raw.digest
     after = {c["name"]: c.get("version") for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"]}
     assert after["checkpoint-4"] == before["checkpoint-4"] is not None
+
+
+def test_ls_text_shows_stored_bytes_and_the_saving_of_a_compressed_copy(tmp_path: Path) -> None:
+    from ckptkeeper.util.fmt import human_bytes
+
+    node = Node(tmp_path, _local(tmp_path, "zstd"))
+    node.add_fixture("hf")
+    node.ok("prune", "--json")
+    (ckpt,) = node.ok("ls", "--json")["runs"][0]["checkpoints"]
+    raw, stored = ckpt["bytes"], ckpt["stored_bytes"]["warm"]
+    assert stored < raw
+    text = node.ok("ls")
+    assert "STORED" in text.splitlines()[1]
+    saving = 100.0 * (raw - stored) / raw
+    assert f"{human_bytes(raw)}  warm: {human_bytes(stored)} (-{saving:.1f} %)" in text, text
+    # a tier storing copies as they are: no column
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    node = Node(plain, _local(plain, "none"))
+    node.add_fixture("hf")
+    node.ok("prune", "--json")
+    assert "STORED" not in node.ok("ls") and "SIZE" in node.ok("ls")
+
+
+def test_dry_run_prices_copies_into_a_compressed_tier_at_the_stored_bytes_its_copies_achieved(
+    tmp_path: Path,
+) -> None:
+    price = 1_000_000.0  # per GiB-month: a few KiB cost more than a cent
+    node = Node(tmp_path, {**_local(tmp_path, "zstd"), "cost_per_gib_month": price})
+    node.add_fixture("hf")
+    first = node.ok("prune", "--dry-run", "--json")  # no copy into warm yet: priced at raw bytes
+    assert first["stored_estimate"] is None
+    copied = sum(a["bytes"] for a in first["actions"] if a["action"] == "copy" and a["to_tier"] == "warm")
+    assert first["cost_saving_per_month"]["tiers"]["warm"] == pytest.approx(-round(copied / GIB * price, 4))
+    node.ok("prune", "--json")
+    history = [c for r in node.ok("ls", "--json")["runs"] for c in r["checkpoints"] if "warm" in c["tiers"]]
+    raw, stored = sum(c["bytes"] for c in history), sum(c["stored_bytes"]["warm"] for c in history)
+    assert stored < raw
+
+    shutil.copytree(FIXTURES / "hf" / "complete" / RUN, node.hot / "run2")  # the next run's saves
+    node.backdate()
+    doc = node.ok("prune", "--dry-run", "--json")
+    copied = sum(a["bytes"] for a in doc["actions"] if a["action"] == "copy" and a["to_tier"] == "warm")
+    assert copied > 0
+    estimate = doc["stored_estimate"]["warm"]
+    assert estimate["copy_bytes"] == copied  # the actions keep their raw bytes
+    assert estimate["estimated_stored_bytes"] == round(copied * stored / raw) < copied
+    assert estimate["stored_per_raw"] == round(stored / raw, 4) and estimate["from_copies"] == len(history)
+    saving = doc["cost_saving_per_month"]["tiers"]["warm"]
+    assert saving == pytest.approx(-round(estimate["estimated_stored_bytes"] / GIB * price, 4))
+    text = node.ok("prune", "--dry-run")
+    from ckptkeeper.util.fmt import human_bytes
+
+    assert (
+        f"would copy {human_bytes(copied)} into warm, stored as "
+        f"~{human_bytes(estimate['estimated_stored_bytes'])} (estimate: {100 * stored / raw:.1f} % of raw"
+    ) in text, text
+    assert "per month in storage (warm " in text and "; copies at their estimated stored bytes)" in text
+
+
+def test_dry_run_prices_the_delete_of_a_compressed_copy_at_the_bytes_it_takes(tmp_path: Path) -> None:
+    price = 1_000_000.0
+    node = Node(tmp_path, {**_local(tmp_path, "zstd"), "cost_per_gib_month": price})
+    shutil.copytree(FIXTURES / "hf" / "complete" / RUN, node.hot / RUN)
+    then = time.time() - 3600  # settled, not stale: both saves go to warm
+    for p in sorted(node.hot.rglob("*"), reverse=True):
+        os.utime(p, (then, then), follow_symlinks=False)
+    node.ok("prune", "--json")
+    stored = {c["step"]: c["stored_bytes"]["warm"] for c in node.ok("ls", "--json")["runs"][0]["checkpoints"]}
+    node.configure({**_local(tmp_path, "zstd"), "cost_per_gib_month": price, "keep_last": 1})
+    doc = node.ok("prune", "--dry-run", "--json")
+    (delete,) = doc["actions"]
+    assert (delete["action"], delete["step"], delete["tier"]) == ("delete", 2, "warm")
+    assert stored[2] < delete["bytes"]  # the action keeps the raw bytes
+    saving = doc["cost_saving_per_month"]["tiers"]["warm"]
+    assert saving == pytest.approx(round(stored[2] / GIB * price, 4))
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,28 @@ def test_plan_change_counts_copies_in_and_deletes_out() -> None:
     assert change == {"cold": 0.01, "hot": -0.2}
 
 
+def test_copies_into_a_compressing_tier_are_priced_at_what_its_past_copies_stored() -> None:
+    history = {"cold": (4, 8 * GIB, 2 * GIB), "warm": (2, GIB, GIB), "new": (0, 0, 0)}
+    ratios = cost.stored_ratios(history, ["cold", "new", "other"])
+    assert set(ratios) == {"cold"}  # no history: raw bytes; warm does not compress
+    assert ratios["cold"].ratio == 0.25 and ratios["cold"].copies == 4
+    actions = [
+        Action(ActionKind.COPY, "demote", "r", 1, "hot", "cold", "r/c1", 4 * GIB),
+        Action(ActionKind.COPY, "demote", "r", 2, "hot", "new", "r/c2", GIB),
+    ]
+    prices = {"cold": 1.0, "new": 1.0}
+    assert cost.plan_change(actions, prices, cost.StoredBasis(ratios)) == {"cold": 1.0, "new": 1.0}
+    assert cost.plan_change(actions, prices) == {"cold": 4.0, "new": 1.0}
+    assert cost.copies_estimate(actions, ratios) == {"cold": (4 * GIB, GIB)}
+    # a delete of a copy stored compressed frees the bytes it takes, not its raw bytes
+    deletes = [
+        Action(ActionKind.DELETE, "expired", "r", 0, "cold", None, "r/c0", 2 * GIB),
+        Action(ActionKind.DELETE, "expired", "r", 9, "cold", None, "r/c9", 2 * GIB),
+    ]
+    basis = cost.StoredBasis(copies={("cold", "r/c0"): GIB // 2})
+    assert cost.plan_change(deletes, prices, basis) == {"cold": -2.5}
+
+
 # --------------------------------------------------------------------------------------------
 # config
 

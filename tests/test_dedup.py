@@ -1,4 +1,5 @@
-"""Dedup in a slower tier (docs/dedup.md), through the real CLI on a local warm tier and on moto S3.
+"""Dedup in a slower tier (docs/dedup.md), through the real CLI on a local warm tier, on moto S3
+and on SeaweedFS.
 
 A run saves the same weights again after a restart (identical model and optimizer files, a new
 step): the dedup tier stores those bytes once, both checkpoints restore byte-identical, deleting
@@ -78,7 +79,9 @@ class Node:
         self.t0 = time.time() - 7200
         self.configure(**warm)
 
-    def configure(self, hot: dict[str, Any] | None = None, **warm: Any) -> None:
+    def configure(
+        self, hot: dict[str, Any] | None = None, reaper: dict[str, Any] | None = None, **warm: Any
+    ) -> None:
         policy = {"keep_last": 10, "dedup": True, "dedup_grace": "1h", **warm}
         if self.kind == "s3":
             assert self.s3 is not None
@@ -90,6 +93,7 @@ class Node:
             self.config,
             index=self.tmp / "index.db",
             daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            reaper=reaper,
             tiers=[local_tier("hot", self.hot, **(hot or {"keep_last": 1})), warm_tier],
         )
 
@@ -119,12 +123,33 @@ class Node:
         return tree(self.originals / f"checkpoint-{step}")
 
 
-@pytest.fixture(params=["local", "s3"])
+def seaweedfs_bucket(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(bucket, endpoint) of a fresh bucket on the SeaweedFS S3 gateway (tests/conftest.py)."""
+    import uuid
+
+    import boto3
+
+    endpoint = request.getfixturevalue("seaweedfs")
+    bucket = f"dedup-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    return bucket, endpoint
+
+
+@pytest.fixture(params=["local", "s3", "seaweedfs"])
 def node(request: pytest.FixtureRequest, tmp_path: Path) -> Node:
+    """The warm dedup tier: a local directory, a prefix on moto, or one on SeaweedFS."""
     if request.param == "s3":
         endpoint = request.getfixturevalue("s3_reset")
         bucket = request.getfixturevalue("s3_bucket")
         return Node(tmp_path, "s3", (bucket, endpoint))
+    if request.param == "seaweedfs":
+        return Node(tmp_path, "s3", seaweedfs_bucket(request))
     return Node(tmp_path, "local", None)
 
 
@@ -220,6 +245,55 @@ def test_delete_of_one_keeps_the_other_and_collection_waits_for_the_last(node: N
     node.prune(env=AHEAD)
     assert content_objects(node) == {}
     assert all(not k.startswith("run/") for k in stored(node))
+
+
+CLOCKSHIFT = Path(__file__).parent / "clockshift"
+
+
+def prune_skewed(node: Node, offset: float) -> tuple[int, dict[str, Any] | None]:
+    """``prune --json`` in a process whose wall clock runs ``offset`` seconds off
+    (tests/clockshift; file mtimes and the S3 server's clock stay real): its exit code and
+    document."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTKEEPER_")}
+    root = str(Path(__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([str(CLOCKSHIFT), root, env.get("PYTHONPATH", "")])
+    env["CKPT_TEST_CLOCK_OFFSET"] = repr(offset)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "prune", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None
+
+
+def test_a_node_whose_clock_runs_ahead_collects_nothing_young_by_the_stores_clock(
+    node: Node, request: pytest.FixtureRequest
+) -> None:
+    """Content unreferenced a moment ago is older than ``dedup_grace`` (5 min) by the node's
+    clock, 10 minutes or 3 days ahead, but young by the store's: it stays until the store's clock
+    says otherwise. (A store that checks request signatures, SeaweedFS as S3, refuses a node
+    3 days ahead outright: nothing collected, nothing deleted.)"""
+    saved_twice(node)
+    # 100 expires: its trainer state is referenced by nothing now. (The run is not reaped as
+    # stale: this harness shifts the node's clock, not the kernel's mtimes of its own files.)
+    node.configure(keep_last=2, dedup_grace="5m", reaper={"failed_after": "30d"})
+    signed = request.node.callspec.params["node"] == "seaweedfs"  # moto ignores request times
+    for offset in (600.0, 3 * 86400.0):
+        code, doc = prune_skewed(node, offset)
+        if signed and offset > 900:  # requests signed that far off are refused, as S3 does
+            assert doc is None or doc["dedup"]["tiers"]["warm"]["collected"] is None, (code, doc)
+            assert len(content_objects(node)) == 4
+            continue
+        assert code == 0 and doc is not None, (offset, code)
+        collected = doc["dedup"]["tiers"]["warm"]["collected"]
+        assert (collected["removed"], collected["young"]) == (0, 1), (offset, collected)
+        assert len(content_objects(node)) == 4
+    assert node.restore(200) == node.original(200)
+    doc = node.prune(env=AHEAD)  # the store's clock past the grace period: collected
+    assert doc["dedup"]["tiers"]["warm"]["collected"]["removed"] == 1
+    assert set(content_objects(node)) == referenced(node)
 
 
 def test_undelete_of_a_deduped_checkpoint_whose_content_is_shared(node: Node) -> None:

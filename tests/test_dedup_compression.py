@@ -9,13 +9,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from builders import local_tier, write_config
 from click.testing import CliRunner
-from test_dedup import AHEAD, Node, content_objects, node, prune_killed_at, referenced, sweep
+from test_dedup import (
+    AHEAD,
+    MODEL,
+    OPTIM,
+    Node,
+    content_objects,
+    node,
+    prune_killed_at,
+    referenced,
+    sweep,
+)
 
 from ckptkeeper.cli import main
 from ckptkeeper.core.model import Manifest
@@ -254,6 +265,70 @@ def test_kill9_at_every_crash_point_of_a_compressed_collection(
     assert points > 3
 
 
+def _compressible(n: int) -> bytes:
+    """``n`` bytes zstd stores in a fraction of the space, different every call."""
+    return os.urandom(64) * (n // 64)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("phase", ["copy", "delete"])
+def test_kill9_at_every_crash_point_of_a_zstd_file_deduped_tier(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, phase: str
+) -> None:
+    """Whole files stored once as ``<hash>.z``: a copy (100 and 200 share their files), and a
+    delete whose collection removes a compressed object (100's optimizer state, 200 keeps the
+    shared weights), killed at every crash point."""
+    s3 = None
+    if kind == "s3":
+        s3 = (request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_reset"))
+    weights, optim, own = _compressible(MODEL), _compressible(OPTIM), _compressible(OPTIM)
+    fresh, other = _compressible(MODEL), _compressible(OPTIM)
+
+    def make(k: int) -> Node:
+        base = tmp_path / f"trial-{k}"
+        base.mkdir()
+        node = Node(base, kind, s3, prefix=f"trial-{k}", compression="zstd")
+        node.save(100, weights=weights, optim=own if phase == "delete" else optim)
+        node.save(200, weights=weights, optim=optim)
+        node.save(300, weights=fresh, optim=other)
+        if phase == "delete":
+            node.prune()
+            node.configure(keep_last=2, compression="zstd")  # 100 expires from warm
+        return node
+
+    sample = make(0)
+    before = set(content_objects(sample))
+    sample.prune(env=AHEAD if phase == "delete" else None)
+    after = set(content_objects(sample))
+    gone = before - after  # a delete's collection removes 100's own optimizer state, compressed
+    assert len([k for k in after if k.endswith(".z")]) == 2, after
+    assert len([k for k in gone if k.endswith(".z")]) == (phase == "delete"), gone
+    if phase == "copy":
+        assert sweep(make, prune_killed_at, (100, 200, 300)) > 6
+    else:
+        assert sweep(make, lambda node, k: prune_killed_at(node, k, AHEAD), (200, 300)) > 2
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["compressed", "deduped-compressed"])
+def test_undelete_of_a_compressed_copy_restores_byte_identical(node: Node, dedup: bool) -> None:
+    """An expired copy of a compressing tier goes to the trash as stored, comes back with
+    ``undelete`` still stored compressed, and restores byte-identical."""
+    node.configure(compression="zstd", dedup=dedup)
+    for step in (100, 200, 300):
+        node.save(step, weights=_compressible(MODEL), optim=_compressible(OPTIM))
+    node.prune()
+    node.configure(compression="zstd", dedup=dedup, keep_last=1, undo_window="1d")
+    node.prune()  # 100 and 200 into the trash
+    code, out = node.cli("ls", "--deleted", "--json")
+    assert code == 0 and {d["step"] for d in json.loads(out)["deleted"]} == {100, 200}, out
+    code, out = node.cli("undelete", "run", "100")
+    assert code == 0, out
+    assert node.restore(100) == node.original(100)
+    assert any(e.encoding for e in _warm_manifest(node, 100).files)  # still stored compressed
+    code, out = node.cli("verify", "run")
+    assert code == 0, out
+
+
 # -- the manifest ---------------------------------------------------------------------------------
 
 H1, H2 = "1" * 32, "2" * 32
@@ -305,3 +380,82 @@ def test_manifest_records_the_form_of_each_piece_and_reads_old_ones_unchanged() 
 def test_manifest_forms_are_validated(entry: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"files\[0\]"):
         Manifest.from_json(_doc(entry))
+
+
+# -- every layout of the real-framework fixtures, on every store -------------------------------------
+
+
+def _add_fixtures(node: Node) -> dict[tuple[str, str, int], dict[str, str]]:
+    """Every framework's complete fixture twice (runs ``<framework>-a`` and ``-b``: the same bytes
+    saved by two runs), an hour old (settled, not yet stale: no reaping); each complete
+    checkpoint's file hashes by (run, name, step)."""
+    from test_compression import FIXTURES, LAYOUTS, _tree
+
+    for framework in LAYOUTS:
+        for copy in ("a", "b"):
+            run = node.hot / f"{framework}-{copy}"
+            shutil.copytree(FIXTURES / framework / "complete" / "run", run, symlinks=True)
+            for keep in run.rglob(".keep-empty-dir"):
+                keep.unlink()
+    then = node.t0 + 3600
+    for p in sorted(node.hot.rglob("*"), reverse=True):
+        os.utime(p, (then, then), follow_symlinks=False)
+    code, out = node.cli("scan", "--json")
+    assert code == 0, out
+    code, out = node.cli("ls", "--json")
+    assert code == 0, out
+    found = {
+        (r["name"], c["name"], c["step"]): _tree(node.hot / r["name"] / c["name"])
+        for r in json.loads(out)["runs"]
+        for c in r["checkpoints"]
+        if c["state"] == "complete"
+    }
+    assert {run.rsplit("-", 1)[0] for run, _, _ in found} == set(LAYOUTS)
+    return found
+
+
+def _restored(node: Node, run: str, name: str, step: int) -> dict[str, str]:
+    from test_compression import _tree
+
+    dest = node.tmp / f"restored-{run}-{step}-{time.monotonic_ns()}"
+    code, out = node.cli("restore", run, "--step", str(step), "--to", str(dest))
+    assert code == 0, out
+    return _tree(dest / name)
+
+
+@pytest.mark.parametrize("warm", [{}, ZIP], ids=["file-dedup", "tensor-dedup-auto"])
+def test_every_framework_layout_round_trips_deduped(node: Node, warm: dict[str, Any]) -> None:
+    """Each layout of tests/fixtures through a dedup tier (whole files, or tensors and compressed):
+    the second run's copies reference the first's content; every checkpoint restores byte-identical;
+    after the older saves expire, collection leaves exactly what the kept manifests reference."""
+    node.configure(hot={"keep_last": 0}, **warm)
+    originals = _add_fixtures(node)
+    doc = node.prune()
+    assert not [k for k in originals if (node.hot / k[0] / k[1]).exists()], "all pruned into warm"
+    raw = sum(f["size"] for f in _warm_files(node))
+    assert doc["dedup"]["tiers"]["warm"]["deduped_bytes"] >= raw // 2 - 4096, doc["dedup"]
+    assert sum(content_objects(node).values()) < raw // 2 + 4096
+    encoded = [k for k in content_objects(node) if k.endswith(".z")]
+    assert bool(encoded) == bool(warm), encoded  # stored compressed where the tier compresses
+    code, out = node.cli("verify", "--json")
+    assert code == 0 and json.loads(out)["problems"] == [], out
+    for (run, name, step), want in originals.items():
+        assert _restored(node, run, name, step) == want, (run, name)
+    node.configure(hot={"keep_last": 0}, **{**warm, "keep_last": 1})  # the older saves expire
+    node.prune(env=AHEAD)
+    assert set(content_objects(node)) == referenced(node)
+    code, out = node.cli("ls", "--json")
+    kept = {(r["name"], c["step"]) for r in json.loads(out)["runs"] for c in r["checkpoints"]}
+    assert len(kept) < len(originals)
+    for (run, name, step), want in originals.items():
+        if (run, step) in kept:
+            assert _restored(node, run, name, step) == want, (run, name)
+
+
+def _warm_files(node: Node) -> list[dict[str, Any]]:
+    """Every file of every committed copy in the warm tier (its manifests' entries)."""
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.storage import TierStorage
+
+    tier = TierStorage(load_settings(node.config).tier_specs()[1])
+    return [{"path": e.path, "size": e.size} for _rel, m, _err in tier.list_manifests() if m for e in m.files]

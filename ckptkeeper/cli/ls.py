@@ -1,4 +1,5 @@
-"""``ls``: runs and their checkpoints: step, state, tiers, size, metrics, pin."""
+"""``ls``: runs and their checkpoints: step, state, tiers, size (and stored size where smaller),
+metrics, pin."""
 
 from __future__ import annotations
 
@@ -75,9 +76,21 @@ def _render(listing: Listing) -> None:
             click.echo(f"quarantined {q.kind} {q.tier}:{q.path}: {q.reason}")
 
 
+def _stored_text(c: dict[str, Any]) -> str:
+    """Where a copy is stored smaller than its raw bytes (compressed): ``cold: 1.2 MiB (-70.0 %)``
+    per such tier, the saving against SIZE in brackets; empty when every copy is stored as it is."""
+    return ", ".join(
+        f"{tier}: {human_bytes(n)} (-{100.0 * (c['bytes'] - n) / max(1, c['bytes']):.1f} %)"
+        for tier, n in c["stored_bytes"].items()
+        if n < c["bytes"]
+    )
+
+
 def _render_run(doc: dict[str, Any]) -> None:
     reason = f" ({doc['state_reason']})" if doc["state_reason"] else ""
     click.echo(wrap_text(f"run {doc['name']}: {doc['state']}{reason}", out_width()))
+    stored = [_stored_text(c) for c in doc["checkpoints"]]
+    smaller = any(stored)  # the STORED column only where some copy of the run is stored smaller
     rows = [
         (
             c["step"],
@@ -91,20 +104,15 @@ def _render_run(doc: dict[str, Any]) -> None:
             )
             or "-",
             human_bytes(c["bytes"]),
+            *([text] if smaller else []),
             format_metrics(c["metrics"]),
             "pinned" if c["pinned"] else "",
             c["name"],
         )
-        for c in doc["checkpoints"]
+        for c, text in zip(doc["checkpoints"], stored, strict=True)
     ]
-    click.echo(
-        table(
-            ["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", "METRICS", "PIN", "PATH"],
-            rows,
-            right=(0, 4),
-            width=out_width(),
-        )
-    )
+    headers = ["STEP", "STATE", "LAYOUT", "TIERS", "SIZE", *(["STORED"] if smaller else []), "METRICS"]
+    click.echo(table([*headers, "PIN", "PATH"], rows, right=(0, 4), width=out_width()))
     if any(c["layout"] == "accelerate" for c in doc["checkpoints"]):
         click.echo(ACCELERATE_STEP_NOTE)
     for c in doc["checkpoints"]:

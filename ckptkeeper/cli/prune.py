@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -24,6 +24,7 @@ from ckptkeeper.util.fmt import format_duration, human_bytes, table, wrap_text
 if TYPE_CHECKING:
     from ckptkeeper.actions.prune import PruneOutcome
     from ckptkeeper.config import Settings
+    from ckptkeeper.core.cost import StoredBasis, StoredRatio
     from ckptkeeper.core.model import Action, Plan
     from ckptkeeper.index import Index
 
@@ -57,7 +58,7 @@ def _policy_summary(settings: Settings) -> str:
     return "; ".join(parts)
 
 
-def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
+def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool, basis: StoredBasis | None = None) -> None:
     from ckptkeeper.core.reaper import summarize_reclaim  # with the planner: not for --help
 
     width = out_width()
@@ -111,12 +112,14 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
     verb = "would reclaim" if dry_run else "reclaiming"
     per_tier = ", ".join(f"{t} {human_bytes(b)}" for t, b in reclaim.items()) or "nothing"
     click.echo(f"{verb} {human_bytes(total)}: {per_tier}")
-    change = _cost_change(plan, settings)
+    estimates = _render_estimate(plan, basis.ratios if basis else {}, dry_run=dry_run)
+    change = _cost_change(plan, settings, basis)
     if change:
         net = sum(change.values())
         word = "saves" if net <= 0 else "adds"
         per = ", ".join(f"{t} {c:+.2f}" for t, c in change.items())
-        click.echo(f"this plan {word} {abs(net):.2f} per month in storage ({per})")
+        est = "; copies at their estimated stored bytes" if estimates else ""
+        click.echo(f"this plan {word} {abs(net):.2f} per month in storage ({per}{est})")
     reaps = [a for a in plan.actions if a.action.value == "reap" and not a.trash]
     if reaps:
         summary = summarize_reclaim(reaps)
@@ -130,11 +133,28 @@ def _render_plan(plan: Plan, settings: Settings, *, dry_run: bool) -> None:
         click.echo(f"refused: {plan.refused}", err=True)
 
 
-def _cost_change(plan: Plan, settings: Settings) -> dict[str, float]:
+def _render_estimate(plan: Plan, ratios: Mapping[str, StoredRatio], *, dry_run: bool) -> bool:
+    """Per compressing tier the plan copies into: raw bytes and what its past copies suggest it
+    will store (labelled an estimate); whether any line was printed."""
+    from ckptkeeper.core import cost
+
+    est = cost.copies_estimate(plan.actions, ratios)
+    verb = "would copy" if dry_run else "copying"
+    for tier, (raw, stored) in est.items():
+        r = ratios[tier]
+        click.echo(
+            f"{verb} {human_bytes(raw)} into {tier}, stored as ~{human_bytes(stored)} (estimate: "
+            f"{100.0 * r.ratio:.1f} % of raw, as its {r.copies} compressed "
+            f"{'copy' if r.copies == 1 else 'copies'} stored)"
+        )
+    return bool(est)
+
+
+def _cost_change(plan: Plan, settings: Settings, basis: StoredBasis | None = None) -> dict[str, float]:
     """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
     from ckptkeeper.core import cost
 
-    return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers})
+    return cost.plan_change(plan.actions, {t.name: t.cost_per_gib_month for t in settings.tiers}, basis)
 
 
 def _progress_printer() -> Callable[[Action, int, int], None] | None:
@@ -173,7 +193,9 @@ def prune(
 
     def print_plan(plan: Plan) -> None:
         """Before any copy starts: the plan is what a user reads while the bytes move."""
-        _render_plan(plan, settings, dry_run=False)
+        from ckptkeeper.actions.pruning.outcome import cost_basis
+
+        _render_plan(plan, settings, dry_run=False, basis=cost_basis(settings, ix))
         sys.stdout.flush()
         printed.append(plan)
 
@@ -201,7 +223,7 @@ def prune(
         click.echo(json.dumps(outcome.to_dict(), indent=2))
     else:
         if not printed:
-            _render_plan(outcome.plan, settings, dry_run=dry_run)
+            _render_plan(outcome.plan, settings, dry_run=dry_run, basis=outcome.basis)
         _render_outcome(outcome, dry_run=dry_run)
     sys.exit(outcome.exit_code)
 

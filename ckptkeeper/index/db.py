@@ -296,6 +296,28 @@ class Index(ArtifactsMixin, JournalMixin, ScrubMixin, TrashMixin, HistoryMixin):
         ).fetchall()
         return {(int(r[0]), str(r[1])): int(r[2]) for r in rows}
 
+    def stored_history(self) -> dict[str, tuple[int, int, int]]:
+        """Tier -> (copies, raw bytes, stored bytes) of its copies whose stored bytes a copy
+        recorded (compressed copies, files it left raw included): what that tier achieved, the
+        basis of ``prune --dry-run``'s estimate (:func:`ckptkeeper.core.cost.stored_ratios`)."""
+        rows = self._exec(
+            """SELECT l.tier, COUNT(*), SUM(c.bytes), SUM(l.stored_bytes) FROM locations l
+               JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.version = c.version AND l.stored_bytes IS NOT NULL
+               GROUP BY l.tier"""
+        ).fetchall()
+        return {str(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+
+    def stored_copies(self) -> dict[tuple[str, str], int]:
+        """(tier, ``<run>/<name>``) -> stored bytes of each copy a tier stores compressed (as
+        :meth:`stored_bytes`, keyed as a plan's actions name a copy)."""
+        rows = self._exec(
+            """SELECT l.tier, c.run, c.name, l.stored_bytes FROM locations l
+               JOIN checkpoints c ON c.id = l.checkpoint_id
+               WHERE l.version = c.version AND l.stored_bytes IS NOT NULL AND l.stored_bytes != c.bytes"""
+        ).fetchall()
+        return {(str(r[0]), f"{r[1]}/{r[2]}"): int(r[3]) for r in rows}
+
     def tier_holdings(self, tier: str, node: str = "") -> tuple[int, int, float | None]:
         """(runs, checkpoints, newest ``created_at``) with a verified copy in ``tier`` written by this
         node (location node '' or ``node``): what a node heartbeat reports (docs/design.md, "Many nodes")."""

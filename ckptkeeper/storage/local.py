@@ -193,7 +193,7 @@ class LocalTierStorage(TierStorage):
             raise StorageError(
                 f"tier {self.name!r}: cannot read manifest of {rel_path}: {_describe(exc)}"
             ) from exc
-        return _parse_manifest(rel_path, text)
+        return _parse_at(rel_path, text)
 
     def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:
         if self.hot:
@@ -603,3 +603,16 @@ def _fd(fd: int) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def _parse_at(rel: str, text: bytes) -> Manifest:
+    """The manifest found at ``rel``. In a trash entry (``<entry>/<run>/<name>``) it names the
+    copy's own path (where ``undelete`` brings it back): read as the entry's, so whatever asks how
+    the entry's files are stored (compressed, in the content store) is told, as for a committed
+    copy."""
+    parts = rel.split("/")
+    if len(parts) > 2 and parts[0] == TRASH_DIR:
+        entry = "/".join(parts[:2])
+        if trash.entry_time(entry) is not None:
+            return trash.in_entry(_parse_manifest("/".join(parts[2:]), text), entry)
+    return _parse_manifest(rel, text)

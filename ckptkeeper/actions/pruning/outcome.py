@@ -13,7 +13,15 @@ from ckptkeeper.core.model import ActionKind, Plan
 from ckptkeeper.core.reaper import summarize_reclaim
 from ckptkeeper.executor import ExecResult
 
-__all__ = ["PruneOutcome", "exit_code"]
+__all__ = ["PruneOutcome", "cost_basis", "exit_code"]
+
+
+def cost_basis(settings: Any, index: Any) -> cost.StoredBasis:
+    """What ``index`` says of stored bytes (docs/compression.md): per tier with ``compression``
+    on, what its past copies stored per raw byte; per copy stored compressed, the bytes it takes."""
+    compressing = [t.name for t in settings.tiers[1:] if getattr(t, "compression", "none") != "none"]
+    ratios = cost.stored_ratios(index.stored_history(), compressing) if compressing else {}
+    return cost.StoredBasis(ratios, index.stored_copies())
 
 
 @dataclass
@@ -37,10 +45,30 @@ class PruneOutcome:
     """Tier -> ``cost_per_gib_month`` (None: not priced), for :meth:`cost_change`."""
     dedup: dict[str, Any] = field(default_factory=dict)
     """Dedup tiers: bytes uploaded vs referenced by this pass's copies, content collected."""
+    basis: cost.StoredBasis = field(default_factory=cost.StoredBasis)
+    """What the index said of stored bytes before the plan ran (:func:`cost_basis`)."""
 
     def cost_change(self) -> dict[str, float]:
-        """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers only)."""
-        return cost.plan_change(self.plan.actions, self.prices)
+        """Tier -> change of the monthly storage bill if the plan is carried out (priced tiers
+        only; copies into a compressing tier at their estimated stored bytes)."""
+        return cost.plan_change(self.plan.actions, self.prices, self.basis)
+
+    def stored_estimate(self) -> dict[str, Any] | None:
+        """``prune --json``'s ``stored_estimate``: per compressing tier the plan copies into,
+        raw bytes and the stored bytes its past copies suggest (None: no such tier)."""
+        ratios = self.basis.ratios
+        est = cost.copies_estimate(self.plan.actions, ratios)
+        if not est:
+            return None
+        return {
+            t: {
+                "copy_bytes": raw,
+                "estimated_stored_bytes": stored,
+                "stored_per_raw": round(ratios[t].ratio, 4),
+                "from_copies": ratios[t].copies,
+            }
+            for t, (raw, stored) in est.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """``prune --json``: the plan, and what was done (``result``, absent from a dry run)."""
@@ -62,6 +90,7 @@ class PruneOutcome:
         if self.dedup:
             doc["dedup"] = self.dedup
         change = self.cost_change()
+        doc["stored_estimate"] = self.stored_estimate()
         doc["cost_saving_per_month"] = (
             {"tiers": {t: round(-c, 4) for t, c in change.items()}, "total": round(-sum(change.values()), 4)}
             if change

@@ -19,9 +19,10 @@ from ckptkeeper.actions.errors import IndexUnusable
 from ckptkeeper.actions.index import executor_lock
 from ckptkeeper.actions.pruning import participants as chosen
 from ckptkeeper.actions.pruning.catalog import CatalogStep
-from ckptkeeper.actions.pruning.outcome import PruneOutcome, exit_code
+from ckptkeeper.actions.pruning.outcome import PruneOutcome, cost_basis, exit_code
 from ckptkeeper.actions.pruning.planning import plan_phase, restrict_phase
 from ckptkeeper.actions.pruning.state import Participant, PassState
+from ckptkeeper.core.cost import StoredBasis
 from ckptkeeper.core.model import Action, Plan
 from ckptkeeper.executor import ExecResult, Executor, Progress
 from ckptkeeper.index import IndexReplaced
@@ -119,6 +120,8 @@ class PrunePass:
         self.lock_timeout = lock_timeout
         self.progress = progress
         self.on_plan = on_plan
+        self.basis = StoredBasis()
+        """What the index said of stored bytes before the plan ran (its cost, docs/compression.md)."""
 
     def run(self) -> PruneOutcome:
         """Raises Locked if another executor runs, NodeClash, IndexUnusable."""
@@ -137,6 +140,7 @@ class PrunePass:
             plan = restrict_phase(s, ps, plan_phase(s, ps))
             for p in ps:
                 plan = p.freeze(s, plan)
+            self.basis = cost_basis(s.settings, s.index)  # before the plan's own copies
             s.result = executor.execute(s, plan, recovered)
             if s.result is not None:
                 self.catalog.after_execute(s, s.result)
@@ -170,6 +174,7 @@ class PrunePass:
                 adopted=s.adopted,
                 prices=prices,
                 dedup=s.dedup,
+                basis=self.basis,
             )
         failed = [
             f"{a.action.value} {a.path} ({a.tier}{' -> ' + a.to_tier if a.to_tier else ''}): {err}"
@@ -186,4 +191,5 @@ class PrunePass:
             adopted=s.adopted,
             prices=prices,
             dedup=s.dedup,
+            basis=self.basis,
         )
