@@ -562,7 +562,9 @@ def _stream_file(
     try:
         if fingerprint is not None:
             _check_fingerprint(where, reader, fingerprint)
-        writer = sink.open_file(entry, reader)
+        # Hashed on the way: the sink gets no source to read again (an S3 upload sends the bytes
+        # read here, docs/uploads.md), so every byte stored is one this pass read and hashed.
+        writer = sink.open_file(entry, reader if fingerprint is None else None)
         hasher = hashing.new_hasher()
         size = 0
         readinto = getattr(reader, "readinto", None)
