@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_hot_once
 from builders import local_tier, s3_tier, write_config
 from test_hot_once import (
     NEW,
@@ -28,11 +28,12 @@ from test_hot_once import (
     _env,
     _index_versions,
     _new_checkpoints,
-    shm,  # noqa: F401 - the fixture
 )
 
 from ckptkeeper.core.model import Manifest
 from ckptkeeper.util.hashing import new_hasher
+
+shm = test_hot_once.shm  # the fixture: hot on tmpfs
 
 PREFIX = "ckpt"
 
@@ -59,7 +60,9 @@ def _objects(s3: Any, bucket: str) -> dict[str, bytes]:
     return {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
-def _assert_uploaded_exactly(tmp_path: Path, hot: Path, s3: Any, bucket: str, digests: dict[str, str]) -> None:
+def _assert_uploaded_exactly(
+    tmp_path: Path, hot: Path, s3: Any, bucket: str, digests: dict[str, str]
+) -> None:
     """The old checkpoint is in S3 only, byte for byte; its manifest's hashes are those of the
     bytes stored, and its version is what the index records for the cold copy; no staging left."""
     objects = _objects(s3, bucket)
