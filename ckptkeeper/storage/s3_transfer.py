@@ -29,7 +29,8 @@ from ckptkeeper.storage.base import (
     _token,
     log,
 )
-from ckptkeeper.storage.s3_upload import _PartPool, _rereadable, _S3FileWriter, _S3Tier
+from ckptkeeper.storage.s3_bodies import _PartPool, _rereadable
+from ckptkeeper.storage.s3_upload import _S3FileWriter, _S3Tier
 from ckptkeeper.util import hashing
 
 # fsspec is imported where used: the CLI imports this package and local tiers need none of it.

@@ -562,9 +562,10 @@ def _stream_file(
     try:
         if fingerprint is not None:
             _check_fingerprint(where, reader, fingerprint)
-        # Hashed on the way: the sink gets no source to read again (an S3 upload sends the bytes
-        # read here, docs/uploads.md), so every byte stored is one this pass read and hashed.
-        writer = sink.open_file(entry, reader if fingerprint is None else None)
+        # Hashed on the way: a backend's sink gets no source to read again (an S3 upload sends
+        # the bytes read here, docs/uploads.md), so every byte stored is one this pass read.
+        rereadable = fingerprint is None or isinstance(sink, compressed.EncodingSink)
+        writer = sink.open_file(entry, reader if rereadable else None)
         hasher = hashing.new_hasher()
         size = 0
         readinto = getattr(reader, "readinto", None)
