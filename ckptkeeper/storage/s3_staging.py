@@ -206,9 +206,8 @@ class StagingObjects(S3Objects):
             # belongs to the interrupted copy this marker records, and is aborted unless this
             # node's copy can resume it; the objects it finished go too, unless recorded by this
             # node's copy and still as recorded (docs/uploads.md).
-            keep, doc = ({}, {}) if committed else self._resume_keep(marker, target_key)
-            ours = doc.get("op") == _COPY_OP and doc.get("node") == self.node
-            finished = self._still_finished(_done_records(doc, target_key)) if ours else {}
+            keep, done, doc = (set(), [], {}) if committed else self._resume_keep(marker, target_key)
+            finished = self._still_finished(done)
             if not committed:
                 objs = [o for o in self._target_objects(target_key) if o[0] not in finished]
                 self._delete_keys([k for k, _, _ in objs])
@@ -237,20 +236,25 @@ class StagingObjects(S3Objects):
             self._delete_keys([marker])
         return freed
 
-    def _resume_keep(self, marker: str, target_key: str) -> tuple[set[str], dict[str, Any]]:
-        """Ids of uploads under ``target_key`` a copy of this node may resume, and ``marker``'s body.
+    def _resume_keep(
+        self, marker: str, target_key: str
+    ) -> tuple[set[str], list[dict[str, Any]], dict[str, Any]]:
+        """Ids of uploads under ``target_key`` a copy of this node may resume, the records of the
+        objects such a copy finished (:func:`_done_records`), and ``marker``'s body.
 
         Those a copy marker of this node records (``marker`` itself, when a copy; others on the
         same target, whatever ``marker`` is): a resume marker being discarded is stale, and its
-        uploads go with it unless a newer copy took them over.
+        uploads and objects go with it unless a newer copy took them over.
         """
         keys = [o["Key"] for o in self._list_objects(target_key + STAGING_MARK)]
         docs = self._marker_docs(sorted({*keys, marker}))
         keep: set[str] = set()
+        done: list[dict[str, Any]] = []
         for doc in docs.values():
             if doc.get("node") == self.node and doc.get("op") == _COPY_OP:
                 keep.update(r["upload"] for r in _resume_records(doc, target_key))
-        return keep, docs.get(marker, {})
+                done.extend(_done_records(doc, target_key))
+        return keep, done, docs.get(marker, {})
 
     def list_multipart_uploads(self) -> list[Artifact]:
         out: list[Artifact] = []
