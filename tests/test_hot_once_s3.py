@@ -155,3 +155,28 @@ def test_a_prune_to_a_compressing_or_dedup_s3_tier_keeps_exact_hashes(
     assert back.returncode == 0, back.stderr
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (restored / OLD).iterdir()} == digests
     assert json.loads(got.stdout)
+
+
+def test_tiny_bench_measures_a_prune_to_s3_and_a_resume_of_several_files(tmp_path: Path) -> None:
+    """bench/upload_resume.py: a whole `ckptkeeper prune` to SeaweedFS, the bytes it read per byte
+    moved (rchar) against hashing first; and a checkpoint of 4 files killed in its third."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "upload_resume", "--json", str(out)]
+    proc = subprocess.run(
+        [*argv, "--disk-dir", str(tmp_path)],
+        cwd=test_hot_once.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    rows = {row["metric"]: row for row in doc["rows"]}
+    reads = rows[
+        "prune to S3 (SeaweedFS), 24 MiB new checkpoint from tmpfs: bytes read per byte moved (rchar of the process)"
+    ]
+    assert reads["baseline"] > reads["ours"] > 0 and "net of the" in reads["note"]
+    several = rows["finish a 4 x 6 MiB upload killed at 62 % (bytes sent)"]
+    assert several["ours"] < several["baseline"]
