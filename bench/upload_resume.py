@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench._harness import Config, MiB, Row, alternate, median, python_env, run_worker
@@ -216,6 +217,53 @@ def _prune_measured(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     return {"rchar": rchar, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss / 1024}
 
 
+class _S3Mover:
+    """A fresh node (index scanned, the checkpoint and a small newest one in hot) per ``prune``
+    to the SeaweedFS tier, each under its own prefix, removed after it."""
+
+    def __init__(self, home: Path, template: Path, newest: Path, endpoint: str, env: dict[str, str]) -> None:
+        self.home, self.template, self.newest, self.endpoint, self.env = home, template, newest, endpoint, env
+        self.count = 0
+        self.got: dict[str, list[dict[str, float]]] = {"first": [], "once": []}
+
+    def _config(self, hot: Path) -> Path:
+        config = self.home / "ckptkeeper.toml"
+        options = {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+        config.write_text(
+            f"index = {json.dumps(str(self.home / 'index.db'))}\n"
+            '[daemon]\nmetrics_addr = ""\ntrust_mtimes = true\n'
+            f'[[tiers]]\nname = "hot"\nurl = {json.dumps(str(hot))}\nkeep_last = 1\n'
+            f'[[tiers]]\nname = "cold"\nurl = "s3://bench/readonce-{self.count}"\nkeep_last = 10\n'
+            "storage_options = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }\n"
+        )
+        return config
+
+    def prune(self, mode: str, idle: list[float] | None = None) -> float:
+        """One measured ``prune`` (``mode``: ``once``, or ``first``: the catalog hashes first);
+        ``idle`` gets what a second one, with nothing to move, reads."""
+        self.count += 1
+        shutil.rmtree(self.home, ignore_errors=True)
+        hot = self.home / "hot"
+        (hot / RUN).mkdir(parents=True)
+        cli = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(self._config(hot))]
+        subprocess.run([*cli, "scan"], env=self.env, check=True, capture_output=True)
+        subprocess.run(["cp", "-a", str(self.template), str(hot / RUN / CKPT)], check=True)
+        subprocess.run(["cp", "-a", str(self.newest), str(hot / RUN / self.newest.name)], check=True)
+        argv = [*cli, "prune", "--json"]
+        if mode == "first":
+            argv = [sys.executable, "-c", _HASH_FIRST, *cli[3:], "prune", "--json"]
+        t0 = time.perf_counter()
+        out = _prune_measured(argv, self.env)
+        wall = time.perf_counter() - t0
+        if (hot / RUN / CKPT).exists():
+            raise RuntimeError("prune did not move the checkpoint to S3")
+        self.got[mode].append(out)
+        if idle is not None:
+            idle.append(_prune_measured([*cli, "prune", "--json"], self.env)["rchar"])
+        _delete_prefix(self.endpoint, f"readonce-{self.count}")
+        return wall
+
+
 def read_once_rows(cfg: Config) -> list[Row]:
     """``ckptkeeper prune`` moving a new checkpoint tmpfs → SeaweedFS: bytes read from hot per byte
     moved, client CPU per GiB and peak RSS, hashed on the way vs hashed by the catalog first."""
@@ -224,7 +272,6 @@ def read_once_rows(cfg: Config) -> list[Row]:
 
     size = cfg.pick(1536 * MiB, 512 * MiB, 24 * MiB)
     reps = cfg.pick(cfg.reps, 3, 1)
-    got: dict[str, list[dict[str, float]]] = {"first": [], "once": []}
     with (
         cfg.tempdir(cfg.fast_dir, "readonce-hot") as fast,
         cfg.tempdir(cfg.disk_dir, "readonce-weed") as weed_dir,
@@ -235,45 +282,8 @@ def read_once_rows(cfg: Config) -> list[Row]:
         moved = sum(p.stat().st_size for p in template.rglob("*") if p.is_file())
         env = {**python_env(), **_AWS_ENV}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        counter = [0]
-
-        def prune(mode: str, idle: list[float] | None = None) -> float:
-            counter[0] += 1
-            home = fast / "home"
-            shutil.rmtree(home, ignore_errors=True)
-            hot = home / "hot"
-            (hot / RUN).mkdir(parents=True)
-            config = home / "ckptkeeper.toml"
-            options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-            config.write_text(
-                f"index = {json.dumps(str(home / 'index.db'))}\n"
-                '[daemon]\nmetrics_addr = ""\ntrust_mtimes = true\n'
-                f'[[tiers]]\nname = "hot"\nurl = {json.dumps(str(hot))}\nkeep_last = 1\n'
-                f'[[tiers]]\nname = "cold"\nurl = "s3://bench/readonce-{counter[0]}"\nkeep_last = 10\n'
-                "storage_options = { "
-                + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
-                + " }\n"
-            )
-            cli = [sys.executable, "-m", "ckptkeeper.cli", "--config", str(config)]
-            subprocess.run([*cli, "scan"], env=env, check=True, capture_output=True)
-            subprocess.run(["cp", "-a", str(template), str(hot / RUN / CKPT)], check=True)
-            subprocess.run(["cp", "-a", str(newest), str(hot / RUN / newest.name)], check=True)
-            argv = (
-                [*cli, "prune", "--json"]
-                if mode == "once"
-                else [sys.executable, "-c", _HASH_FIRST, *cli[3:], "prune", "--json"]
-            )
-            t0 = time.perf_counter()
-            out = _prune_measured(argv, env)
-            wall = time.perf_counter() - t0
-            if (hot / RUN / CKPT).exists():
-                raise RuntimeError("prune did not move the checkpoint to S3")
-            got[mode].append(out)
-            if idle is not None:  # what a pass with nothing to move reads (start-up, small files)
-                idle.append(_prune_measured([*cli, "prune", "--json"], env)["rchar"])
-            _delete_prefix(endpoint, f"readonce-{counter[0]}")
-            return wall
-
+        mover = _S3Mover(fast / "home", template, newest, endpoint, env)
+        prune, got = mover.prune, mover.got
         idle: list[float] = []
         prune("once", idle)  # warm-up, untimed: bytecode, SeaweedFS's first volume
         got["once"].clear()
