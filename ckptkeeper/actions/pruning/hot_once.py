@@ -156,4 +156,4 @@ def _hashes_on_the_way(src: TierStorage, dst: TierStorage) -> bool:
         return False
     if isinstance(dst, LocalTierStorage):
         return not dst.same_filesystem(src)
-    return not dst.is_local and _s3_hashes_on_the_way(getattr(dst.spec, "compression", "none"))
+    return not dst.is_local and _s3_hashes_on_the_way(dst.spec.compression)
