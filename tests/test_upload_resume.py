@@ -281,3 +281,166 @@ def test_an_upload_not_recorded_as_resumable_by_this_node_is_aborted(
     cold.discard_staging(staging)
     assert _uploads(s3, bucket) == []
     assert s3.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
+# -- objects the killed copy had finished: kept, not sent again --
+
+FIRST = "a-first.bin"
+FIRST_SIZE = 2 * PART + 4321
+"""The first file copied (names sort before ``model.bin``): a multipart upload of 3 parts."""
+
+
+def _killed_in_second_file(node: Node) -> tuple[subprocess.CompletedProcess[str], int]:
+    """``prune`` SIGKILLed at the 4th part of the second file, the first one completed; returns
+    it and how many requests sent the first file's bytes."""
+    seen, first = [0], [0]
+    pid: list[int] = []
+
+    def rule(request: Request) -> str | None:
+        if request.method == "PUT" and request.path.endswith("/" + FIRST):
+            first[0] += 1
+        if not is_part(request) or not request.path.endswith("/model.bin"):
+            return None
+        seen[0] += 1
+        if seen[0] >= 4:
+            os.kill(pid[0], signal.SIGKILL)
+            return "reset_before"
+        return None
+
+    return node.prune(rule, pid), first[0]
+
+
+def _counted_by_file(node: Node) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
+    """``prune``, counting the requests that send bytes (PUT of an object or part, and
+    CreateMultipartUpload) per file name."""
+    sent: dict[str, int] = {}
+
+    def rule(request: Request) -> str | None:
+        name = request.path.rsplit("/", 1)[-1]
+        if (request.method == "PUT" and ".ckptkeeper-" not in name) or request.query.startswith("uploads"):
+            sent[name] = sent.get(name, 0) + 1
+        return None
+
+    return node.prune(rule, []), sent
+
+
+@pytest.mark.parametrize("hashed_first", [False, True], ids=["hashed-on-the-way", "hashed-by-scan"])
+def test_a_file_the_killed_copy_finished_is_not_sent_again(
+    tmp_path: Path, moto_store: tuple[str, dict[str, Any]], hashed_first: bool
+) -> None:
+    """Killed after the first file's upload completed and in the middle of the second's: the next
+    prune sends nothing of the first file (the store holds it, as the marker records), resumes
+    the second, and commits a copy identical to the source, with nothing left in staging."""
+    bucket, options = moto_store
+    node = Node(tmp_path, bucket, options)
+    first = os.urandom(FIRST_SIZE)
+    path = node.source.parent / FIRST
+    path.write_bytes(first)
+    when = node.source.stat().st_mtime
+    os.utime(path, (when, when))
+    os.utime(path.parent, (when, when))
+    content = node.source.read_bytes()
+    s3 = client(options)
+    if hashed_first:
+        write_config(
+            node.config,
+            index=tmp_path / "index.db",
+            daemon={"settle_seconds": "1s", "trust_mtimes": True},
+            tiers=[local_tier("hot", node.hot, keep_last=1)],
+        )
+        assert (
+            subprocess.run(
+                [sys.executable, "-m", "ckptkeeper.cli", "--config", str(node.config), "scan"], check=False
+            ).returncode
+            == 0
+        )
+
+    killed, first_requests = _killed_in_second_file(node)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert first_requests == 3  # its parts, sent once
+    assert (
+        s3.head_object(Bucket=bucket, Key=f"ckpt/run-a/checkpoint-1/{FIRST}")["ContentLength"] == FIRST_SIZE
+    )
+    landed = stored_parts(s3, bucket)
+
+    again, sent = _counted_by_file(node)
+
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert sent.get(FIRST, 0) == 0, sent
+    assert sent["model.bin"] == PARTS - len(landed)
+    assert_committed(node, s3, content)
+    assert s3.get_object(Bucket=bucket, Key=f"ckpt/run-a/checkpoint-1/{FIRST}")["Body"].read() == first
+
+
+def _finished(s3: Any, bucket: str, node: str, **record: Any) -> str:
+    """An object ``cold/run/ck/w.bin`` stored by multipart upload and a copy marker of ``node``
+    recording it as finished with ``record`` over a true record; returns the object's key."""
+    from ckptkeeper.util import hashing
+
+    key = "cold/run/ck/w.bin"
+    body = os.urandom(PART + 10)
+    upload = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")["UploadId"]
+    parts = []
+    for n, chunk in enumerate((body[:PART], body[PART:]), 1):
+        got = s3.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload, PartNumber=n, Body=chunk, ChecksumAlgorithm="CRC32"
+        )
+        parts.append({"PartNumber": n, "ETag": got["ETag"], "ChecksumCRC32": got["ChecksumCRC32"]})
+    s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+    head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    hasher = hashing.new_hasher()
+    hasher.update(body)
+    true = {
+        "key": key,
+        "size": len(body),
+        "hash": hasher.hexdigest(),
+        "digest": hasher.hexdigest(),
+        "etag": head["ETag"],
+        "crc": head["ChecksumCRC32"],
+        "part_size": PART,
+    }
+    doc = {"op": "copy", "target": "run/ck", "node": node, "uploads": [], "done": [{**true, **record}]}
+    s3.put_object(Bucket=bucket, Key="cold/run/ck.ckptkeeper-tmp-0123456789ab", Body=json.dumps(doc).encode())
+    return key
+
+
+def test_recovery_keeps_a_finished_object_once_then_the_reaper_removes_it(
+    moto_store: tuple[str, dict[str, Any]],
+) -> None:
+    bucket, options = moto_store
+    s3 = client(options)
+    key = _finished(s3, bucket, "")
+    cold = _cold(bucket, options["endpoint_url"])
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert key in keys
+    assert cold._interrupted_copies("cold/run/ck")[1].keys() == {key}
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)  # the resume marker, stale: everything goes
+    assert s3.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
+@pytest.mark.parametrize(
+    ("node", "record"),
+    [
+        ("other", {}),  # another node's copy
+        ("", {"key": "cold/run/elsewhere.bin"}),  # an object outside the checkpoint
+        ("", {"size": "5242890"}),  # not a number
+        ("", {"etag": '"0123456789abcdef0123456789abcdef"'}),  # not the object the store holds
+        ("", {"crc": "AAAAAA==-2"}),  # not its checksum
+        ("", {"digest": ""}),
+    ],
+)
+def test_an_object_not_recorded_as_finished_by_this_node_is_not_kept(
+    moto_store: tuple[str, dict[str, Any]], node: str, record: dict[str, Any]
+) -> None:
+    bucket, options = moto_store
+    s3 = client(options)
+    _finished(s3, bucket, node, **record)
+    cold = _cold(bucket, options["endpoint_url"])
+    _, done, _ = cold._interrupted_copies("cold/run/ck")
+    assert cold._still_finished(done.values()) == {}
+    (staging,) = cold.list_staging()
+    cold.discard_staging(staging)
+    assert s3.list_objects_v2(Bucket=bucket).get("Contents", []) == []

@@ -88,7 +88,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     max_inflight: int = 3
     """Parts uploaded concurrently per file.
 
-    From a local file the parts are read from it while they are sent (:class:`~.s3_upload._FilePart`): memory
+    From a local file the parts are read from it while they are sent (:class:`~.s3_bodies._FilePart`): memory
     does not depend on part size or this (bench/s3_transfer.py, 4 x 256 MiB: the transfer adds
     ~1 MiB to the worker's peak RSS; it added 33 MiB when parts were held in buffers). From other
     sources part buffers take ≈ (max_inflight + 1) * part_size.

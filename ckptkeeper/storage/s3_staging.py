@@ -90,9 +90,19 @@ class StagingObjects(S3Objects):
         this node's markers, each checked for shape and for naming an object of ``key``; whether
         one fits the file being copied (size, content hash, part size) the writer checks.
         """
+        records, _, ours = self._interrupted_copies(key)
+        return records, ours
+
+    def _interrupted_copies(
+        self, key: str
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
+        """:meth:`_resumable_uploads`, and the objects those copies finished: object key -> its
+        finished-object record (:func:`_done_records`), from this node's markers only. Whether
+        the store still holds each as recorded, :meth:`_still_finished` asks."""
         markers = [o["Key"] for o in self._list_objects(key + STAGING_MARK)]
         ours: list[str] = []
         records: dict[str, dict[str, Any]] = {}
+        done: dict[str, dict[str, Any]] = {}
         for marker, doc in self._marker_docs(markers).items():
             if doc.get("node") != self.node or doc.get("op") not in (_COPY_OP, _RESUME_OP):
                 continue
@@ -100,14 +110,33 @@ class StagingObjects(S3Objects):
                 ours.append(marker)
             for record in _resume_records(doc, key):
                 records.setdefault(record["upload"], record)
+            for record in _done_records(doc, key):
+                done.setdefault(record["key"], record)
         if not records:
-            return {}, ours
+            return {}, done, ours
         live = {(u["Key"], u["UploadId"]) for u in self._uploads_under(key)}
         out: dict[str, dict[str, Any]] = {}
         for upload_id, record in sorted(records.items()):
             if (record["key"], upload_id) in live:
                 out.setdefault(record["key"], record)
-        return out, ours
+        return out, done, ours
+
+    def _still_finished(self, records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Object key -> record, for each finished-object record whose object the store still
+        holds as recorded: its ETag, size and CRC32 (HEAD). Any other is not kept."""
+        out: dict[str, dict[str, Any]] = {}
+        for record in records:
+            head = self._head(record["key"], checksum=True)
+            if head is None or str(head.get("ETag") or "") != record["etag"]:
+                continue
+            crc = head.get("ChecksumCRC32")
+            if int(head.get("ContentLength", -1)) != record["size"] or not isinstance(crc, str):
+                continue
+            value, _, parts = crc.partition("-")
+            want, _, want_parts = record["crc"].partition("-")
+            if value == want and (not parts or parts == want_parts):
+                out[record["key"]] = record
+        return out
 
     def _other_writers(self, key: str) -> list[str]:
         """Other nodes with a staging marker on ``key`` (a copy in progress, or its litter):
@@ -173,45 +202,59 @@ class StagingObjects(S3Objects):
         with self._errors(f"discarding {artifact.path}"):
             freed = 0
             committed = self._head(target_key + MANIFEST_SUFFIX) is not None
-            if not committed:
-                objs = self._target_objects(target_key)
-                self._delete_keys([k for k, _, _ in objs])
-                freed = sum(size for _, size, _ in objs)
             # Uploads are never part of a committed copy: whatever is in progress under the target
             # belongs to the interrupted copy this marker records, and is aborted unless this
-            # node's copy can resume it (docs/uploads.md).
-            keep, doc = ({}, {}) if committed else self._resume_keep(marker, target_key)
+            # node's copy can resume it; the objects it finished go too, unless recorded by this
+            # node's copy and still as recorded (docs/uploads.md).
+            keep, done, doc = (set(), [], {}) if committed else self._resume_keep(marker, target_key)
+            finished = self._still_finished(done)
+            if not committed:
+                objs = [o for o in self._target_objects(target_key) if o[0] not in finished]
+                self._delete_keys([k for k, _, _ in objs])
+                freed = sum(size for _, size, _ in objs)
             kept = self._abort_uploads_under(target_key, keep)
-            if kept and doc.get("op") == _COPY_OP:
-                # Once: the marker stays as a resume marker, fresh, naming only the uploads kept;
-                # the next discard of it (the reaper's, once it is stale) aborts them.
+            if (kept or finished) and doc.get("op") == _COPY_OP:
+                # Once: the marker stays as a resume marker, fresh, naming only what is kept;
+                # the next discard of it (the reaper's, once it is stale) removes it all.
                 records = [r for r in _resume_records(doc, target_key) if r["upload"] in kept]
-                doc.update(op=_RESUME_OP, uploads=sorted(kept), resume=records, heartbeat=time.time())
+                doc.update(
+                    op=_RESUME_OP,
+                    uploads=sorted(kept),
+                    resume=records,
+                    done=list(finished.values()),
+                    heartbeat=time.time(),
+                )
                 self._put_json(marker, doc)
                 log.info(
-                    "%s: kept %d multipart upload(s) of %s for the next copy to resume",
+                    "%s: kept %d multipart upload(s) and %d finished object(s) of %s for the next copy",
                     self.name,
                     len(records),
+                    len(finished),
                     artifact.path.rsplit(STAGING_MARK, 1)[0],
                 )
                 return freed
             self._delete_keys([marker])
         return freed
 
-    def _resume_keep(self, marker: str, target_key: str) -> tuple[set[str], dict[str, Any]]:
-        """Ids of uploads under ``target_key`` a copy of this node may resume, and ``marker``'s body.
+    def _resume_keep(
+        self, marker: str, target_key: str
+    ) -> tuple[set[str], list[dict[str, Any]], dict[str, Any]]:
+        """Ids of uploads under ``target_key`` a copy of this node may resume, the records of the
+        objects such a copy finished (:func:`_done_records`), and ``marker``'s body.
 
         Those a copy marker of this node records (``marker`` itself, when a copy; others on the
         same target, whatever ``marker`` is): a resume marker being discarded is stale, and its
-        uploads go with it unless a newer copy took them over.
+        uploads and objects go with it unless a newer copy took them over.
         """
         keys = [o["Key"] for o in self._list_objects(target_key + STAGING_MARK)]
         docs = self._marker_docs(sorted({*keys, marker}))
         keep: set[str] = set()
+        done: list[dict[str, Any]] = []
         for doc in docs.values():
             if doc.get("node") == self.node and doc.get("op") == _COPY_OP:
                 keep.update(r["upload"] for r in _resume_records(doc, target_key))
-        return keep, docs.get(marker, {})
+                done.extend(_done_records(doc, target_key))
+        return keep, done, docs.get(marker, {})
 
     def list_multipart_uploads(self) -> list[Artifact]:
         out: list[Artifact] = []
@@ -317,6 +360,36 @@ def _resume_records(doc: Mapping[str, Any], target_key: str) -> list[dict[str, A
         if type(size) is not int or type(part) is not int or size <= 0 or part <= 0:
             continue
         out.append({"upload": upload, "key": key, "size": size, "hash": digest, "part_size": part})
+    return out
+
+
+_DONE_FIELDS = {
+    "key": str,
+    "size": int,
+    "hash": str,
+    "digest": str,
+    "etag": str,
+    "crc": str,
+    "part_size": int,
+}
+
+
+def _done_records(doc: Mapping[str, Any], target_key: str) -> list[dict[str, Any]]:
+    """The well-formed finished-object records of a marker body (``done``): each names an object
+    at ``target_key`` or under ``target_key/`` that the copy completed and checked, with the size
+    and hash of the file it was given, the content hash, ETag and CRC32 of what it stored, and
+    its part size (:meth:`~.s3_upload._S3FileWriter.done_record`). Anything else is ignored."""
+    out: list[dict[str, Any]] = []
+    records = doc.get("done")
+    for r in records if isinstance(records, list) else []:
+        if not isinstance(r, dict) or any(type(r.get(k)) is not t for k, t in _DONE_FIELDS.items()):
+            continue
+        key = r["key"]
+        if not (key == target_key or key.startswith(target_key + "/")):
+            continue
+        if r["size"] <= 0 or r["part_size"] <= 0 or not all(r[k] for k in ("hash", "digest", "etag", "crc")):
+            continue
+        out.append({k: r[k] for k in _DONE_FIELDS})
     return out
 
 

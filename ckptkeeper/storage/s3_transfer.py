@@ -29,7 +29,8 @@ from ckptkeeper.storage.base import (
     _token,
     log,
 )
-from ckptkeeper.storage.s3_upload import _PartPool, _rereadable, _S3FileWriter, _S3Tier
+from ckptkeeper.storage.s3_bodies import _PartPool, _rereadable
+from ckptkeeper.storage.s3_upload import _S3FileWriter, _S3Tier
 from ckptkeeper.util import hashing
 
 # fsspec is imported where used: the CLI imports this package and local tiers need none of it.
@@ -147,7 +148,8 @@ class _S3Sink:
         self.uncertain: list[str] = []
         """Keys whose PUT failed or was cut short without an answer: stored or not, nobody knows."""
         self.pool = _PartPool()
-        self.untrusted: list[tuple[str, FileEntry]] = []
+        self.untrusted: list[tuple[str, int, str]] = []
+        """(key, size, content hash of the bytes sent) of objects the store echoed no checksum of."""
         self.unchecked: list[tuple[str, FileEntry]] = []
         """One-PUT objects whose presence and size :meth:`commit` checks (one listing for all)."""
         self.commit_attempted = False
@@ -158,6 +160,12 @@ class _S3Sink:
         """Object key -> resume record of an upload of an interrupted copy, until a writer takes it."""
         self.resume: dict[str, dict[str, Any]] = {}
         """Upload id -> its resume record, for each upload of this copy that has one."""
+        self.finished: dict[str, dict[str, Any]] = {}
+        """Object key -> record of each object this copy holds finished (:meth:`_S3FileWriter.done_record`):
+        the marker names them, so that a copy after a kill keeps them instead of sending them again."""
+        self.reusable: dict[str, dict[str, Any]] = {}
+        """Object key -> record of an object an interrupted copy finished, of a file of this copy,
+        still in the store as recorded, until a writer takes it."""
         self.beat_every = tier.marker_beat
         self.started = time.time()
         self.last_beat = self.started
@@ -170,12 +178,15 @@ class _S3Sink:
                 )
             # An earlier copy of this node killed mid-upload left uploads it can resume: the new
             # marker names them before anything else happens, so no reaper takes them for abandoned.
-            self.resumable, superseded = tier._resumable_uploads(self.key)
+            self.resumable, done, superseded = tier._interrupted_copies(self.key)
             self.resume = {r["upload"]: r for r in self.resumable.values()}
             self.uploads = sorted(self.resume)
+            self.reusable = tier._still_finished(_of_files(done, self.key, manifest))
+            self.finished = dict(self.reusable)
+            self.landed = {k: r["etag"] for k, r in self.reusable.items()}
             self.beat()
             # leftovers of an earlier interrupted copy: uncommitted (no manifest), so ours to drop
-            tier._delete_keys([k for k, _, _ in tier._target_objects(self.key)])
+            tier._delete_keys([k for k, _, _ in tier._target_objects(self.key) if k not in self.reusable])
             tier._abort_uploads_under(self.key, keep=self.resume)
             tier._delete_keys([m for m in superseded if m != self.marker])
 
@@ -187,6 +198,12 @@ class _S3Sink:
         )
         self.writer.on_upload = self._upload_started
         self.writer.resume = self.resumable.pop(key, None)
+        done = self.reusable.pop(key, None)
+        self.writer.done = done if done is not None and done["part_size"] == self.writer.part_size else None
+        if self.writer.done is not None and self.writer.resume is not None:
+            upload, self.writer.resume = self.writer.resume["upload"], None  # the object is whole
+            with contextlib.suppress(Exception):  # else the reaper aborts it
+                self.tier._call("abort_multipart_upload", Bucket=self.tier.bucket, Key=key, UploadId=upload)
         self.writer.defer_check = bool(entry.path)  # objects under ``key/``: one listing finds them
         self.writer.in_background = self.put_concurrency > 1
         return _GuardedWriter(self, self.writer)
@@ -225,6 +242,7 @@ class _S3Sink:
             started=self.started,
             uploads=list(self.uploads),
             resume=[self.resume[u] for u in self.uploads if u in self.resume],
+            done=list(self.finished.values()),
         )
         self.tier._put_json(self.marker, doc)
 
@@ -261,14 +279,14 @@ class _S3Sink:
         tier = self.tier
         self.settle()
         self._check_landed()
-        for key, entry in self.untrusted:
+        for key, want_size, want_digest in self.untrusted:
             with tier._errors(f"read-back of {key}"):
                 reader = _S3Reader(tier, key)
                 try:
                     size, digest = hashing.hash_stream(reader)  # type: ignore[arg-type]
                 finally:
                     reader.close()
-            if (size, digest) != (entry.size, entry.hash):
+            if (size, digest) != (want_size, want_digest):
                 raise VerificationError(f"{tier.name}:{key}: read-back does not match the manifest")
         if self.with_manifest:
             self.commit_attempted = True
@@ -366,6 +384,10 @@ class _GuardedWriter:
         sink = self.sink
         with sink.tier._errors(f"upload of {self.writer.key}"):
             self.writer.finish()
+            record = None if self.writer.kept else self.writer.done_record()
+            if record is not None:  # a large object: recorded at once, a kill then loses none of it
+                sink.finished[self.writer.key] = record
+                sink.beat()
         if self.writer.put is not None:
             sink.writer = None  # the sink's in-flight queue owns it now
             sink.in_flight.append(self)
@@ -380,7 +402,21 @@ class _GuardedWriter:
         if self.writer.unchecked:
             self.sink.unchecked.append((self.writer.key, self.writer.entry))
         if not self.writer.trusted:
-            self.sink.untrusted.append((self.writer.key, self.writer.entry))
+            self.sink.untrusted.append(
+                (self.writer.key, self.writer.entry.size, self.writer.content.hexdigest())
+            )
+
+
+def _of_files(done: dict[str, dict[str, Any]], key: str, manifest: Manifest) -> list[dict[str, Any]]:
+    """The finished-object records of ``done`` that are of a file of ``manifest`` as this copy is
+    given it (object key, size and hash; a file hashed on the way: the same fingerprint)."""
+    files = {(f"{key}/{e.path}" if e.path else key): e for e in manifest.files}
+    out = []
+    for object_key, record in done.items():
+        entry = files.get(object_key)
+        if entry is not None and (entry.size, entry.hash) == (record["size"], record["hash"]):
+            out.append(record)
+    return out
 
 
 def _marker_doc(op: str, rel: str, is_dir: bool | None, node: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Uploads to S3: one object per file, a single PUT or a multipart upload, each body carrying
-the CRC32 of the bytes that were hashed; parts read back from the local file while they are sent.
+the CRC32 of the bytes that were hashed; parts read back from the local file while they are sent,
+or sent from the buffers the copy read them into (a copy that hashes them on the way).
 
 Also the :class:`_S3Tier` surface through which this module and :mod:`.s3_transfer` drive the
 backend, so that neither imports it (``s3.py`` builds on both).
@@ -7,13 +8,10 @@ backend, so that neither imports it (``s3.py`` builds on both).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
-import os
-import stat
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import FileEntry
@@ -21,9 +19,9 @@ from ckptkeeper.storage.base import (
     StorageError,
     VerificationError,
     _describe,
-    _Reader,
     log,
 )
+from ckptkeeper.storage.s3_bodies import _crc32_b64, _FilePart, _PartPool, _PartStream
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
@@ -61,161 +59,12 @@ class _S3Tier(Protocol):
     def _delete_keys(self, keys: list[str]) -> None: ...
     def _abort_uploads_under(self, key: str, keep: Collection[str] = ()) -> set[str]: ...
     def _resumable_uploads(self, key: str) -> tuple[dict[str, dict[str, Any]], list[str]]: ...
+    def _interrupted_copies(
+        self, key: str
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[str]]: ...
+    def _still_finished(self, records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]: ...
     def _commit_manifest(self, key: str, body: bytes) -> None: ...
     def _other_writers(self, key: str) -> list[str]: ...
-
-
-def _crc32_b64(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-class _PartStream(io.BytesIO):
-    """A read-only stream over ``buf[:size]`` that never copies the whole part.
-
-    A ``BytesIO`` subclass because aiohttp streams those inline in 256 KiB reads (other file-likes
-    cost an executor hop per read; a ``bytes``/``bytearray`` body is copied whole into the socket
-    transport's buffer); each ``read`` copies out just that chunk.
-    """
-
-    def __init__(self, buf: bytearray, size: int) -> None:
-        super().__init__()
-        self._view = memoryview(buf)[:size]
-        self._pos = 0
-
-    def read(self, size: int | None = -1, /) -> bytes:
-        start = self._pos
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
-        self._pos = end
-        return self._view[start:end].tobytes()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def getbuffer(self) -> memoryview:
-        return self._view[self._pos :]
-
-    def getvalue(self) -> bytes:
-        return self._view.tobytes()
-
-
-class _Extent:
-    """What :meth:`_FilePart.getbuffer` hands aiohttp, which only takes its ``len`` in a ``with``."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __enter__(self) -> _Extent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _FilePart(io.BytesIO):
-    """One part of a local source file, read from the file while it is sent: no part buffer.
-
-    The copy loop already hashed these bytes (content hash, CRC32, and a hash of the part alone);
-    the re-read is hashed too and checked before its last byte is handed out, so a file changed in
-    between fails the part (``failure``) instead of storing other bytes under the CRC32 we send (a
-    store that does not check checksums would keep them). A ``BytesIO`` for the same reason as
-    :class:`_PartStream`; every attempt of a request reads from offset 0 again.
-    """
-
-    def __init__(self, source: io.FileIO, offset: int, size: int, digest: str, where: str) -> None:
-        super().__init__()
-        self._source = source
-        self._offset = offset
-        self._size = size
-        self._digest = digest
-        self._where = where
-        self._pos = 0
-        self._hasher = hashing.new_hasher()
-        self._hashed = 0
-        self.failure: VerificationError | None = None
-        """Set when the bytes read were not the bytes hashed (the HTTP stack wraps what we raise)."""
-
-    def _fail(self, what: str) -> VerificationError:
-        self.failure = VerificationError(
-            f"{self._where}: part at bytes {self._offset}-{self._offset + self._size}: {what}"
-        )
-        return self.failure
-
-    def read(self, size: int | None = -1, /) -> bytes:
-        if self.failure is not None:  # sticky: a retry cannot make the bytes right
-            raise self.failure
-        start = self._pos
-        left = self._size - start
-        n = left if size is None or size < 0 else min(size, left)
-        if n <= 0:
-            return b""
-        if start != self._hashed:
-            if start:  # neither aiohttp nor botocore skips into a body
-                raise self._fail("read out of order")
-            self._hasher, self._hashed = hashing.new_hasher(), 0
-        data = os.pread(self._source.fileno(), n, self._offset + start)
-        if len(data) != n:
-            raise self._fail(f"file ends at byte {self._offset + start + len(data)} after it was hashed")
-        self._hasher.update(data)
-        self._pos = self._hashed = start + n
-        if self._pos == self._size and self._hasher.hexdigest() != self._digest:
-            raise self._fail("changed after it was hashed")
-        return data
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, min(self._size, base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def getbuffer(self) -> memoryview:
-        return _Extent(self._size)  # type: ignore[return-value]  # aiohttp takes only its len()
-
-    def getvalue(self) -> bytes:
-        self.seek(0)
-        return self.read()
-
-
-def _rereadable(source: _Reader | None) -> io.FileIO | None:
-    """A private handle on ``source``'s file if it is a regular local file, else None.
-
-    With it, parts are read from the file while they are sent instead of being held in buffers;
-    a handle of our own, so that it stays valid until every part in flight is over.
-    """
-    fileno = getattr(source, "fileno", None)
-    if fileno is None:
-        return None
-    try:
-        fd = fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return io.FileIO(os.dup(fd), "rb", closefd=True)
-    except (OSError, ValueError):
-        return None
-
-
-class _PartPool:
-    """Part buffers reused across the parts and files of one copy: at most ``max_inflight + 1``
-    of a size exist, and no part pays page faults on fresh memory."""
-
-    def __init__(self) -> None:
-        self.free: dict[int, list[bytearray]] = {}
-
-    def get(self, size: int) -> bytearray:
-        free = self.free.get(size)
-        return free.pop() if free else bytearray(size)
-
-    def put(self, buf: bytearray) -> None:
-        self.free.setdefault(len(buf), []).append(buf)
 
 
 class _S3FileWriter:
@@ -224,9 +73,11 @@ class _S3FileWriter:
     At most ``max_inflight`` parts upload concurrently on fsspec's IO loop. From a local file
     (``source``) a part is read from the file again while it is sent (:class:`_FilePart`): no
     part is held in memory, and each byte is copied once more, 256 KiB at a time, on its way to
-    the socket. From any other source the part being filled and the parts in flight are held in
-    buffers of the copy's :class:`_PartPool` (``(max_inflight + 1) * part_size``).
-    Every request carries the CRC32 of its body, computed here from the bytes that were hashed.
+    the socket. Without one (another tier's object; or a copy that hashes the file on the way,
+    which reads each byte once: docs/uploads.md) the part being filled and the parts in flight
+    are held in buffers of the copy's :class:`_PartPool` (``(max_inflight + 1) * part_size``),
+    and a one-PUT object in a buffer of its own. Every request carries the CRC32 of its body,
+    computed here from the bytes that were hashed.
     """
 
     def __init__(
@@ -286,25 +137,39 @@ class _S3FileWriter:
         self.unchecked = False
         """The object was stored with its presence and size not checked yet (``defer_check``)."""
         self.in_background = False
-        """Set by a sink that lets a one-PUT object from a local file go on while the next file is
-        read (:meth:`_S3Sink.open_file`): :meth:`finish` then only sends the PUT, and
-        :meth:`settle` waits for its answer. Needs ``defer_check`` and a re-readable source: no
-        buffer is held while the request is in flight."""
+        """Set by a sink that lets a one-PUT object go on while the next file is read
+        (:meth:`_S3Sink.open_file`): :meth:`finish` then only sends the PUT, and :meth:`settle`
+        waits for its answer. Needs ``defer_check``; the body is read from the file again, or
+        held in its own buffer (at most the part size) while the request is in flight."""
         self.put: tuple[Future[Any], str] | None = None
         """The one-PUT request in flight and the CRC32 it carries, until :meth:`settle`."""
+        self.content = hashing.new_hasher()
+        """The content hash of every byte written (and so sent): what a finished object's record
+        names (:meth:`done_record`), and what a read-back is checked against."""
+        self.done: dict[str, Any] | None = None
+        """Set by the sink: the record of this very object, finished by an interrupted copy of
+        this node and found in the store as recorded (:func:`~.s3_staging._done_records`). The
+        bytes are then read and hashed as always but not sent; :meth:`finish` keeps the object if
+        they are the bytes it holds, else fails the copy."""
+        self.kept = False
+        """The object was not sent: the store held it (:attr:`done`), checked byte for byte."""
 
     def write(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
         if self.resume is not None and not self.single:
             self._prepare_resume()  # before the first part's bytes: a part checked by MD5 needs them
+        self.content.update(view)
         while view:
             n = min(len(view), self.capacity - self.filled)
             if n == 0:  # only a single-PUT object can fill its one part before finish()
                 raise VerificationError(f"{self.where}: more than the {self.entry.size} bytes expected")
             take = view[:n]
-            if self.source is None:
+            if self.done is not None:
+                pass  # the store holds this object already: its bytes are only checked
+            elif self.source is None:
                 if self.buf is None:
-                    self.buf = self.pool.get(self.capacity)
+                    # a one-PUT object's buffer is its own (sizes vary: a pool would keep them all)
+                    self.buf = bytearray(self.capacity) if self.single else self.pool.get(self.capacity)
                 self.buf[self.filled : self.filled + n] = take
             else:
                 if self.part_hash is None:
@@ -316,7 +181,10 @@ class _S3FileWriter:
             self.filled += n
             view = view[n:]
             if self.filled == self.capacity and not self.single:
-                self._send_part()
+                if self.done is not None:
+                    self._check_part()
+                else:
+                    self._send_part()
 
     def _take_part(self) -> tuple[_PartStream | _FilePart, int, bytearray | None]:
         """The body of the part filled so far, its CRC32 and its buffer (None: read from the file)."""
@@ -527,23 +395,26 @@ class _S3FileWriter:
 
     @property
     def backgrounded(self) -> bool:
-        """This object's PUT is sent by :meth:`finish` and answered at :meth:`settle`."""
-        return self.in_background and self.defer_check and self.source is not None and self.single
+        """This object's PUT is sent by :meth:`finish` and answered at :meth:`settle` (from a
+        buffer of its own, when it has no file to read again: at most ``put_concurrency`` one-PUT
+        objects are held, none above the part size)."""
+        return self.in_background and self.defer_check and self.single
 
     def finish(self) -> None:
         tier = self.tier
+        if self.done is not None:
+            self._keep_done()
+            return
         if self.upload_id is None:
             import asyncio
 
-            body, crc, buf = self._take_part()
+            body, crc, _ = self._take_part()  # a one-PUT buffer is never pooled: it is dropped
             expected = _crc32_b64(crc)
             future = asyncio.run_coroutine_threadsafe(self._send("put_object", body, expected), tier.fs.loop)
-            if self.backgrounded and buf is None:
+            if self.backgrounded:
                 self.put = (future, expected)
                 return
             resp = future.result()
-            if buf is not None:
-                self.pool.put(buf)
             if self._stored_unchecked(resp, expected):
                 return
         else:
@@ -551,8 +422,7 @@ class _S3FileWriter:
                 self._send_part()
             self._drain(0)
             self.parts.sort(key=lambda p: int(p["PartNumber"]))  # resumed parts came in unsent
-            combined = b"".join(self.part_crcs[n].to_bytes(4, "big") for n in sorted(self.part_crcs))
-            expected = f"{_crc32_b64(hashing.crc32(combined))}-{len(self.parts)}"
+            expected = self._composite_crc()
             try:
                 tier._call(
                     "complete_multipart_upload",
@@ -569,6 +439,55 @@ class _S3FileWriter:
                     raise
             self.upload_id = None
         self._check_stored(expected)
+
+    def _composite_crc(self) -> str:
+        """The multipart object's CRC32 as S3 reports it: the CRC32 of its parts' CRC32s, ``-N``."""
+        combined = b"".join(self.part_crcs[n].to_bytes(4, "big") for n in sorted(self.part_crcs))
+        return f"{_crc32_b64(hashing.crc32(combined))}-{len(self.part_crcs)}"
+
+    def _check_part(self) -> None:
+        """A part of an object the store holds already (:attr:`done`): its CRC32, not sent."""
+        self.part_crcs[self.next_part] = self.crc
+        self.next_part += 1
+        self.offset += self.filled
+        self.filled, self.crc = 0, 0
+
+    def _keep_done(self) -> None:
+        """Keep the object an interrupted copy finished, if the bytes just read are the ones it
+        holds: the content hash and size its record names, the composite CRC32 of these bytes
+        cut at its part size equal to the one it recorded and to the store's (HEAD), and still
+        its ETag. Anything else fails the copy: the file is not what was uploaded."""
+        record, self.done = self.done, None
+        assert record is not None
+        if self.filled:
+            self._check_part()
+        expected = self._composite_crc()
+        if (self.content.hexdigest(), expected) != (record["digest"], record["crc"]):
+            raise VerificationError(
+                f"{self.where}: not the bytes an interrupted copy uploaded (changed since cataloged)"
+            )
+        self._check_stored(expected)
+        if self.trusted is False or self.etag != record["etag"]:
+            raise VerificationError(f"{self.where}: the object an interrupted copy uploaded was replaced")
+        self.kept = True
+        log.info("%s: kept the object an interrupted copy had uploaded (nothing sent)", self.where)
+
+    def done_record(self) -> dict[str, Any] | None:
+        """What a later copy needs to keep this finished object after a kill instead of sending
+        it again (docs/uploads.md): the file it is of (key, size, the hash the copy was given),
+        the hash, ETag and CRC32 of what the store holds, and the part size. Only a multipart
+        object the store checked against the CRC32 of the bytes sent (``trusted``); None else."""
+        if self.single or not self.trusted or not self.etag or not self.entry.hash or not self.part_crcs:
+            return None
+        return {
+            "key": self.key,
+            "size": self.entry.size,
+            "hash": self.entry.hash,
+            "digest": self.content.hexdigest(),
+            "etag": self.etag,
+            "crc": self._composite_crc(),
+            "part_size": self.part_size,
+        }
 
     def _check_stored(self, expected: str) -> None:
         """HEAD the stored object: there, at the entry's size, with the CRC32 of the bytes sent."""

@@ -554,7 +554,10 @@ def _stream_file(
     try:
         if fingerprint is not None:
             _check_fingerprint(where, reader, fingerprint)
-        writer = sink.open_file(entry, reader)
+        # Hashed on the way: a backend's sink gets no source to read again (an S3 upload sends
+        # the bytes read here, docs/uploads.md), so every byte stored is one this pass read.
+        rereadable = fingerprint is None or isinstance(sink, compressed.EncodingSink)
+        writer = sink.open_file(entry, reader if rereadable else None)
         hasher = hashing.new_hasher()
         size = 0
         readinto = getattr(reader, "readinto", None)

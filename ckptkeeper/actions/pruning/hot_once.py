@@ -8,8 +8,9 @@ How (every step keeps a manifest's hashes exact; nothing unhashed reaches the in
    each file (:attr:`Catalog.defer_new`, :mod:`ckptkeeper.util.fingerprint`).
 2. What-if: in a private in-memory copy of the index, those are recorded with placeholder hashes
    and the planner runs with this pass's policy and clock. The ones it copies out of the hot tier
-   to one local, unshared tier on another filesystem (a plain copy: a same-filesystem move is a
-   rename and reads nothing) are the ones worth hashing on the way.
+   to one unshared tier, local on another filesystem (a plain copy: a same-filesystem move is a
+   rename and reads nothing) or S3 (uploaded from the bytes read and hashed, docs/uploads.md),
+   are the ones worth hashing on the way.
 3. Each of those is copied by the executor (journaled), hashing every byte as it is copied and
    checking each file's fingerprint before its first byte is read and after the last, and again
    before the commit: a file changed since the catalog saw it fails the copy. The manifest
@@ -37,7 +38,7 @@ from ckptkeeper.core.model import Action, ActionKind, Plan
 from ckptkeeper.executor import Executor, Progress
 from ckptkeeper.ingest.catalog import Catalog, Deferred
 from ckptkeeper.ingest.report import ReconcileReport
-from ckptkeeper.storage import LocalTierStorage, StorageError
+from ckptkeeper.storage import LocalTierStorage, StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
 
 log = get_logger("ckptkeeper.actions.pruning.hot_once")
@@ -46,8 +47,9 @@ __all__ = ["applies", "copies_now", "resolve"]
 
 
 def applies(state: PassState) -> bool:
-    """Whether a pass defers hashing: a real pass, no shared tier, and a slower local tier on
-    another filesystem than the hot tier (on the same one a move is a rename: nothing is read)."""
+    """Whether a pass defers hashing: a real pass, no shared tier, and a slower tier that can hash
+    on the way: local on another filesystem than the hot tier (on the same one a move is a
+    rename: nothing is read), or S3 (:func:`_hashes_on_the_way`)."""
     tiers = state.settings.tiers
     if state.dry_run or any(t.shared for t in tiers) or "retention" not in state.kinds:
         return False
@@ -56,11 +58,22 @@ def applies(state: PassState) -> bool:
     except OSError:
         return False
     for tier in tiers[1:]:
-        if tier.is_local and not tier.dedup:  # a content store is keyed by hash: hashed first
-            with contextlib.suppress(OSError):
-                if os.stat(tier.local_path).st_dev != hot:
-                    return True
+        if tier.dedup:  # a content store is keyed by hash: hashed first
+            continue
+        if not tier.is_local:
+            if _s3_hashes_on_the_way(tier.compression):
+                return True
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(tier.local_path).st_dev != hot:
+                return True
     return False
+
+
+def _s3_hashes_on_the_way(compression: str) -> bool:
+    """An S3 tier uploads the bytes it hashes (no second read of the file) unless it compresses:
+    then what it sends is a spool of frames, and a file not worth compressing is read again."""
+    return compression == "none"
 
 
 def resolve(
@@ -116,7 +129,7 @@ def copies_now(state: PassState, catalog: Catalog, pending: list[Deferred]) -> d
 
 def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred]) -> dict[str, Action]:
     """Deferred path -> the one copy out of the hot tier the planner would make of it now, when
-    that copy can hash on the way (a local, unshared tier on another filesystem)."""
+    that copy can hash on the way (an unshared tier: local on another filesystem, or S3)."""
     settings = state.settings
     hot = settings.hot.name
     with state.index.in_memory_copy() as scratch:
@@ -137,11 +150,16 @@ def _what_if_copies(state: PassState, catalog: Catalog, pending: list[Deferred])
         if len(actions) != 1 or actions[0].to_tier is None:
             continue  # another copy reads the hot bytes anyway: the catalog hashes them
         dst = executor.storage(actions[0].to_tier)
-        if (
-            isinstance(dst, LocalTierStorage)
-            and isinstance(src, LocalTierStorage)
-            and not dst.same_filesystem(src)
-            and not dst.spec.dedup
-        ):
+        if _hashes_on_the_way(src, dst):
             out[path] = actions[0]
     return out
+
+
+def _hashes_on_the_way(src: TierStorage, dst: TierStorage) -> bool:
+    """Can a copy from ``src`` (the hot tier) to ``dst`` hash each byte it reads on the way? Not
+    into a dedup tier (keyed by hash), nor a shared one (its lease decides who copies)."""
+    if not isinstance(src, LocalTierStorage) or dst.spec.dedup or dst.spec.shared:
+        return False
+    if isinstance(dst, LocalTierStorage):
+        return not dst.same_filesystem(src)
+    return not dst.is_local and _s3_hashes_on_the_way(dst.spec.compression)
