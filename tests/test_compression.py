@@ -579,3 +579,77 @@ def test_a_compressed_copy_in_the_s3_trash_is_whole_and_undeletes(
     assert cold.verify(manifest) == [] and cold.list_trash() == []
     cold.fetch(manifest, tmp_path / "restored")
     assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+_NO_TORCH_CLI = """
+import json, sys
+from ckptkeeper.cli import main
+try:
+    main(sys.argv[2:], standalone_mode=False)
+finally:
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "zipnn", "numpy"))
+    with open(sys.argv[1], "w") as f:
+        json.dump(loaded, f)
+"""
+
+
+def _frame_kinds(stored: bytes) -> set[int]:
+    """The kinds of the frames of one stored file in ckptkeeper's compressed format."""
+    import struct
+
+    assert stored.startswith(codec.MAGIC)
+    kinds, pos = set(), len(codec.MAGIC)
+    while pos < len(stored):
+        kind, _, stored_len, _ = struct.unpack_from("<BIII", stored, pos)
+        kinds.add(kind)
+        pos += 13 + stored_len
+    return kinds
+
+
+def test_auto_compresses_and_restores_without_importing_torch(tmp_path: Path) -> None:
+    """The ``zipnn`` package imports torch (over a CPU-second per process): a prune into an
+    ``auto`` tier and a restore from it drive zipnn's C core alone, and round-trip byte-identical."""
+    import subprocess
+    import sys
+
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    _big_tensors(node.hot / RUN / "checkpoint-7")
+    original = _tree(node.hot / RUN / "checkpoint-7")
+    node.backdate()
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for i, args in enumerate(
+        (["prune"], ["restore", RUN, "--step", "7", "--to", str(tmp_path / "restored")])
+    ):
+        loaded = tmp_path / f"modules-{i}.json"
+        argv = [sys.executable, "-c", _NO_TORCH_CLI, str(loaded), "--config", str(node.config), *args]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [m for m in json.loads(loaded.read_text()) if not m.startswith("numpy")] == [], args
+    by_path = {e.path: e for e in _manifest(node, "checkpoint-7").files}
+    assert by_path["model.safetensors"].encoding == "zipnn"
+    stored = (tmp_path / "warm" / RUN / "checkpoint-7" / "model.safetensors").read_bytes()
+    assert codec.ZIPNN in _frame_kinds(stored), "the float tensors went through ZipNN"
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_zipnn_frames_are_the_zipnn_packages_own_bytes(dtype: str) -> None:
+    """ZipNN frames written through zipnn's C core are byte for byte what ``zipnn.ZipNN`` writes,
+    and frames ``zipnn.ZipNN`` wrote (an older ckptkeeper's) decode: stored copies stay readable
+    whichever path wrote them."""
+    import numpy as np
+    import zipnn
+
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+    rng = np.random.default_rng(5)
+    for raw in (
+        (rng.standard_normal(2**20) * 0.02).astype(np.float32).tobytes(),
+        os.urandom(2**19) + bytes(2**19),
+        bytes(8192),
+    ):
+        theirs = bytes([codec._DTYPE_CODES[dtype]]) + bytes(z.compress(bytearray(raw)))
+        assert codec._zipnn_compress(raw, dtype) == theirs
+        assert bytes(codec.decode_frame(codec.ZIPNN, theirs, len(raw))) == raw
+        with pytest.raises(ValueError, match="not a ZipNN buffer"):
+            codec.decode_frame(codec.ZIPNN, theirs, len(raw) + 4)

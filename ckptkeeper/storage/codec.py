@@ -161,6 +161,39 @@ def _zstd_decompress(data: bytes, raw_len: int) -> bytes:
     return out
 
 
+_ZIPNN_CORE_VERSION = "0.5.4"
+"""The zipnn release whose C core :func:`_zipnn_core` drives directly (its ``zipnn_core`` module:
+the byte grouping and Huffman/zstd coding behind ``zipnn.ZipNN``). The ``zipnn`` package imports
+torch (over a CPU-second per process); its C core does not. Another release goes through
+``zipnn.ZipNN``, whose output the direct path reproduces byte for byte."""
+_ZIPNN_PARAMS = {"float32": (1, 220, 4, 1), "bfloat16": (1, 10, 2, 6), "float16": (0, 10, 2, 4)}
+"""dtype → (bit reorder, byte reorder, byte groups, ZipNN dtype code), as ``ZipNN`` sets them for
+``input_format="byte"``."""
+_ZIPNN_CHUNK_LOG2 = 18
+"""ZipNN's compression chunk (256 KiB), its default."""
+_zipnn_core_module: list[Any] = []
+
+
+def _zipnn_core() -> Any:
+    """zipnn's C core when the installed zipnn is the release it is known to match, else None."""
+    if not _zipnn_core_module:
+        core: Any = None
+        try:
+            from importlib import metadata
+
+            if metadata.version("zipnn") == _ZIPNN_CORE_VERSION:
+                import zipnn_core
+
+                if callable(getattr(zipnn_core, "zipnn_core", None)) and callable(
+                    getattr(zipnn_core, "combine_dtype", None)
+                ):
+                    core = zipnn_core
+        except Exception:  # no such distribution, another layout: the package's own class
+            core = None
+        _zipnn_core_module.append(core)
+    return _zipnn_core_module[0]
+
+
 def _zipnn(dtype: str) -> Any:
     cache: dict[str, Any] | None = getattr(_local, "zipnn", None)
     if cache is None:
@@ -173,10 +206,31 @@ def _zipnn(dtype: str) -> Any:
     return z
 
 
+def _zipnn_header(dtype: str, raw_len: int) -> bytearray:
+    """The 32-byte header ``zipnn.ZipNN`` writes before its C core's output (version 0.5.4,
+    method auto, byte input, not streaming, 256 KiB chunks, the dtype's reorders and code, the
+    raw length; the core fills in the rest)."""
+    bit, byte, _, code = _ZIPNN_PARAMS[dtype]
+    h = bytearray(32)
+    h[0:2] = b"ZN"
+    h[2:5] = bytes(int(x) for x in _ZIPNN_CORE_VERSION.split("."))
+    h[5], h[6], h[8] = byte, bit, 1
+    h[14], h[15] = _ZIPNN_CHUNK_LOG2, code
+    h[16:24] = raw_len.to_bytes(8, "little")
+    return h
+
+
 def _zipnn_compress(data: bytes | memoryview, dtype: str) -> bytes:
     # ZipNN rewrites its input buffer in place, even a bytes object: it gets a copy of its own
     # (a bytearray: bytes(b) of a bytes object is that very object, not a copy).
-    packed = bytes(_zipnn(dtype).compress(bytearray(data)))
+    own = bytearray(data)
+    core = _zipnn_core()
+    if core is None:
+        packed = bytes(_zipnn(dtype).compress(own))
+    else:
+        bit, byte, groups, _ = _ZIPNN_PARAMS[dtype]
+        header = _zipnn_header(dtype, len(own))
+        packed = bytes(core.zipnn_core(header, own, groups, bit, byte, 0, 2**_ZIPNN_CHUNK_LOG2, 0.95, 10, 1))
     return bytes([_DTYPE_CODES[dtype]]) + packed
 
 
@@ -186,12 +240,29 @@ def _zipnn_fits(data: bytes | memoryview) -> bool:
     return len(data) >= 4096 and len(data) % 4 == 0
 
 
-def _zipnn_decompress(data: bytes) -> bytes | bytearray:
+def _zipnn_decompress(data: bytes, raw_len: int) -> bytes | bytearray:
     dtype = _ZIPNN_DTYPES.get(data[0]) if data else None
     if dtype is None:
         raise ValueError("unknown ZipNN dtype code")
-    out: bytes | bytearray = _zipnn(dtype).decompress(bytearray(data[1:]))  # a copy of its own
-    return out
+    core = _zipnn_core()
+    if core is None:
+        out: bytes | bytearray = _zipnn(dtype).decompress(bytearray(data[1:]))  # a copy of its own
+        return out
+    bit, byte, groups, code = _ZIPNN_PARAMS[dtype]
+    header = data[1:33]
+    if (
+        len(header) != 32
+        or header[0:2] != b"ZN"
+        or (header[5], header[6], header[15]) != (byte, bit, code)
+        or header[14] != _ZIPNN_CHUNK_LOG2
+        or int.from_bytes(header[16:24], "little") != raw_len
+    ):
+        raise ValueError("not a ZipNN buffer of this frame")
+    # the C core only reads its input (checked: a bytes object comes back unchanged)
+    decoded: bytearray = core.combine_dtype(
+        memoryview(data)[33:], groups, bit, byte, 2**_ZIPNN_CHUNK_LOG2, raw_len, 1
+    )
+    return decoded
 
 
 def encode_frame(data: bytes, dtype: str | None) -> bytes:
@@ -229,7 +300,7 @@ def decode_frame(kind: int, payload: bytes, raw_len: int) -> bytes | bytearray:
     if kind == ZSTD:
         return _zstd_decompress(payload, raw_len)
     if kind == ZIPNN:
-        return _zipnn_decompress(payload)
+        return _zipnn_decompress(payload, raw_len)
     raise ValueError(f"unknown frame kind {kind}")
 
 
