@@ -478,6 +478,7 @@ def test_the_compression_bench_runs_on_checkpoints_it_trains(tmp_path: Path) -> 
         "the same, saved again",
         "HF pure bf16",
         "half frozen fp32",
+        "LoRA adapter",
     ]
     for r in rows:
         assert r["none"]["stored_bytes"] == r["raw_bytes"]
@@ -653,3 +654,28 @@ def test_zipnn_frames_are_the_zipnn_packages_own_bytes(dtype: str) -> None:
         assert bytes(codec.decode_frame(codec.ZIPNN, theirs, len(raw))) == raw
         with pytest.raises(ValueError, match="not a ZipNN buffer"):
             codec.decode_frame(codec.ZIPNN, theirs, len(raw) + 4)
+
+
+def test_a_small_torch_save_of_floats_goes_to_zipnn_whatever_its_length(tmp_path: Path) -> None:
+    """A LoRA adapter's optimizer state: a ``torch.save`` archive of a few hundred KiB, whose
+    length (a zip's) is not a multiple of 4. Its floats go to ZipNN (all but a tail of 1-3 bytes),
+    not to zstd alone, and it restores byte-identical."""
+    import torch
+
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    ckpt = node.hot / RUN / "checkpoint-7"
+    ckpt.mkdir(parents=True)
+    g = torch.Generator().manual_seed(4)
+    state = {i: {"exp_avg": torch.randn(768, 16, generator=g) * 1e-3} for i in range(8)}
+    torch.save({"state": state, "param_groups": [{"lr": 1e-4}]}, ckpt / "optimizer.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": []}))
+    size = (ckpt / "optimizer.pt").stat().st_size
+    assert 64 * 1024 < size < codec.FRAME_BYTES and size % 4, size
+    original = _tree(ckpt)
+    node.backdate()
+    node.ok("prune", "--json")
+    entry = {e.path: e for e in _manifest(node, "checkpoint-7").files}["optimizer.pt"]
+    stored = (tmp_path / "warm" / RUN / "checkpoint-7" / "optimizer.pt").read_bytes()
+    assert entry.encoding == "zipnn" and codec.ZIPNN in _frame_kinds(stored)
+    node.ok("restore", RUN, "--step", "7", "--to", str(tmp_path / "restored"))
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original

@@ -38,6 +38,10 @@ WORTH = 0.97
 """A file is stored compressed only when that saves at least 3 % of its bytes."""
 _SAMPLE = 128 * 1024
 """Bytes of a frame tried with each codec when the layout does not say what the bytes are."""
+_SAMPLE_FROM = 64 * 1024
+"""Files from this size on whose layout does not say what the bytes are (torch.save archives, DCP
+shards) are tried per frame; smaller ones go to zstd (a LoRA adapter's optimizer state is a few
+hundred KiB of floats)."""
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _MAX_SAFETENSORS_HEADER = 100 * 2**20
 
@@ -64,9 +68,9 @@ def plan(mode: str, size: int, head: bytes) -> list[Region]:
     """How to cut a file of ``size`` bytes starting with ``head`` into regions.
 
     ``zstd``: one zstd region. ``auto``: a safetensors file is cut at its tensors (floating-point
-    runs go to ZipNN with their dtype, the rest to zstd); any other file of more than one frame is
-    tried per frame (ZipNN as float32 and bfloat16 against zstd, on a sample): ``torch.save``
-    archives and DCP ``.distcp`` shards hold their tensors as plain little-endian bytes.
+    runs go to ZipNN with their dtype, the rest to zstd); any other file of 64 KiB or more is tried
+    per frame (ZipNN as float32 and bfloat16 against zstd, on a sample): ``torch.save`` archives
+    and DCP ``.distcp`` shards hold their tensors as plain little-endian bytes.
     """
     if size == 0:
         return []
@@ -74,8 +78,12 @@ def plan(mode: str, size: int, head: bytes) -> list[Region]:
         regions = _safetensors_regions(size, head)
         if regions is not None:
             return regions
-        if size > FRAME_BYTES // 4:
-            return [Region(0, size, "?")]
+        if size >= _SAMPLE_FROM:
+            # whole elements for ZipNN: a length that is not a multiple of 4 (a torch.save zip
+            # almost always) ends in a tail of 1-3 bytes of its own, or its last frame (the whole
+            # file, under a frame) would go to zstd alone
+            whole = size - size % 4
+            return [Region(0, whole, "?")] + ([Region(whole, size, None)] if whole < size else [])
     return [Region(0, size, None)]
 
 
