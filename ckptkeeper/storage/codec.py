@@ -137,6 +137,109 @@ def _append(regions: list[Region], region: Region) -> None:
         regions.append(region)
 
 
+_ZIP_EOCD = struct.Struct("<4s4H2IH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2I4Q")
+_ZIP_CENTRAL = struct.Struct("<4s6H3I5H2I")
+_ZIP_LOCAL = struct.Struct("<4s5H3I2H")
+_MAX_ZIP_DIRECTORY = 64 * 2**20
+
+
+def zip_regions(size: int, read_at: Callable[[int, int], bytes]) -> list[Region] | None:
+    """Regions of a zip archive stored without compression (``torch.save``): each member's bytes
+    (a tensor's storage, or the pickle) tried per frame on their own, the headers and the central
+    directory to zstd; None if the archive does not parse as one, or a member is compressed.
+
+    ``read_at(offset, n)`` reads the file. A member of several tensors' worth of frames is still
+    cut every :data:`FRAME_BYTES`; the point is that no frame mixes two tensors: ZipNN codes a
+    frame's exponents with one table, and Adam's two moments have different exponents (a LoRA
+    adapter's optimizer state, hundreds of small tensors, stores 6 points less this way).
+    """
+    try:
+        members = _zip_members(size, read_at)
+    except (struct.error, ValueError):
+        return None
+    if members is None:
+        return None
+    regions: list[Region] = []
+    pos = 0
+    for start, length in sorted(members):
+        if start < pos or start + length > size:
+            return None
+        if start > pos:
+            _append(regions, Region(pos, start, None))
+        whole = length - length % 4
+        if whole >= 4096:
+            regions.append(Region(start, start + whole, "?"))
+            if whole < length:
+                regions.append(Region(start + whole, start + length, None))
+        elif length:
+            _append(regions, Region(start, start + length, None))
+        pos = start + length
+    if pos < size:
+        _append(regions, Region(pos, size, None))
+    return regions
+
+
+def _zip_members(size: int, read_at: Callable[[int, int], bytes]) -> list[tuple[int, int]] | None:
+    """(offset, length) of every member's stored bytes, from the central directory and each
+    member's local header; None if a member is compressed or the directory is not there."""
+    tail_len = min(size, 22 + 65535)
+    tail = read_at(size - tail_len, tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _ZIP_EOCD.size > len(tail):
+        return None
+    _, _, _, _, count, dir_size, dir_offset, _ = _ZIP_EOCD.unpack_from(tail, at)
+    eocd = size - tail_len + at
+    if 0xFFFF in (count,) or 0xFFFFFFFF in (dir_size, dir_offset):
+        loc = read_at(eocd - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size)
+        sig, _, z64_offset, _ = _ZIP64_LOCATOR.unpack(loc)
+        if sig != b"PK\x06\x07":
+            return None
+        rec = _ZIP64_EOCD.unpack(read_at(z64_offset, _ZIP64_EOCD.size))
+        if rec[0] != b"PK\x06\x06":
+            return None
+        count, dir_size, dir_offset = rec[7], rec[8], rec[9]
+    if dir_size > _MAX_ZIP_DIRECTORY or dir_offset + dir_size > size:
+        return None
+    directory = read_at(dir_offset, dir_size)
+    members = []
+    pos = 0
+    for _ in range(count):
+        fields = _ZIP_CENTRAL.unpack_from(directory, pos)
+        if fields[0] != b"PK\x01\x02" or fields[4] != 0:  # not an entry, or compressed
+            return None
+        comp, offset = fields[8], fields[16]
+        name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
+        extra = directory[pos + _ZIP_CENTRAL.size + name_len : pos + _ZIP_CENTRAL.size + name_len + extra_len]
+        comp, offset = _zip64_sizes(extra, fields[9], comp, offset)
+        pos += _ZIP_CENTRAL.size + name_len + extra_len + comment_len
+        local = _ZIP_LOCAL.unpack(read_at(offset, _ZIP_LOCAL.size))
+        if local[0] != b"PK\x03\x04":
+            return None
+        members.append((offset + _ZIP_LOCAL.size + local[9] + local[10], comp))
+    return members
+
+
+def _zip64_sizes(extra: bytes, raw: int, comp: int, offset: int) -> tuple[int, int]:
+    """The compressed size and local header offset of a central directory entry, from its zip64
+    extra field where the 32-bit fields say so (0xFFFFFFFF)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, i)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{n // 8}Q", extra, i + 4))
+            if raw == 0xFFFFFFFF:
+                next(values)
+            if comp == 0xFFFFFFFF:
+                comp = next(values)
+            if offset == 0xFFFFFFFF:
+                offset = next(values)
+            break
+        i += 4 + n
+    return comp, offset
+
+
 def frames_of(regions: list[Region]) -> Iterator[tuple[int, int, str | None]]:
     """(start, end, dtype) of every frame: a region cut into :data:`FRAME_BYTES` pieces."""
     for r in regions:
