@@ -1,22 +1,28 @@
 """Per-tier compression on checkpoints written here by real frameworks (docs/compression.md).
 
-A small Llama-style stack (embedding, attention and MLP blocks, LM head) is trained for a few steps
-with AdamW by torch, then saved as HF Trainer lays a checkpoint out (``model.safetensors`` through
-safetensors, ``optimizer.pt``/``scheduler.pt``/``rng_state.pth`` through ``torch.save``,
-``trainer_state.json``): fp32, pure bf16, and a half-frozen fine-tune (embedding and half the
-layers frozen: no optimizer state for them); the fp32 one again through ``torch.distributed.
-checkpoint.save`` (DCP, one process); and the fp32 save written again after a restart.
+A Llama-style model (embedding, RMSNorm, causal self-attention, SwiGLU MLP blocks, an untied LM
+head) is trained for a few AdamW steps by torch on tokens drawn from part of its vocabulary (the
+rest keeps zero Adam moments, as in a fine-tune whose text never holds those tokens), then saved
+as HF Trainer lays a checkpoint out (``model.safetensors`` through safetensors,
+``optimizer.pt``/``scheduler.pt``/``rng_state.pth`` through ``torch.save``,
+``trainer_state.json``): fp32, pure bf16, a half-frozen fine-tune (embedding and half the layers
+frozen: no optimizer state for them), a LoRA fine-tune of the fp32 model (PEFT's file names); the
+fp32 one again through ``torch.distributed.checkpoint.save`` (DCP, one process), and written again
+after a restart.
 
-Each checkpoint is copied from a hot tier into a local slower tier with ``compression`` none, zstd
-and auto (``TierStorage.copy_from``, what the prune pass runs) and restored (``fetch``). Printed:
-cold bytes per raw byte, and client CPU per GiB uploaded and restored as a ratio to ``none`` in the
-same run. ``python -m bench.compression [--vocab 32000] [--dim 256] [--layers 4] [--steps 40]``.
+Each checkpoint is compressed whole by the plain tools (zstd-3, ZipNN at its dtype), copied from a
+hot tier into a local slower tier with ``compression`` none, zstd and auto (``TierStorage.
+copy_from``, what the prune pass runs) and restored (``fetch``). Printed: cold bytes per raw byte
+(plain tools and ours), and client CPU per GiB uploaded and restored as a ratio to ``none`` in
+the same run. ``python -m bench.compression [--vocab 32000] [--dim 256] [--layers 4] [--steps 40]
+[--unused-vocab 0.3]``.
 
 In ``python -m bench`` (``--only compression``) the same rows go into the harness's table, and the
 fp32 checkpoint is also pruned to a SeaweedFS S3 tier by the whole ``ckptkeeper prune`` (a process)
 with ``compression`` "auto", "zstd" and "none", against a boto3 ``upload_file`` of the same files
-(raw), in alternating rounds: wall time and client CPU per raw GiB of each. SeaweedFS runs on the
-same cores as the client, so there the client's CPU is the bound, not the store.
+(raw), in alternating rounds: wall time and client CPU per raw GiB of each, straight to the store
+(SeaweedFS runs on the same cores as the client: the client's CPU is the bound) and through a
+bandwidth-limited link (``bench/_link.py``: the link is the bound).
 """
 
 from __future__ import annotations
