@@ -739,7 +739,11 @@ def test_zip_regions_cover_the_file_or_give_up_on_a_damaged_archive(tmp_path: Pa
         for _ in range(rng.randrange(1, 8)):
             data[rng.randrange(len(data))] = rng.randrange(256)
         blob = bytes(data)
-        got = codec.zip_regions(len(blob), lambda o, n, blob=blob: blob[o : o + n])
+
+        def read_at(offset: int, n: int, blob: bytes = blob) -> bytes:
+            return blob[offset : offset + n]
+
+        got = codec.zip_regions(len(blob), read_at)
         if got is not None:
             assert got[0].start == 0 and got[-1].end == len(blob)
             assert all(a.end == b.start and a.start < a.end for a, b in itertools.pairwise(got))
