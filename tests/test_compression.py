@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -597,8 +598,6 @@ finally:
 
 def _frame_kinds(stored: bytes) -> set[int]:
     """The kinds of the frames of one stored file in ckptkeeper's compressed format."""
-    import struct
-
     assert stored.startswith(codec.MAGIC)
     kinds, pos = set(), len(codec.MAGIC)
     while pos < len(stored):
@@ -747,3 +746,21 @@ def test_zip_regions_cover_the_file_or_give_up_on_a_damaged_archive(tmp_path: Pa
         if got is not None:
             assert got[0].start == 0 and got[-1].end == len(blob)
             assert all(a.end == b.start and a.start < a.end for a, b in itertools.pairwise(got))
+
+
+def test_without_the_known_zipnn_core_the_package_writes_and_reads_the_same_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another zipnn release than the one whose C core ckptkeeper drives: frames go through
+    ``zipnn.ZipNN``, byte for byte the same, and either path reads the other's."""
+    import numpy as np
+
+    raw = (np.random.default_rng(8).standard_normal(2**18) * 0.02).astype(np.float32).tobytes()
+    direct = codec.encode_frame(raw, "float32")
+    monkeypatch.setattr(codec, "_zipnn_core_module", [None])
+    assert codec._zipnn_core() is None
+    through_package = codec.encode_frame(raw, "float32")
+    assert through_package == direct
+    kind = direct[0]
+    assert kind == codec.ZIPNN
+    assert bytes(codec.decode_frame(kind, direct[13:], len(raw))) == raw
