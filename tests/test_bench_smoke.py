@@ -176,7 +176,8 @@ def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_al
 def test_tiny_compression_and_dedup_run_in_the_harness(tmp_path: Path) -> None:
     """bench/compression.py and bench/dedup.py in ``python -m bench``: cold bytes per raw byte of
     each real-framework checkpoint, client CPU against ``none``, and the whole ``ckptkeeper prune``
-    to SeaweedFS with each mode against a boto3 upload of the same files."""
+    to SeaweedFS with each mode against a boto3 upload of the same files, straight to the store and
+    through a bandwidth-limited link."""
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
@@ -193,11 +194,15 @@ def test_tiny_compression_and_dedup_run_in_the_harness(tmp_path: Path) -> None:
         "the same, saved again",
         "HF pure bf16",
         "half frozen fp32",
+        "LoRA adapter",
     ):
         assert f"compression: cold bytes per raw byte, {ckpt}" in metrics, metrics
     for side in ("auto", "zstd", "none"):
         assert any(m.startswith(f'prune to S3 (SeaweedFS), compression = "{side}"') for m in metrics), metrics
+        link = f'prune to S3 (SeaweedFS) through a 25 MiB/s link, compression = "{side}"'
+        assert any(m.startswith(link) for m in metrics), metrics
     assert metrics.count("  same, client CPU per raw GiB") == 3
+    assert metrics.count("  same, client CPU per raw GiB (link)") == 3
     assert any(m.startswith("dedup_tensors: warm bytes per raw byte") for m in metrics), metrics
     for row in doc["rows"]:
         assert row["ours"] is not None and row["ours"] > 0 and row["baseline"] > 0, row

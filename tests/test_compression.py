@@ -10,9 +10,11 @@ refused; the config refuses compression on the hot tier and without the codecs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -555,6 +557,7 @@ def test_the_compression_bench_runs_on_checkpoints_it_trains(tmp_path: Path) -> 
         "the same, saved again",
         "HF pure bf16",
         "half frozen fp32",
+        "LoRA adapter",
     ]
     for r in rows:
         assert r["none"]["stored_bytes"] == r["raw_bytes"]
@@ -656,3 +659,185 @@ def test_a_compressed_copy_in_the_s3_trash_is_whole_and_undeletes(
     assert cold.verify(manifest) == [] and cold.list_trash() == []
     cold.fetch(manifest, tmp_path / "restored")
     assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+_NO_TORCH_CLI = """
+import json, sys
+from ckptkeeper.cli import main
+try:
+    main(sys.argv[2:], standalone_mode=False)
+finally:
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "zipnn", "numpy"))
+    with open(sys.argv[1], "w") as f:
+        json.dump(loaded, f)
+"""
+
+
+def _frame_kinds(stored: bytes) -> set[int]:
+    """The kinds of the frames of one stored file in ckptkeeper's compressed format."""
+    assert stored.startswith(codec.MAGIC)
+    kinds, pos = set(), len(codec.MAGIC)
+    while pos < len(stored):
+        kind, _, stored_len, _ = struct.unpack_from("<BIII", stored, pos)
+        kinds.add(kind)
+        pos += 13 + stored_len
+    return kinds
+
+
+def test_auto_compresses_and_restores_without_importing_torch(tmp_path: Path) -> None:
+    """The ``zipnn`` package imports torch (over a CPU-second per process): a prune into an
+    ``auto`` tier and a restore from it drive zipnn's C core alone, and round-trip byte-identical."""
+    import subprocess
+    import sys
+
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    _big_tensors(node.hot / RUN / "checkpoint-7")
+    original = _tree(node.hot / RUN / "checkpoint-7")
+    node.backdate()
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for i, args in enumerate(
+        (["prune"], ["restore", RUN, "--step", "7", "--to", str(tmp_path / "restored")])
+    ):
+        loaded = tmp_path / f"modules-{i}.json"
+        argv = [sys.executable, "-c", _NO_TORCH_CLI, str(loaded), "--config", str(node.config), *args]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [m for m in json.loads(loaded.read_text()) if not m.startswith("numpy")] == [], args
+    by_path = {e.path: e for e in _manifest(node, "checkpoint-7").files}
+    assert by_path["model.safetensors"].encoding == "zipnn"
+    stored = (tmp_path / "warm" / RUN / "checkpoint-7" / "model.safetensors").read_bytes()
+    assert codec.ZIPNN in _frame_kinds(stored), "the float tensors went through ZipNN"
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_zipnn_frames_are_the_zipnn_packages_own_bytes(dtype: str) -> None:
+    """ZipNN frames written through zipnn's C core are byte for byte what ``zipnn.ZipNN`` writes,
+    and frames ``zipnn.ZipNN`` wrote (an older ckptkeeper's) decode: stored copies stay readable
+    whichever path wrote them."""
+    import numpy as np
+    import zipnn
+
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+    rng = np.random.default_rng(5)
+    for raw in (
+        (rng.standard_normal(2**20) * 0.02).astype(np.float32).tobytes(),
+        os.urandom(2**19) + bytes(2**19),
+        bytes(8192),
+    ):
+        theirs = bytes([codec._DTYPE_CODES[dtype]]) + bytes(z.compress(bytearray(raw)))
+        assert codec._zipnn_compress(raw, dtype) == theirs
+        assert bytes(codec.decode_frame(codec.ZIPNN, theirs, len(raw))) == raw
+        with pytest.raises(ValueError, match="not a ZipNN buffer"):
+            codec.decode_frame(codec.ZIPNN, theirs, len(raw) + 4)
+
+
+def test_a_small_torch_save_of_floats_goes_to_zipnn_whatever_its_length(tmp_path: Path) -> None:
+    """A LoRA adapter's optimizer state: a ``torch.save`` archive of a few hundred KiB, whose
+    length (a zip's) is not a multiple of 4. Its floats go to ZipNN (all but a tail of 1-3 bytes),
+    not to zstd alone, and it restores byte-identical."""
+    import torch
+
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    ckpt = node.hot / RUN / "checkpoint-7"
+    ckpt.mkdir(parents=True)
+    g = torch.Generator().manual_seed(4)
+    state = {i: {"exp_avg": torch.randn(768, 16, generator=g) * 1e-3} for i in range(8)}
+    torch.save({"state": state, "param_groups": [{"lr": 1e-4}]}, ckpt / "optimizer.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": []}))
+    size = (ckpt / "optimizer.pt").stat().st_size
+    assert 64 * 1024 < size < codec.FRAME_BYTES and size % 4, size
+    original = _tree(ckpt)
+    node.backdate()
+    node.ok("prune", "--json")
+    entry = {e.path: e for e in _manifest(node, "checkpoint-7").files}["optimizer.pt"]
+    stored = (tmp_path / "warm" / RUN / "checkpoint-7" / "optimizer.pt").read_bytes()
+    assert entry.encoding == "zipnn" and codec.ZIPNN in _frame_kinds(stored)
+    node.ok("restore", RUN, "--step", "7", "--to", str(tmp_path / "restored"))
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+def test_a_torch_save_archive_is_compressed_tensor_by_tensor(tmp_path: Path) -> None:
+    """A LoRA adapter's optimizer state: hundreds of small tensors, Adam's two moments in turn,
+    whose exponents differ. Each member of the ``torch.save`` zip is framed on its own, so no
+    ZipNN frame mixes the two: it stores less than ZipNN over the archive as one stream, and
+    restores byte-identical."""
+    import torch
+
+    node = Node(tmp_path, _local(tmp_path, "auto"))
+    ckpt = node.hot / RUN / "checkpoint-7"
+    ckpt.mkdir(parents=True)
+    g = torch.Generator().manual_seed(6)
+    state = {
+        i: {
+            "step": torch.tensor(40.0),
+            "exp_avg": torch.randn(768, 16, generator=g) * 1e-3,
+            "exp_avg_sq": (torch.randn(768, 16, generator=g) * 1e-3) ** 2 + 1e-9,
+        }
+        for i in range(40)
+    }
+    torch.save({"state": state, "param_groups": [{"lr": 1e-4}]}, ckpt / "optimizer.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": []}))
+    raw = (ckpt / "optimizer.pt").read_bytes()
+    one_stream = len(codec.MAGIC) + sum(
+        len(codec.encode_frame(raw[a:b], d)) for a, b, d in codec.frames_of(codec.plan("auto", len(raw), raw))
+    )
+    original = _tree(ckpt)
+    node.backdate()
+    node.ok("prune", "--json")
+    entry = {e.path: e for e in _manifest(node, "checkpoint-7").files}["optimizer.pt"]
+    assert entry.encoding == "zipnn" and entry.stored_size < 0.97 * one_stream, (
+        entry.stored_size,
+        one_stream,
+    )
+    node.ok("restore", RUN, "--step", "7", "--to", str(tmp_path / "restored"))
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+def test_zip_regions_cover_the_file_or_give_up_on_a_damaged_archive(tmp_path: Path) -> None:
+    """Whatever is cut off or flipped in a ``torch.save`` archive, the plan covers the file in
+    order or is None (the whole file is then tried per frame): a plan never decides what is
+    stored, only how well it compresses."""
+    import random
+
+    import torch
+
+    torch.save({"a": torch.randn(64, 64), "b": torch.arange(5000), "c": torch.randn(3)}, tmp_path / "x.pt")
+    raw = (tmp_path / "x.pt").read_bytes()
+    regions = codec.zip_regions(len(raw), lambda o, n: raw[o : o + n])
+    assert regions is not None and "?" in {r.dtype for r in regions}
+    rng = random.Random(7)
+    for _ in range(300):
+        data = bytearray(raw)
+        if rng.random() < 0.5:
+            data = data[: rng.randrange(len(data))]
+        for _ in range(rng.randrange(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        blob = bytes(data)
+
+        def read_at(offset: int, n: int, blob: bytes = blob) -> bytes:
+            return blob[offset : offset + n]
+
+        got = codec.zip_regions(len(blob), read_at)
+        if got is not None:
+            assert got[0].start == 0 and got[-1].end == len(blob)
+            assert all(a.end == b.start and a.start < a.end for a, b in itertools.pairwise(got))
+
+
+def test_without_the_known_zipnn_core_the_package_writes_and_reads_the_same_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another zipnn release than the one whose C core ckptkeeper drives: frames go through
+    ``zipnn.ZipNN``, byte for byte the same, and either path reads the other's."""
+    import numpy as np
+
+    raw = (np.random.default_rng(8).standard_normal(2**18) * 0.02).astype(np.float32).tobytes()
+    direct = codec.encode_frame(raw, "float32")
+    monkeypatch.setattr(codec, "_zipnn_core_module", [None])
+    assert codec._zipnn_core() is None
+    through_package = codec.encode_frame(raw, "float32")
+    assert through_package == direct
+    kind = direct[0]
+    assert kind == codec.ZIPNN
+    assert bytes(codec.decode_frame(kind, direct[13:], len(raw))) == raw

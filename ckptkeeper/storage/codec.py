@@ -38,6 +38,10 @@ WORTH = 0.97
 """A file is stored compressed only when that saves at least 3 % of its bytes."""
 _SAMPLE = 128 * 1024
 """Bytes of a frame tried with each codec when the layout does not say what the bytes are."""
+_SAMPLE_FROM = 64 * 1024
+"""Files from this size on whose layout does not say what the bytes are (torch.save archives, DCP
+shards) are tried per frame; smaller ones go to zstd (a LoRA adapter's optimizer state is a few
+hundred KiB of floats)."""
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _MAX_SAFETENSORS_HEADER = 100 * 2**20
 
@@ -64,9 +68,9 @@ def plan(mode: str, size: int, head: bytes) -> list[Region]:
     """How to cut a file of ``size`` bytes starting with ``head`` into regions.
 
     ``zstd``: one zstd region. ``auto``: a safetensors file is cut at its tensors (floating-point
-    runs go to ZipNN with their dtype, the rest to zstd); any other file of more than one frame is
-    tried per frame (ZipNN as float32 and bfloat16 against zstd, on a sample): ``torch.save``
-    archives and DCP ``.distcp`` shards hold their tensors as plain little-endian bytes.
+    runs go to ZipNN with their dtype, the rest to zstd); any other file of 64 KiB or more is tried
+    per frame (ZipNN as float32 and bfloat16 against zstd, on a sample): ``torch.save`` archives
+    and DCP ``.distcp`` shards hold their tensors as plain little-endian bytes.
     """
     if size == 0:
         return []
@@ -74,8 +78,12 @@ def plan(mode: str, size: int, head: bytes) -> list[Region]:
         regions = _safetensors_regions(size, head)
         if regions is not None:
             return regions
-        if size > FRAME_BYTES // 4:
-            return [Region(0, size, "?")]
+        if size >= _SAMPLE_FROM:
+            # whole elements for ZipNN: a length that is not a multiple of 4 (a torch.save zip
+            # almost always) ends in a tail of 1-3 bytes of its own, or its last frame (the whole
+            # file, under a frame) would go to zstd alone
+            whole = size - size % 4
+            return [Region(0, whole, "?")] + ([Region(whole, size, None)] if whole < size else [])
     return [Region(0, size, None)]
 
 
@@ -129,6 +137,109 @@ def _append(regions: list[Region], region: Region) -> None:
         regions.append(region)
 
 
+_ZIP_EOCD = struct.Struct("<4s4H2IH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2I4Q")
+_ZIP_CENTRAL = struct.Struct("<4s6H3I5H2I")
+_ZIP_LOCAL = struct.Struct("<4s5H3I2H")
+_MAX_ZIP_DIRECTORY = 64 * 2**20
+
+
+def zip_regions(size: int, read_at: Callable[[int, int], bytes]) -> list[Region] | None:
+    """Regions of a zip archive stored without compression (``torch.save``): each member's bytes
+    (a tensor's storage, or the pickle) tried per frame on their own, the headers and the central
+    directory to zstd; None if the archive does not parse as one, or a member is compressed.
+
+    ``read_at(offset, n)`` reads the file. A member of several tensors' worth of frames is still
+    cut every :data:`FRAME_BYTES`; the point is that no frame mixes two tensors: ZipNN codes a
+    frame's exponents with one table, and Adam's two moments have different exponents (a LoRA
+    adapter's optimizer state, hundreds of small tensors, stores 6 points less this way).
+    """
+    try:
+        members = _zip_members(size, read_at)
+    except (struct.error, ValueError):
+        return None
+    if members is None:
+        return None
+    regions: list[Region] = []
+    pos = 0
+    for start, length in sorted(members):
+        if start < pos or start + length > size:
+            return None
+        if start > pos:
+            _append(regions, Region(pos, start, None))
+        whole = length - length % 4
+        if whole >= 4096:
+            regions.append(Region(start, start + whole, "?"))
+            if whole < length:
+                regions.append(Region(start + whole, start + length, None))
+        elif length:
+            _append(regions, Region(start, start + length, None))
+        pos = start + length
+    if pos < size:
+        _append(regions, Region(pos, size, None))
+    return regions
+
+
+def _zip_members(size: int, read_at: Callable[[int, int], bytes]) -> list[tuple[int, int]] | None:
+    """(offset, length) of every member's stored bytes, from the central directory and each
+    member's local header; None if a member is compressed or the directory is not there."""
+    tail_len = min(size, 22 + 65535)
+    tail = read_at(size - tail_len, tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _ZIP_EOCD.size > len(tail):
+        return None
+    _, _, _, _, count, dir_size, dir_offset, _ = _ZIP_EOCD.unpack_from(tail, at)
+    eocd = size - tail_len + at
+    if 0xFFFF in (count,) or 0xFFFFFFFF in (dir_size, dir_offset):
+        loc = read_at(eocd - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size)
+        sig, _, z64_offset, _ = _ZIP64_LOCATOR.unpack(loc)
+        if sig != b"PK\x06\x07":
+            return None
+        rec = _ZIP64_EOCD.unpack(read_at(z64_offset, _ZIP64_EOCD.size))
+        if rec[0] != b"PK\x06\x06":
+            return None
+        count, dir_size, dir_offset = rec[7], rec[8], rec[9]
+    if dir_size > _MAX_ZIP_DIRECTORY or dir_offset + dir_size > size:
+        return None
+    directory = read_at(dir_offset, dir_size)
+    members = []
+    pos = 0
+    for _ in range(count):
+        fields = _ZIP_CENTRAL.unpack_from(directory, pos)
+        if fields[0] != b"PK\x01\x02" or fields[4] != 0:  # not an entry, or compressed
+            return None
+        comp, offset = fields[8], fields[16]
+        name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
+        extra = directory[pos + _ZIP_CENTRAL.size + name_len : pos + _ZIP_CENTRAL.size + name_len + extra_len]
+        comp, offset = _zip64_sizes(extra, fields[9], comp, offset)
+        pos += _ZIP_CENTRAL.size + name_len + extra_len + comment_len
+        local = _ZIP_LOCAL.unpack(read_at(offset, _ZIP_LOCAL.size))
+        if local[0] != b"PK\x03\x04":
+            return None
+        members.append((offset + _ZIP_LOCAL.size + local[9] + local[10], comp))
+    return members
+
+
+def _zip64_sizes(extra: bytes, raw: int, comp: int, offset: int) -> tuple[int, int]:
+    """The compressed size and local header offset of a central directory entry, from its zip64
+    extra field where the 32-bit fields say so (0xFFFFFFFF)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, i)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{n // 8}Q", extra, i + 4))
+            if raw == 0xFFFFFFFF:
+                next(values)
+            if comp == 0xFFFFFFFF:
+                comp = next(values)
+            if offset == 0xFFFFFFFF:
+                offset = next(values)
+            break
+        i += 4 + n
+    return comp, offset
+
+
 def frames_of(regions: list[Region]) -> Iterator[tuple[int, int, str | None]]:
     """(start, end, dtype) of every frame: a region cut into :data:`FRAME_BYTES` pieces."""
     for r in regions:
@@ -161,6 +272,39 @@ def _zstd_decompress(data: bytes, raw_len: int) -> bytes:
     return out
 
 
+_ZIPNN_CORE_VERSION = "0.5.4"
+"""The zipnn release whose C core :func:`_zipnn_core` drives directly (its ``zipnn_core`` module:
+the byte grouping and Huffman/zstd coding behind ``zipnn.ZipNN``). The ``zipnn`` package imports
+torch (over a CPU-second per process); its C core does not. Another release goes through
+``zipnn.ZipNN``, whose output the direct path reproduces byte for byte."""
+_ZIPNN_PARAMS = {"float32": (1, 220, 4, 1), "bfloat16": (1, 10, 2, 6), "float16": (0, 10, 2, 4)}
+"""dtype → (bit reorder, byte reorder, byte groups, ZipNN dtype code), as ``ZipNN`` sets them for
+``input_format="byte"``."""
+_ZIPNN_CHUNK_LOG2 = 18
+"""ZipNN's compression chunk (256 KiB), its default."""
+_zipnn_core_module: list[Any] = []
+
+
+def _zipnn_core() -> Any:
+    """zipnn's C core when the installed zipnn is the release it is known to match, else None."""
+    if not _zipnn_core_module:
+        core: Any = None
+        try:
+            from importlib import metadata
+
+            if metadata.version("zipnn") == _ZIPNN_CORE_VERSION:
+                import zipnn_core
+
+                if callable(getattr(zipnn_core, "zipnn_core", None)) and callable(
+                    getattr(zipnn_core, "combine_dtype", None)
+                ):
+                    core = zipnn_core
+        except Exception:  # no such distribution, another layout: the package's own class
+            core = None
+        _zipnn_core_module.append(core)
+    return _zipnn_core_module[0]
+
+
 def _zipnn(dtype: str) -> Any:
     cache: dict[str, Any] | None = getattr(_local, "zipnn", None)
     if cache is None:
@@ -173,10 +317,31 @@ def _zipnn(dtype: str) -> Any:
     return z
 
 
+def _zipnn_header(dtype: str, raw_len: int) -> bytearray:
+    """The 32-byte header ``zipnn.ZipNN`` writes before its C core's output (version 0.5.4,
+    method auto, byte input, not streaming, 256 KiB chunks, the dtype's reorders and code, the
+    raw length; the core fills in the rest)."""
+    bit, byte, _, code = _ZIPNN_PARAMS[dtype]
+    h = bytearray(32)
+    h[0:2] = b"ZN"
+    h[2:5] = bytes(int(x) for x in _ZIPNN_CORE_VERSION.split("."))
+    h[5], h[6], h[8] = byte, bit, 1
+    h[14], h[15] = _ZIPNN_CHUNK_LOG2, code
+    h[16:24] = raw_len.to_bytes(8, "little")
+    return h
+
+
 def _zipnn_compress(data: bytes | memoryview, dtype: str) -> bytes:
     # ZipNN rewrites its input buffer in place, even a bytes object: it gets a copy of its own
     # (a bytearray: bytes(b) of a bytes object is that very object, not a copy).
-    packed = bytes(_zipnn(dtype).compress(bytearray(data)))
+    own = bytearray(data)
+    core = _zipnn_core()
+    if core is None:
+        packed = bytes(_zipnn(dtype).compress(own))
+    else:
+        bit, byte, groups, _ = _ZIPNN_PARAMS[dtype]
+        header = _zipnn_header(dtype, len(own))
+        packed = bytes(core.zipnn_core(header, own, groups, bit, byte, 0, 2**_ZIPNN_CHUNK_LOG2, 0.95, 10, 1))
     return bytes([_DTYPE_CODES[dtype]]) + packed
 
 
@@ -186,12 +351,29 @@ def _zipnn_fits(data: bytes | memoryview) -> bool:
     return len(data) >= 4096 and len(data) % 4 == 0
 
 
-def _zipnn_decompress(data: bytes) -> bytes | bytearray:
+def _zipnn_decompress(data: bytes, raw_len: int) -> bytes | bytearray:
     dtype = _ZIPNN_DTYPES.get(data[0]) if data else None
     if dtype is None:
         raise ValueError("unknown ZipNN dtype code")
-    out: bytes | bytearray = _zipnn(dtype).decompress(bytearray(data[1:]))  # a copy of its own
-    return out
+    core = _zipnn_core()
+    if core is None:
+        out: bytes | bytearray = _zipnn(dtype).decompress(bytearray(data[1:]))  # a copy of its own
+        return out
+    bit, byte, groups, code = _ZIPNN_PARAMS[dtype]
+    header = data[1:33]
+    if (
+        len(header) != 32
+        or header[0:2] != b"ZN"
+        or (header[5], header[6], header[15]) != (byte, bit, code)
+        or header[14] != _ZIPNN_CHUNK_LOG2
+        or int.from_bytes(header[16:24], "little") != raw_len
+    ):
+        raise ValueError("not a ZipNN buffer of this frame")
+    # the C core only reads its input (checked: a bytes object comes back unchanged)
+    decoded: bytearray = core.combine_dtype(
+        memoryview(data)[33:], groups, bit, byte, 2**_ZIPNN_CHUNK_LOG2, raw_len, 1
+    )
+    return decoded
 
 
 def encode_frame(data: bytes, dtype: str | None) -> bytes:
@@ -229,7 +411,7 @@ def decode_frame(kind: int, payload: bytes, raw_len: int) -> bytes | bytearray:
     if kind == ZSTD:
         return _zstd_decompress(payload, raw_len)
     if kind == ZIPNN:
-        return _zipnn_decompress(payload)
+        return _zipnn_decompress(payload, raw_len)
     raise ValueError(f"unknown frame kind {kind}")
 
 

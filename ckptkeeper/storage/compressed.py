@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import io
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -168,8 +169,30 @@ class _EncodingWriter:
         if not final and len(self.pending) < min(need, self.entry.size):
             return
         head = bytes(self.pending[:need])
-        self.frames = codec.frames_of(codec.plan(self.sink.mode, self.entry.size, head))
+        regions = self._zip_plan(head) or codec.plan(self.sink.mode, self.entry.size, head)
+        self.frames = codec.frames_of(regions)
         self.frame = next(self.frames, None)
+
+    def _zip_plan(self, head: bytes) -> list[codec.Region] | None:
+        """A ``torch.save`` archive's members as regions (:func:`codec.zip_regions`), read from the
+        source file's central directory; None unless ``auto`` and the source is a local zip."""
+        if (
+            self.sink.mode != "auto"
+            or not head.startswith(b"PK\x03\x04")
+            or self.entry.size < codec._SAMPLE_FROM
+        ):
+            return None
+        fileno = getattr(self.source, "fileno", None)
+        if fileno is None:
+            return None
+        try:  # pread only: the source's own offset (shared by a dup) must not move
+            fd = fileno()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.entry.size:
+                return None
+            return codec.zip_regions(self.entry.size, lambda offset, n: os.pread(fd, n, offset))
+        except (OSError, ValueError):
+            return None
 
     def write(self, data: bytes | memoryview, /) -> None:
         self.pending += data
@@ -277,8 +300,6 @@ def _encode(chunk: bytes, dtype: str | None) -> tuple[bytes, float]:
 
 def _reopen(source: _Reader | None) -> io.FileIO | None:
     """Our own handle on ``source`` from its start, if it is a regular local file; else None."""
-    import stat
-
     fileno = getattr(source, "fileno", None)
     if fileno is None:
         return None
