@@ -242,7 +242,7 @@ class Bench:
         self._cleanup()
         _reset(self.url)
         home, hot = self._home()
-        lower = {
+        lower: dict[str, object] = {
             "name": "cold",
             "url": f"s3://{BUCKET}/ckpt",
             "storage_options": {"endpoint_url": self.url, "key": "testing", "secret": "testing"},
