@@ -10,6 +10,11 @@ S3 client would resolve them) and ``http.client`` fetches it with ``readinto`` s
 worker's buffer, every socket read, hash and write made with the GIL released. The S3 client
 (s3fs, aiohttp) is never imported for a restore.
 
+Large objects are fetched as ranges by :data:`WORKERS` threads, largest first; small objects
+(one range of at most :data:`SMALL_OBJECT` bytes) whole by up to :data:`SMALL_WORKERS` more, smallest
+first, so a checkpoint of many small files keeps many requests in flight (each costs the store a
+round of lookups, whatever its size) without more large buffers held.
+
 Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a range that is done
 before its turn waits, in its buffer, for the earlier ones; how many ranges may wait is bounded),
 checked against its manifest entry (size, then hash) before it is finished; all ranges of one
