@@ -219,8 +219,33 @@ def test_prefetch_by_the_daemon_and_its_client_imports_little(node: Node) -> Non
     assert len(node.served()) == 2
     modules = {line.split("|")[-1].strip() for line in timed.stderr.splitlines() if "import time:" in line}
     assert not {
-        m for m in modules if m.split(".")[0] in ("s3fs", "fsspec", "pydantic", "structlog", "botocore")
+        m
+        for m in modules
+        if m.split(".")[0] in ("s3fs", "fsspec", "pydantic", "structlog", "botocore", "click")
     }
+    assert "ckptkeeper.cli.app" not in modules  # nor the command group: the restore line is read alone
+
+
+def test_command_lines_the_thin_client_does_not_read_go_to_the_full_cli(node: Node) -> None:
+    node.start()
+    (node.tmp / "a-file").write_text("")
+    for args, why in (
+        (("--step", "-1", "--to", "out"), "a non-negative number"),
+        (("--step", "soon", "--to", "out"), "is not a step number"),
+        (("--to", "a-file"), "is a file"),
+        (("--to", "out", "--metric", "loss"), "only apply to --step best"),
+        (("--to", "out", "--bogus"), "No such option"),
+    ):
+        got = node.cli("restore", RUN, *args)
+        assert (got.returncode, why in got.stderr) == (2, True), (args, got.stderr)
+    assert not node.served()
+    missing = node.cli("restore", "--to", "out")
+    assert missing.returncode == 2 and "Missing argument" in missing.stderr
+    # Read alone: both option spellings; the output is the click command's.
+    got = node.cli("restore", f"--step={STEP}", f"--to={node.tmp / 'eq'}", RUN, "--json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["path"] == str(node.tmp / "eq" / CKPT)
+    assert _tree(node.tmp / "eq" / CKPT) == node.original
 
 
 def test_on_a_terminal_the_daemon_s_progress_is_drawn(node: Node) -> None:

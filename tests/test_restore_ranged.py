@@ -137,6 +137,65 @@ def test_many_small_files_restore_byte_identical(tmp_path: Path, store: tuple[st
     assert _tree(tmp_path / "restored" / CKPT) == node.original
 
 
+def test_large_and_many_small_objects_restore_byte_identical_and_a_bad_one_leaves_nothing(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """The ranged GETs of the large objects and the whole GETs of the small ones (more of them in
+    flight, smallest first) run at once: all land byte-identical, and a changed small object
+    stops the large ones too, leaving nothing."""
+    files = {f"small/part-{i:03d}.bin": 1 + (i * 7919) % 60_000 for i in range(120)}
+    files |= {"model.bin": 3 * 2**20 + 17, "optimizer.bin": 2 * 2**20 + 5}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert _tree(tmp_path / "restored" / CKPT) == node.original
+    s3 = _client(s3_reset)
+    key = node.key("small/part-003.bin")
+    body = bytearray(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[-1] ^= 0x01
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    dest = tmp_path / "again"
+    code, out = node.restore(dest)
+    assert code == 1, out
+    assert "small/part-003.bin: hash" in out and "changed since cataloged" in out
+    _nothing_restored(dest)
+
+
+def test_many_small_objects_are_fetched_more_at_once_than_large_ranges(
+    tmp_path: Path, s3_reset: str, s3_bucket: str, proxies: list[FaultProxy]
+) -> None:
+    """Small objects hide each request's round of lookups behind more connections: GETs of small
+    objects are held by the proxy until 12 are in flight at once (more than the 8 ranged GETs of
+    large objects); the first that waits in vain lets every one go, and the restore still lands."""
+    files = {f"small/part-{i:03d}.bin": 100 + i for i in range(60)}
+    node = Node(tmp_path, s3_bucket, s3_reset, files)
+    lock, enough = threading.Lock(), threading.Event()
+    held, most = [0], [0]
+
+    def hold(data: bytes) -> bytes:
+        with lock:
+            held[0] += 1
+            most[0] = max(most[0], held[0])
+            if held[0] >= 12:
+                enough.set()
+        enough.wait(30)
+        enough.set()
+        with lock:
+            held[0] -= 1
+        return data
+
+    def rule(req: Request) -> Any:
+        return hold if req.method == "GET" and "/small/" in req.path else None
+
+    proxy = FaultProxy(s3_reset, rate=0.0, rules=[rule])
+    proxies.append(proxy)
+    node.with_endpoint(proxy.start())
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert _tree(tmp_path / "restored" / CKPT) == node.original
+    assert most[0] >= 12
+
+
 def test_a_changed_byte_in_the_store_fails_the_restore_and_leaves_nothing(
     tmp_path: Path, s3_reset: str, s3_bucket: str
 ) -> None:

@@ -1,8 +1,29 @@
 """The ``ckptkeeper`` command line: click commands that parse, call one action and render.
 
-``ckptkeeper.cli:main`` is the console script; ``python -m ckptkeeper.cli`` runs it too.
+``ckptkeeper.cli:run`` is the console script and ``python -m ckptkeeper.cli`` runs it too: a restore
+the node's daemon serves is answered there without loading click (:mod:`.served`), everything else
+by the command group, ``ckptkeeper.cli.main`` (loaded on first use).
 """
 
-from ckptkeeper.cli.app import main
+from __future__ import annotations
 
-__all__ = ["main"]
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptkeeper.cli.app import main
+
+__all__ = ["main", "run"]
+
+
+def run() -> None:
+    from ckptkeeper.cli.served import run as served_run
+
+    served_run()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "main":
+        from ckptkeeper.cli.app import main
+
+        return main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""``python -m ckptkeeper.cli``: the same command group as the console script."""
+"""``python -m ckptkeeper.cli``: the same entry point as the console script."""
 
-from ckptkeeper.cli.app import main
+from ckptkeeper.cli import run
 
-main()
+run()

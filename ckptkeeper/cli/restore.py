@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -99,7 +98,9 @@ def restore(
     if (metric is not None or mode is not None) and step != "best":
         fail("--metric and --mode only apply to --step best", EXIT_USAGE)
     if not no_daemon:
-        args = {"run": run, "step": step, "to": _absolute(to), "metric": metric, "mode": mode}
+        from ckptkeeper.daemon.client import absolute
+
+        args = {"run": run, "step": step, "to": absolute(to), "metric": metric, "mode": mode}
         args |= {"node": node, "part": part}
         served = by_daemon(app, "restore", args, progress if bar is not None else None, to)
         if served is not None:
@@ -139,17 +140,6 @@ def _print_restored(doc: dict[str, Any], run: str, as_json: bool) -> None:
         click.echo(doc["path"])
 
 
-def _absolute(to: str) -> str | None:
-    """``to`` as the daemon must see it: joined to our working directory (not normalised: the
-    kernel resolves ``..`` and symlinks for the daemon exactly as it would for us)."""
-    if os.path.isabs(to):
-        return to
-    try:
-        return os.path.join(os.getcwd(), to)
-    except OSError:
-        return None  # no working directory: not expressible, run here
-
-
 def by_daemon(
     app: Context,
     op: str,
@@ -161,29 +151,19 @@ def by_daemon(
     here); None: no daemon served it, run it here. ``to``: restore's ``--to`` as given."""
     if "to" in args and args["to"] is None:
         return None
-    from ckptkeeper.daemon.client import call
+    from ckptkeeper.daemon.client import as_given, call
 
     served = call(app.config_path, op, args, progress=progress)
     if served is None:
         return None
     if served.exit != EXIT_OK or served.doc is None:
         message = served.message or "the daemon failed without a reason"
-        fail(_as_given(message, to), served.exit or EXIT_ACTION_FAILED)
+        fail(as_given(message, to), served.exit or EXIT_ACTION_FAILED)
     doc = served.doc
     if to is not None and doc.get("from_tier") is not None and isinstance(doc.get("path"), str):
         # The hot copy returned in place (from_tier null) is named by the hot tier, not by --to.
-        doc = {**doc, "path": _as_given(doc["path"], to)}
+        doc = {**doc, "path": as_given(doc["path"], to)}
     return doc
-
-
-def _as_given(text: str, to: str | None) -> str:
-    """The daemon restored into ``to`` made absolute: name paths under it as a restore run here
-    does, under ``to`` as given (relative stays relative)."""
-    if to is None or os.path.isabs(to):
-        return text
-    base = str(Path(os.path.join(os.getcwd(), to)))
-    given = str(Path(to) / "_")[:-1]  # "out/" for "out", "" for "." (as Path(to) / name reads)
-    return text.replace(base + os.sep, given)
 
 
 @click.command()

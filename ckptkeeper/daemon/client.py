@@ -16,8 +16,7 @@ import socket
 import stat
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptkeeper import __version__
 from ckptkeeper.daemon.wire import (
@@ -32,7 +31,7 @@ from ckptkeeper.daemon.wire import (
     socket_path,
 )
 
-__all__ = ["CONNECT_TIMEOUT", "Served", "call"]
+__all__ = ["CONNECT_TIMEOUT", "Served", "absolute", "as_given", "call"]
 
 CONNECT_TIMEOUT = 2.0
 """Seconds to connect and hear the daemon accept or decline; past it the command runs here."""
@@ -42,8 +41,7 @@ CANCEL_WAIT = 30.0
 """On Ctrl-C: seconds to wait for the daemon to have removed what it had started."""
 
 
-@dataclass(frozen=True, slots=True)
-class Served:
+class Served(NamedTuple):
     """The daemon's answer: the command's exit code and its result document or error message."""
 
     exit: int
@@ -155,3 +153,26 @@ def _cancel(sock: socket.socket, reader: LineReader) -> None:
 
 def _note(text: str) -> None:
     print(f"ckptkeeper: {text}", file=sys.stderr)
+
+
+def absolute(to: str) -> str | None:
+    """``to`` as the daemon must see it: joined to our working directory (not normalised: the
+    kernel resolves ``..`` and symlinks for the daemon exactly as it would for us)."""
+    if os.path.isabs(to):
+        return to
+    try:
+        return os.path.join(os.getcwd(), to)
+    except OSError:
+        return None  # no working directory: not expressible, run here
+
+
+def as_given(text: str, to: str | None) -> str:
+    """The daemon restored into ``to`` made absolute: name paths under it as a restore run here
+    does, under ``to`` as given (relative stays relative)."""
+    if to is None or os.path.isabs(to):
+        return text
+    from pathlib import Path
+
+    base = str(Path(os.path.join(os.getcwd(), to)))
+    given = str(Path(to) / "_")[:-1]  # "out/" for "out", "" for "." (as Path(to) / name reads)
+    return text.replace(base + os.sep, given)

@@ -15,9 +15,7 @@ import hashlib
 import json
 import os
 import socket
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PROTOCOL = 1
 """Bumped when a message changes shape: a client and a daemon of other protocols never talk."""
@@ -51,11 +49,11 @@ def socket_path(index: str) -> str:
     return index + SOCKET_SUFFIX
 
 
-def config_file(explicit: str | os.PathLike[str] | None) -> Path:
+def config_file(explicit: str | os.PathLike[str] | None) -> str:
     """The config file ``load_settings`` reads: ``--config``, else ``$CKPTKEEPER_CONFIG``, else the default."""
     if explicit:
-        return Path(explicit)
-    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+        return os.fspath(explicit)
+    return os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
 
 
 def _settings_env() -> list[tuple[str, str]]:
@@ -76,7 +74,8 @@ def config_identity(explicit: str | os.PathLike[str] | None) -> tuple[str, bytes
     """
     path = config_file(explicit)
     try:
-        data: bytes | None = path.read_bytes()
+        with open(path, "rb") as f:
+            data: bytes | None = f.read()
         real = os.path.realpath(path)
     except FileNotFoundError:
         data, real = None, ""  # environment-only config, or none: the environment decides
@@ -172,9 +171,9 @@ class LineReader:
         return doc
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A checked request: the command's own arguments, and who asks."""
+class Request(NamedTuple):
+    """A checked request: the command's own arguments, and who asks (a named tuple: no
+    dataclasses import in the client)."""
 
     op: str
     version: str

@@ -10,6 +10,11 @@ S3 client would resolve them) and ``http.client`` fetches it with ``readinto`` s
 worker's buffer, every socket read, hash and write made with the GIL released. The S3 client
 (s3fs, aiohttp) is never imported for a restore.
 
+Large objects are fetched as ranges by :data:`WORKERS` threads, largest first; small objects
+(one range of at most :data:`SMALL_OBJECT` bytes) whole by up to :data:`SMALL_WORKERS` more, smallest
+first, so a checkpoint of many small files keeps many requests in flight (each costs the store a
+round of lookups, whatever its size) without more large buffers held.
+
 Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a range that is done
 before its turn waits, in its buffer, for the earlier ones; how many ranges may wait is bounded),
 checked against its manifest entry (size, then hash) before it is finished; all ranges of one
@@ -58,6 +63,13 @@ RANGE_SIZE = 8 * 2**20
 """Bytes per ranged GET of a large object, and per worker buffer."""
 WORKERS = 8
 """GETs in flight at once for one restore (threads, each with its own connection)."""
+SMALL_OBJECT = 2 * 2**20
+"""Objects of at most this many bytes may also go to the small-object workers."""
+SMALL_WORKERS = 24
+"""More GETs in flight, each of one whole small object (taken smallest first, while the
+:data:`WORKERS` go largest first): a small object's request costs the store a round of lookups
+that more connections hide. Their buffers are of :data:`SMALL_OBJECT` bytes, so they add at most
+``SMALL_WORKERS x SMALL_OBJECT`` to what a restore holds."""
 AHEAD = 4
 """Ranges done before their turn to be hashed that may wait, at most, beyond one per worker (bounds
 the bytes held: ``(WORKERS + AHEAD) x RANGE_SIZE`` at worst)."""
@@ -136,6 +148,8 @@ class _Plan:
         self.sink = sink
         self.first = 0
         """Files before this one have every range handed out."""
+        self.last = len(files)
+        """Files from this one on have every range handed out (taken by the small-object workers)."""
         self.signer = signer
         """Signs each request (None: every URL is presigned)."""
         self.cond = threading.Condition()
@@ -165,6 +179,21 @@ class _Plan:
                         return f, f.handed - 1
                 self.cond.wait()
             return None
+
+    def take_small(self) -> _File | None:
+        """The smallest object not handed out yet, if it is a small one (whole: one range)."""
+        with self.cond:
+            files = self.files
+            while self.last > self.first and files[self.last - 1].handed >= files[self.last - 1].ranges:
+                self.last -= 1
+            if self.failed or self.last <= self.first:
+                return None
+            f = files[self.last - 1]
+            if not _small(f):
+                return None
+            f.writer = self.sink.open_file(f.entry)  # type: ignore[assignment]
+            f.handed = 1
+            return f
 
     def done(self, f: _File, r: int, buf: bytearray) -> tuple[bytearray, bool]:
         """Range ``r`` of ``f`` is in ``buf`` (and written): hash it now, or hold it until its turn.
@@ -225,11 +254,20 @@ def fetch_direct(
         plan = _Plan(files, sink, signer)
         report = _locked(progress, plan.cond) if progress is not None else None
         context = _tls_context(tier) if files and files[0].url.startswith("https:") else None
+        small = sum(1 for f in files if _small(f))
         threads = [
             threading.Thread(
                 target=_worker, args=(tier, plan, report, context), name=f"ckptkeeper-get-{i}", daemon=True
             )
             for i in range(min(WORKERS, sum(f.ranges for f in files)))
+        ] + [
+            threading.Thread(
+                target=_worker,
+                args=(tier, plan, report, context, True),
+                name=f"ckptkeeper-get-small-{i}",
+                daemon=True,
+            )
+            for i in range(min(SMALL_WORKERS, max(0, small - WORKERS)))
         ]
         for t in threads:
             t.start()
@@ -351,12 +389,17 @@ def _tls_context(tier: S3TierStorage) -> ssl.SSLContext:
 
 
 def _worker(
-    tier: S3TierStorage, plan: _Plan, progress: Progress | None, context: ssl.SSLContext | None
+    tier: S3TierStorage,
+    plan: _Plan,
+    progress: Progress | None,
+    context: ssl.SSLContext | None,
+    small: bool = False,
 ) -> None:
-    buf = bytearray(RANGE_SIZE)
+    """Fetch ranges until none is left (``small``: whole small objects, smallest first)."""
+    buf = bytearray(SMALL_OBJECT if small else RANGE_SIZE)
     conn: http.client.HTTPConnection | None = None
     try:
-        while (job := plan.take()) is not None:
+        while (job := _next(plan, small)) is not None:
             f, r = job
             conn = _get_range(tier, plan, f, r, memoryview(buf), conn, context)
             start, end = f.span(r)
@@ -372,6 +415,17 @@ def _worker(
             with plan.cond:
                 plan.conns.discard(conn)
             conn.close()
+
+
+def _small(f: _File) -> bool:
+    return f.ranges == 1 and f.entry.size <= SMALL_OBJECT
+
+
+def _next(plan: _Plan, small: bool) -> tuple[_File, int] | None:
+    if not small:
+        return plan.take()
+    f = plan.take_small()
+    return None if f is None else (f, 0)
 
 
 def _check(f: _File) -> None:
