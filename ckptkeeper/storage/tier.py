@@ -304,8 +304,8 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
-        stored = self._stored_form(manifest)
         try:
+            stored = self._stored_form(manifest)  # in the try: a manifest unreadable leaves no staging
             layout = content.layout(self, manifest)
             if layout is not None:
                 content.stream_into(self, rel, layout, sink, progress, workers=self.fetch_workers)
