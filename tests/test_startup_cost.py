@@ -6,7 +6,9 @@ the S3 client stack (s3fs, aiobotocore, aiohttp, botocore) is never imported, wh
 of a ~1 CPU-s restore (bench/restore_s3.py). Checked on the real command, run as a user runs it
 (``-X importtime`` lists every module the process imported). The manifest's GET answers what the
 S3 client's did: a missing manifest falls back to the index's, a transient failure is retried, a
-refused one fails the restore naming the object and leaves nothing behind.
+refused one fails the restore naming the object and leaves nothing behind. A restore that logs
+nothing never imports structlog either (ckptkeeper.util.logs applies its configuration at the
+first line logged).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def test_a_standalone_restore_never_imports_the_s3_client(
     stack = CLIENT_STACK if region else tuple(m for m in CLIENT_STACK if m != "botocore")
     loaded = sorted({m.split(".")[0] for m in imported} & set(stack))
     assert loaded == [], f"a standalone restore imported the S3 client stack: {loaded}"
+    assert "structlog" not in imported  # nothing was logged: the logging library was never loaded
 
 
 def test_a_missing_committed_manifest_falls_back_to_the_index(
@@ -188,4 +191,8 @@ def test_a_refused_manifest_get_fails_the_restore_naming_it(
     code, out, err = node.restore(dest)
     assert code == 1, out + err
     assert f"reading manifest of {RUN}/{CKPT}" in err and "AccessDenied" in err, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    (warning,) = [d for d in lines if d.get("event") == "restore from tier failed, trying the next"]
+    assert (warning["level"], warning["tier"]) == ("warning", "cold")  # logged as JSON lines, as configured
+    assert "timestamp" in warning and "AccessDenied" in warning["error"]
     assert not dest.exists() or os.listdir(dest) == []
