@@ -18,14 +18,30 @@ from __future__ import annotations
 
 import http.client
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from ckptkeeper.storage import deadline
 from ckptkeeper.storage.base import TierUnavailable, log
 
 if TYPE_CHECKING:
-    from ckptkeeper.storage.s3_client import S3Objects
+    from ckptkeeper.core.model import TierSpec
+    from ckptkeeper.storage.store_clock import StoreClock
+
+
+class S3Objects(Protocol):
+    """What a plain GET uses of the S3 backend (:class:`~ckptkeeper.storage.s3_client.S3Objects`)."""
+
+    name: str
+    bucket: str
+    spec: TierSpec
+    _fs: Any
+
+    @property
+    def store_clock(self) -> StoreClock: ...
+    def _redact(self, text: str) -> str: ...
+    def _key(self, rel: str) -> str: ...
+
 
 RETRIES = 5
 """Attempts after the first for a transient failure (as s3fs retries one)."""
