@@ -151,7 +151,10 @@ is shorter (:attr:`ckptkeeper.core.model.TierSpec.marker_beat`)."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+    # Each field's description is the attribute docstring under it, read by docs/gen_reference.py:
+    # pydantic's use_attribute_docstrings parsed this module's source at every start (~10 % of the
+    # CPU of a `ckptkeeper restore` process).
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 class TierConfig(_Strict):
@@ -394,7 +397,6 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
-        use_attribute_docstrings=True,
     )
 
     index: str = "/var/lib/ckptkeeper/index.db"

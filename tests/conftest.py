@@ -300,6 +300,7 @@ TEST_KINDS: dict[str, str] = {
     "test_copy_paths": "integration",
     "test_upload_resume": "integration",
     "test_restore_ranged": "integration",
+    "test_startup_cost": "integration",
     "test_compression": "integration",
     "test_daemon": "integration",
     "test_daemon_schedule": "integration",

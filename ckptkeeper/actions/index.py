@@ -22,18 +22,29 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
 from ckptkeeper.config import Settings
 from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 from ckptkeeper.index import Index, IndexCorrupt, salvage_history
-from ckptkeeper.ingest.catalog import Catalog
-from ckptkeeper.ingest.report import ReconcileReport
 from ckptkeeper.util.lock import ExecutorLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
+if TYPE_CHECKING:
+    from ckptkeeper.ingest.catalog import Catalog
+    from ckptkeeper.ingest.report import ReconcileReport
+
+# The catalog (and its layouts) is imported where an index is rebuilt: opening a sound index, as
+# every command does, needs none of it.
+
 log = get_logger("ckptkeeper.actions.index")
+
+
+def _catalog(settings: Settings, index: Index) -> Catalog:
+    from ckptkeeper.ingest.catalog import Catalog
+
+    return Catalog(settings, index)
 
 
 @contextmanager
@@ -196,7 +207,7 @@ def _rebuild(settings: Settings, problem: str) -> Index:
     pins = _salvage_pins(aside)
     ix = Index(path)
     ix.add_history(salvage_history(aside), durable=True)  # `history` and `why` survive the rebuild
-    report = Catalog(settings, ix).reconcile()
+    report = _catalog(settings, ix).reconcile()
     wanted = sorted(set(pins or ()))
     restored = sum(ix.set_pinned(run, step, True) > 0 for run, step in wanted)
     recorded = read_index_record(settings)
@@ -360,7 +371,7 @@ def _rebuild_missing(settings: Settings) -> Index:
     problem = f"index {settings.index} was missing"
     freeze = _loss_freeze(settings, problem)
     ix = Index(settings.index)
-    catalog = Catalog(settings, ix)
+    catalog = _catalog(settings, ix)
     report = catalog.reconcile()
     _finish_loss(settings, ix, freeze, catalog, report)
     return ix
@@ -392,7 +403,7 @@ def reopen_after_loss(settings: Settings, index: Index, problem: str) -> bool:
         )
         index.reopen()
         index.add_history(events, durable=True)
-        catalog = Catalog(settings, index)
+        catalog = _catalog(settings, index)
         report = catalog.reconcile()
         restored = index.pin_by_name(sorted(salvaged))
         if restored:

@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 from ckptkeeper.actions.progress import byte_progress
 from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
-from ckptkeeper.ingest.catalog import Catalog
-from ckptkeeper.ingest.layouts.base import MAX_MARKER_BYTES, torch_pickle_values
-from ckptkeeper.ingest.layouts.hf import TRAINER_STATE
 from ckptkeeper.storage import StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
+
+# The catalog and the layouts (ingest) are imported where used: `ckptkeeper restore` needs neither
+# unless --step best reads a framework's record, or the Python API re-catalogs the hot run.
 
 log = get_logger("ckptkeeper.actions.restore")
 
@@ -142,6 +142,9 @@ def _framework_best(settings: Settings, run: str, rows: list[CheckpointRow]) -> 
 
 
 def _recorded_best(path: Path, row: CheckpointRow) -> str | None:
+    from ckptkeeper.ingest.layouts.base import MAX_MARKER_BYTES, torch_pickle_values
+    from ckptkeeper.ingest.layouts.hf import TRAINER_STATE
+
     if row.layout == "hf":
         try:
             with open(path / TRAINER_STATE, "rb") as f:
@@ -454,6 +457,8 @@ def _open(config: str | os.PathLike[str] | Settings | None, run: str) -> tuple[S
     writable = os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
     index = Index(path, readonly=not writable)
     if writable and (settings.hot.local_path / run).is_dir():
+        from ckptkeeper.ingest.catalog import Catalog  # the catalog and its layouts: only here
+
         Catalog(settings, index).reconcile_run(run)
     return settings, index
 

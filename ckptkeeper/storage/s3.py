@@ -195,7 +195,7 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     def read_manifest(self, rel_path: str) -> Manifest | None:
         key = self._key(rel_path) + MANIFEST_SUFFIX
         with self._errors(f"reading manifest of {rel_path}"):
-            text = self._get(key)
+            text = self._get(key, plain=True)
         return None if text is None else _parse_manifest(rel_path, text)
 
     def list_manifests(self) -> list[tuple[str, Manifest | None, str | None]]:

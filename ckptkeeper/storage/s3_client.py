@@ -261,7 +261,14 @@ class S3Objects:
             ContentType="application/json",
         )
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str, *, plain: bool = False) -> bytes | None:
+        """The body of ``key``; None when missing. ``plain``: before this tier has a client, read
+        it with a plain signed GET where one reaches the store alike (:mod:`.s3_plain`)."""
+        if plain:
+            from ckptkeeper.storage import s3_plain
+
+            if s3_plain.usable(self):
+                return s3_plain.get(self, key)
         try:
             resp = self._call("get_object", Bucket=self.bucket, Key=key)
         except FileNotFoundError:

@@ -312,8 +312,8 @@ class TierStorage:
         sink = _LocalSink(
             to_dir, _split_rel(manifest.name, "checkpoint name"), manifest.is_dir, with_manifest=False
         )
-        layout, stored = self._how_stored(manifest)
         try:
+            layout, stored = self._how_stored(manifest)  # in the try: a manifest unreadable leaves no staging
             if layout is not None:
                 content.stream_into(self, rel, layout, sink, progress, workers=self.fetch_workers)
             elif any(e.encoding for e in stored.files):  # decoded as it streams: no ranged fast path

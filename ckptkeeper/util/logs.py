@@ -32,6 +32,9 @@ bucket name while protecting nothing."""
 _TOKEN_CHARS = "A-Za-z0-9_\\-"
 _secrets_lock = threading.Lock()
 _factory_installed = False
+_pending: tuple[int, bool, bool, Any] | None = None
+"""A configuration recorded before structlog was imported: (level, json, journal, stream)."""
+_pending_lock = threading.Lock()
 
 
 def _structlog() -> Any:
@@ -59,17 +62,30 @@ LOG_STREAMS = ("stderr", "stdout")
 
 def configure(level: str = "info", *, json: bool | None = None, stream: str = "stderr") -> None:
     """Idempotent. ``json=None`` picks JSON unless the stream is a terminal (systemd captures stderr,
-    a container runtime stdout)."""
-    global _configured
-    structlog = _structlog()
+    a container runtime stdout).
 
+    Until the process has imported structlog, the configuration is only recorded: it is applied
+    when the first line is logged (:class:`_Deferred`). A command that logs nothing (a restore that
+    succeeds) never imports structlog, ~0.2 G instructions of a ~1.3 G instruction process."""
+    global _configured, _pending
     out = sys.stdout if stream == "stdout" else sys.stderr
     if json is None:
         json = not out.isatty()
     numeric = getattr(logging, level.upper(), logging.INFO)
+    chosen = (numeric, json, json and stream_is_journal(out), out)
+    with _pending_lock:
+        if "structlog" in sys.modules:
+            _pending = None
+            _apply(_structlog(), *chosen)
+        else:
+            _pending = chosen
+        _configured = True
+
+
+def _apply(structlog: Any, numeric: int, json: bool, journal: bool, out: Any) -> None:
     renderer: Any = _Redacting(
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
-        journal=json and stream_is_journal(out),
+        journal=journal,
     )
     structlog.configure(
         processors=[
@@ -83,15 +99,41 @@ def configure(level: str = "info", *, json: bool | None = None, stream: str = "s
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
-    _configured = True
 
 
 def get_logger(name: str | None = None) -> Any:
-    structlog = _structlog()
-
     if not _configured:
         configure()
+    if "structlog" not in sys.modules:
+        return _Deferred(name)
+    return _structlog_logger(name)
+
+
+def _structlog_logger(name: str | None) -> Any:
+    """structlog's logger for ``name``, the recorded configuration applied first if still pending."""
+    global _pending
+    structlog = _structlog()
+    with _pending_lock:
+        if _pending is not None:
+            chosen, _pending = _pending, None
+            _apply(structlog, *chosen)
     return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+class _Deferred:
+    """A logger that imports structlog (and applies the recorded configuration) when first used."""
+
+    __slots__ = ("_logger", "_name")
+
+    def __init__(self, name: str | None) -> None:
+        self._name = name
+        self._logger: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        logger = self._logger
+        if logger is None:
+            logger = self._logger = _structlog_logger(self._name)
+        return getattr(logger, attr)
 
 
 def register_secrets(values: Iterable[str]) -> None:
