@@ -529,3 +529,60 @@ def test_the_thin_clients_defaults_are_the_configs() -> None:
     assert wire.CONFIG_ENV == config.CONFIG_ENV
     assert wire.ENV_PREFIX == config_checks.ENV_PREFIX
     assert config.Settings.model_fields["index"].default == wire.DEFAULT_INDEX
+
+
+def test_a_client_closing_between_poll_and_a_heartbeat_cancels_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race a loaded box showed: the client's end closes after the daemon's poll reported
+    nothing and before its heartbeat is sent. The failed send is the client going away, as a poll
+    seeing it would be: the job is cancelled and its connection thread waits for the worker."""
+    import select as select_module
+
+    from ckptkeeper.daemon import restore_server
+    from ckptkeeper.daemon.wire import Request as WireRequest
+
+    real_poll = select_module.poll
+
+    class LateToSee:
+        """A poller whose first answer misses what already happened (as if asked just before)."""
+
+        def __init__(self) -> None:
+            self.inner, self.first = real_poll(), True
+
+        def register(self, fd: int, mask: int) -> None:
+            self.inner.register(fd, mask)
+
+        def unregister(self, fd: int) -> None:
+            self.inner.unregister(fd)
+
+        def poll(self, timeout: float) -> list[tuple[int, int]]:
+            if self.first:
+                self.first = False
+                return []
+            return self.inner.poll(timeout)
+
+    monkeypatch.setattr(restore_server.select, "poll", LateToSee)
+    monkeypatch.setattr(restore_server, "HEARTBEAT_SECONDS", 0.0)
+    daemon_end, client_end = socket.socketpair()
+    client_end.close()
+    request = WireRequest("restore", "v", "c", 0o22, False, "run", "latest", "/tmp/x")
+    job = restore_server._Job(request)
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def worker() -> None:  # ends once cancelled, as a fetch does at its next chunk
+        job.cancel.wait(30)
+        os.write(wake_w, b"x")
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        server = restore_server.RestoreServer(str(Path("unused")), lambda _config: None)  # not listening
+        server._follow(daemon_end, job, wake_r)  # old code: BrokenPipeError, the job left running
+        assert job.cancel.is_set()
+    finally:
+        job.cancel.set()
+        thread.join()
+        daemon_end.close()
+        os.close(wake_r)
+        os.close(wake_w)

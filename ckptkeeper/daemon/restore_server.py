@@ -290,22 +290,25 @@ class RestoreServer:
             events = dict(poller.poll(interval * 1000))
             if wake in events:
                 break
-            if conn.fileno() in events:
+            if gone:
+                continue
+            try:
+                if conn.fileno() in events:
+                    raise ConnectionResetError("the client closed its end")
+                now = (job.done, job.total)
+                if job.request.progress and now != sent and job.total:
+                    _send(conn, {"event": "progress", "done": now[0], "total": now[1]})
+                    sent, last = now, time.monotonic()
+                elif time.monotonic() - last >= HEARTBEAT_SECONDS:
+                    _send(conn, {"event": "tick"})
+                    last = time.monotonic()
+            except OSError:  # seen by poll, or by a send that lost the race with the client's close
                 log.info(
                     "restore socket: client went away; cancelling", op=job.request.op, run=job.request.run
                 )
                 gone = True
                 job.cancel.set()
                 poller.unregister(conn.fileno())
-            if gone:
-                continue
-            now = (job.done, job.total)
-            if job.request.progress and now != sent and job.total:
-                _send(conn, {"event": "progress", "done": now[0], "total": now[1]})
-                sent, last = now, time.monotonic()
-            elif time.monotonic() - last >= HEARTBEAT_SECONDS:
-                _send(conn, {"event": "tick"})
-                last = time.monotonic()
         if gone:
             return
         if job.cancelled or job.outcome is None:
