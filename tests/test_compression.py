@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -841,3 +842,101 @@ def test_without_the_known_zipnn_core_the_package_writes_and_reads_the_same_fram
     kind = direct[0]
     assert kind == codec.ZIPNN
     assert bytes(codec.decode_frame(kind, direct[13:], len(raw))) == raw
+
+
+class _FaultySink:
+    """A tier's own sink, wrapped: the file at ``fail`` fails once its first bytes are stored; the
+    file at ``hold`` finishes only once the copy has opened the file after it (``opened``)."""
+
+    def __init__(self, inner: Any, fail: str | None, hold: str | None, opened: threading.Event) -> None:
+        self.inner, self.fail, self.hold, self.opened = inner, fail, hold, opened
+
+    def open_file(self, entry: Any, source: Any = None) -> Any:
+        return _FaultyWriter(self, entry.path, self.inner.open_file(entry, source))
+
+    def commit(self, manifest: Manifest) -> None:
+        self.inner.commit(manifest)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _FaultyWriter:
+    def __init__(self, sink: _FaultySink, path: str, inner: Any) -> None:
+        self.sink, self.path, self.inner = sink, path, inner
+
+    def write(self, data: Any, /) -> None:
+        self.inner.write(data)
+        if self.path == self.sink.fail:
+            raise OSError(f"injected storage failure of {self.path}")
+
+    def finish(self) -> None:
+        if self.path == self.sink.hold and not self.sink.opened.wait(timeout=60):
+            raise AssertionError(f"{self.path}: the copy waited for it to be stored before reading on")
+        self.inner.finish()
+
+
+def _faulty_node(
+    tmp_path: Path, request: pytest.FixtureRequest, where: str, monkeypatch: pytest.MonkeyPatch, **fault: str
+) -> tuple[Node, Any]:
+    """A node whose compressed tier (local or moto) stores through :class:`_FaultySink`, and a
+    boto3 client of its bucket (None for local)."""
+    from ckptkeeper.storage import compressed
+
+    opened = threading.Event()
+    real_init, real_open = compressed.EncodingSink.__init__, compressed.EncodingSink.open_file
+
+    def init(self: Any, inner: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, _FaultySink(inner, fault.get("fail"), fault.get("hold"), opened), *args, **kwargs)
+
+    def open_file(self: Any, entry: Any, source: Any = None) -> Any:
+        if entry.path == fault.get("then"):
+            opened.set()
+        return real_open(self, entry, source)
+
+    monkeypatch.setattr(compressed.EncodingSink, "__init__", init)
+    monkeypatch.setattr(compressed.EncodingSink, "open_file", open_file)
+    if where == "local":
+        return Node(tmp_path, _local(tmp_path, "auto")), None
+    s3 = request.getfixturevalue("s3_client")
+    s3.create_bucket(Bucket="cold")
+    endpoint = s3.meta.endpoint_url
+    return Node(tmp_path, s3_tier("cold", "cold", endpoint, compression="auto", keep_last=10)), s3
+
+
+@pytest.mark.parametrize("where", ["local", "moto"])
+def test_the_next_file_is_read_and_compressed_while_the_last_one_is_stored(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    node, _ = _faulty_node(
+        tmp_path, request, where, monkeypatch, hold="model.safetensors", then="optimizer.pt"
+    )
+    _big_tensors(node.hot / RUN / "checkpoint-7")
+    (node.hot / RUN / "checkpoint-7" / "rng_state.pth").write_bytes(os.urandom(3 << 20))  # stored raw
+    node.backdate()
+    original = _tree(node.hot / RUN / "checkpoint-7")
+    node.ok("prune", "--json")
+    assert not (node.hot / RUN / "checkpoint-7").exists()
+    assert node.ok("verify", "--json")["problems"] == []
+    node.ok("restore", RUN, "--step", "7", "--to", str(tmp_path / "restored"))
+    assert _tree(tmp_path / "restored" / "checkpoint-7") == original
+
+
+@pytest.mark.parametrize("failing", ["model.safetensors", "trainer_state.json"])
+@pytest.mark.parametrize("where", ["local", "moto"])
+def test_a_file_that_fails_to_store_fails_the_copy_and_leaves_nothing(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, where: str, failing: str
+) -> None:
+    node, s3 = _faulty_node(tmp_path, request, where, monkeypatch, fail=failing)
+    _big_tensors(node.hot / RUN / "checkpoint-7")
+    node.backdate()
+    original = _tree(node.hot / RUN / "checkpoint-7")
+    code, out = node.cli("prune", "--json")
+    assert code == 1, out
+    assert f"injected storage failure of {failing}" in json.dumps(json.loads(out)), out
+    assert _tree(node.hot / RUN / "checkpoint-7") == original  # hot keeps the only copy
+    if s3 is None:
+        assert [p for p in (tmp_path / "warm").rglob("*") if p.is_file()] == []
+    else:
+        assert s3.list_objects_v2(Bucket="cold").get("Contents", []) == []
+        assert s3.list_multipart_uploads(Bucket="cold").get("Uploads", []) == []

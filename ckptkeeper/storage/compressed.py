@@ -3,7 +3,9 @@
 :class:`EncodingSink` wraps the sink of a copy into a tier whose ``compression`` is on: the copy
 loop still hashes and hands it raw bytes; each file is cut into frames (:mod:`.codec`), compressed
 on a few threads (zstd and ZipNN release the GIL) into an unlinked spool file, then streamed into
-the backend's own writer as a file of its stored size. The commit records, per file, how it is
+the backend's own writer as a file of its stored size; with ``store_behind``, on a thread of its
+own while the copy reads and compresses the next file (the link is not idle while a file is
+compressed). The commit records, per file, how it is
 stored; the version digest stays the raw content's. Reading goes the other way
 (:func:`open_entry`): a :class:`~.codec.DecodingReader` over the backend's reader.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 from ckptkeeper.core.model import FileEntry, Manifest
 from ckptkeeper.storage import codec
-from ckptkeeper.storage.base import VerificationError, _FileWriter, _Reader, _Sink, log
+from ckptkeeper.storage.base import StorageError, VerificationError, _FileWriter, _Reader, _Sink, log
 from ckptkeeper.util import hashing
 
 
@@ -88,7 +90,9 @@ class CopyStats:
 class EncodingSink:
     """A :class:`~.base._Sink` that compresses each file into ``inner`` (the backend's sink)."""
 
-    def __init__(self, inner: _Sink, mode: str, where: str, spool_dir: str | None = None) -> None:
+    def __init__(
+        self, inner: _Sink, mode: str, where: str, spool_dir: str | None = None, *, store_behind: int = 0
+    ) -> None:
         self.inner = inner
         self.mode = mode
         self.where = where
@@ -102,6 +106,15 @@ class EncodingSink:
         self.threads = compress_threads()
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptkeeper-compress")
         self.writers: set[_EncodingWriter] = set()
+        self.store_behind = store_behind
+        """Files whose spool may wait or be stored while the next file is compressed (0: each
+        file is stored by its own :meth:`_EncodingWriter.finish`). One thread stores them, in
+        order: ``inner`` sees one file after another, as from the copy loop itself."""
+        self.storer = (
+            ThreadPoolExecutor(1, thread_name_prefix="ckptkeeper-store") if store_behind > 0 else None
+        )
+        self.stores: collections.deque[Future[None]] = collections.deque()
+        self.stopping = threading.Event()
 
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
         writer = _EncodingWriter(self, entry, source)
@@ -109,7 +122,25 @@ class EncodingSink:
             self.writers.add(writer)
         return writer
 
+    def _store(self, store: collections.abc.Callable[[], None]) -> None:
+        """Run ``store`` (one file's), behind the copy if :attr:`store_behind`; a failure of an
+        earlier file's is raised here, so the copy stops at the next file."""
+        if self.storer is None:
+            store()
+            return
+        while self.stores and (len(self.stores) >= self.store_behind or self.stores[0].done()):
+            self.stores.popleft().result()
+        self.stores.append(self.storer.submit(store))
+
+    def _stored_all(self) -> None:
+        """Wait for every file stored behind the copy; raise the first failure."""
+        while self.stores:
+            self.stores.popleft().result()
+
     def commit(self, manifest: Manifest) -> None:
+        self._stored_all()  # nothing commits before every file is stored and checked
+        if self.storer is not None:
+            self.storer.shutdown(wait=True)
         self.pool.shutdown(wait=True)
         files = []
         for e in manifest.files:
@@ -127,6 +158,12 @@ class EncodingSink:
             )
 
     def abort(self) -> None:
+        self.stopping.set()  # a file being stored stops at its next chunk
+        for fut in self.stores:
+            fut.cancel()
+        if self.storer is not None:
+            self.storer.shutdown(wait=True, cancel_futures=True)  # nothing touches inner after this
+        self.stores.clear()
         with self.lock:
             writers = list(self.writers)
         for w in writers:
@@ -158,6 +195,7 @@ class _EncodingWriter:
         self.frame: tuple[int, int, str | None] | None = None
         self.inflight: collections.deque[Future[tuple[bytes, float]]] = collections.deque()
         self.limit = 2 * sink.threads
+        self.reread: io.FileIO | None = None
 
     # -- framing ------------------------------------------------------------------------------
 
@@ -234,19 +272,21 @@ class _EncodingWriter:
             raise VerificationError(f"{self.where}: the bytes do not end where its plan does")
         while self.inflight:
             self._drain_one()
+        # Our own handle now: the copy loop closes its source once this returns.
+        self.reread = _reopen(self.source)
+        self.sink._store(self._store)
+
+    def _store(self) -> None:
         raw = self.entry.size
         encoding = codec.ENCODING_OF_MODE[self.sink.mode]
-        reread = _reopen(self.source)
         try:
-            if self.stored_size > codec.WORTH * raw and reread is not None:
-                self._store_raw(reread)
+            if self.stored_size > codec.WORTH * raw and self.reread is not None:
+                self._store_raw(self.reread)
                 encoding, stored = "", raw
             else:
                 self._store_spool()
                 stored = self.stored_size
         finally:
-            if reread is not None:
-                reread.close()
             self.close()
         with self.sink.lock:
             self.sink.stored[self.entry.path] = (encoding, stored)
@@ -262,6 +302,7 @@ class _EncodingWriter:
         try:
             writer = self.sink.inner.open_file(stored, source)
             while chunk := source.read(hashing.CHUNK_SIZE):
+                self._check_stopping()
                 writer.write(chunk)
             writer.finish()
         finally:
@@ -274,6 +315,7 @@ class _EncodingWriter:
         hasher = hashing.new_hasher()
         size = 0
         while chunk := source.read(hashing.CHUNK_SIZE):
+            self._check_stopping()
             hasher.update(chunk)
             size += len(chunk)
             writer.write(chunk)
@@ -281,7 +323,14 @@ class _EncodingWriter:
             raise VerificationError(f"{self.where}: changed while it was copied")
         writer.finish()
 
+    def _check_stopping(self) -> None:
+        if self.sink.stopping.is_set():
+            raise StorageError(f"{self.where}: stopped, the copy failed")
+
     def close(self) -> None:
+        if self.reread is not None:
+            self.reread.close()
+            self.reread = None
         for fut in self.inflight:
             fut.cancel()
         self.inflight.clear()

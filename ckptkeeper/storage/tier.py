@@ -413,7 +413,8 @@ class TierStorage:
         if self.hot or mode == "none":
             return sink
         root = getattr(self, "root", None) if self.is_local else None  # spool on the tier's own disk
-        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}", None if root is None else str(root))
+        spool = None if root is None else str(root)
+        return compressed.EncodingSink(sink, mode, f"{self.name}:{rel}", spool, store_behind=1)
 
     def _stored_form(self, manifest: Manifest) -> Manifest:
         """``manifest`` with how this tier stores each file, from its committed manifest (the
