@@ -579,17 +579,11 @@ def _fail_status(
 ) -> None:
     """The error a store's answer means: transient ones (5xx, 429; a presigned URL refused, which
     may have expired) are retried, the others end the restore naming the object and the code."""
-    text = body.decode(errors="replace")
-    code = text.partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
+    code = error_code(body, status)
     if status == 412:
         raise VerificationError(f"{f.where}: the object changed during the restore (ETag)")
     if status in (301, 307) and region:
-        raise StorageError(
-            tier._redact(
-                f"tier {tier.name!r}: GET {f.key}: {code}: the bucket is in region {region}; "
-                "set client_kwargs.region_name to it in the tier's storage_options"
-            )
-        )
+        raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code}{region_hint(region)}"))
     if status in (404, 416):
         raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
     if status >= 500 or status == 429:
@@ -597,6 +591,16 @@ def _fail_status(
     if status == 403 and presigned:
         raise _Broken("resign")
     raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
+
+
+def error_code(body: bytes, status: int) -> str:
+    """The S3 error code in an error answer's XML body (``NoSuchKey``), else ``HTTP <status>``."""
+    return body.decode(errors="replace").partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
+
+
+def region_hint(region: str) -> str:
+    """What to do about a redirect to the bucket's own region (``x-amz-bucket-region``)."""
+    return f": the bucket is in region {region}; set client_kwargs.region_name to it in the tier's storage_options"
 
 
 def _describe(exc: BaseException) -> str:

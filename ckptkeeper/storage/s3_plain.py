@@ -106,13 +106,11 @@ def get(tier: S3Objects, key: str) -> bytes | None:
 
 
 def _get_once(tier: S3Objects, url: str, signer: Any, key: str, timeout: float, context: Any) -> bytes | None:
+    from ckptkeeper.storage import s3_get
+
     parts = urlsplit(url)
     path = f"{parts.path}?{parts.query}" if parts.query else parts.path
-    conn: http.client.HTTPConnection
-    if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=context)
-    else:
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    conn = s3_get._connect(url, timeout, context)
     try:
         conn.request("GET", path, headers=signer.headers(path) if signer is not None else {})
         resp = conn.getresponse()
@@ -125,18 +123,14 @@ def _get_once(tier: S3Objects, url: str, signer: Any, key: str, timeout: float, 
             if length is not None and len(body) != int(length):
                 raise _Transient(f"connection closed after {len(body)} of {length} bytes")
             return body
-        text = resp.read(4096).decode(errors="replace")
+        body = resp.read(4096)
     finally:
         conn.close()
-    code = text.partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {resp.status}"
+    code = s3_get.error_code(body, resp.status)
     if resp.status == 404:
         return None
     if resp.status >= 500 or resp.status == 429 or (resp.status == 403 and signer is None):
         raise _Transient(f"{code} (HTTP {resp.status})")
     region = resp.getheader("x-amz-bucket-region")
-    hint = (
-        f": the bucket is in region {region}; set client_kwargs.region_name to it in the tier's storage_options"
-        if resp.status in (301, 307) and region
-        else ""
-    )
+    hint = s3_get.region_hint(region) if resp.status in (301, 307) and region else ""
     raise _Final(f"GET {key}: {code} (HTTP {resp.status}){hint}")
