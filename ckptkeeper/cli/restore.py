@@ -108,10 +108,11 @@ def restore(
             return
     from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
 
+    settings = app.settings_to_read()
     with app.index() as ix:
         try:
             restored = restore_to(
-                app.settings,
+                settings,
                 ix,
                 run,
                 step,
