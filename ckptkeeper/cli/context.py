@@ -22,8 +22,6 @@ from ckptkeeper.actions.errors import (
     EXIT_POLICY_HELD,
     EXIT_REFUSED,
     EXIT_USAGE,
-    IndexUnusable,
-    Locked,
 )
 
 if TYPE_CHECKING:
@@ -101,32 +99,22 @@ class Context:
         return self.settings
 
     def _use(self, settings: Settings) -> Settings:
-        from ckptkeeper.storage import deadline
-        from ckptkeeper.util import logs
+        from ckptkeeper.cli.standalone import configure
 
         self._settings = settings
-        logs.configure(settings.log_level)
-        deadline.configure(settings.request_timeout)  # every command's requests, not only a pass's
+        configure(settings)
         return settings
 
     @contextmanager
     def index(self, *, rebuild: bool = False) -> Iterator[Index]:
         """``rebuild`` (scan, prune): check the index and rebuild a corrupt one from the tiers."""
-        # Imported here (sqlite, the catalog and its layouts): not for --help.
-        from ckptkeeper.actions.index import open_index
+        from ckptkeeper.cli.standalone import IndexOpenFailed, opened_index
 
         try:
-            ix = open_index(self.settings, check=rebuild, rebuild=rebuild)
-        except IndexUnusable as exc:
-            fail(str(exc), EXIT_ACTION_FAILED)
-        except Locked as exc:
-            fail(f"{exc}; try again later", EXIT_LOCKED)
-        except Exception as exc:  # sqlite3 errors carry the reason; the path is what users need
-            fail(f"cannot open index {self.settings.index}: {exc}", EXIT_ACTION_FAILED)
-        try:
-            yield ix
-        finally:
-            ix.close()
+            with opened_index(self.settings, rebuild=rebuild) as ix:
+                yield ix
+        except IndexOpenFailed as exc:
+            fail(str(exc), exc.code)
 
 
 pass_ctx = click.make_pass_decorator(Context)
