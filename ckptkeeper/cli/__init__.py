@@ -29,7 +29,7 @@ def run() -> None:
             print("\nAborted!", file=sys.stderr, flush=True)
             sys.exit(1)
         if code is not None:
-            sys.exit(code)
+            standalone.exit_now(code)
     from ckptkeeper.cli.served import run as served_run
 
     served_run()

@@ -16,11 +16,12 @@ its errors are reported there).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from ckptkeeper.actions.errors import EXIT_ACTION_FAILED, EXIT_LOCKED, EXIT_OK, IndexUnusable, Locked
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from ckptkeeper.config import Settings
     from ckptkeeper.index import Index
 
-__all__ = ["IndexOpenFailed", "configure", "opened_index", "print_restored", "run"]
+__all__ = ["IndexOpenFailed", "configure", "exit_now", "opened_index", "print_restored", "run"]
 
 NO_DAEMON = "--no-daemon"
 _VALUE_OPTIONS = ("--config", "--step", "--to")
@@ -67,6 +68,22 @@ def run(argv: list[str], parse: Callable[[list[str]], Parsed | None]) -> int | N
         return _fail(str(exc), EXIT_ACTION_FAILED)
     print_restored(restored.to_json(), run_name, as_json)
     return EXIT_OK
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with ``code``, skipping the interpreter's teardown (freeing every module of the
+    process: ~45 M instructions, 7 % of the restore of a small checkpoint) when nothing is left
+    to run or to write: no other thread, stdout and stderr flushed. Else an ordinary exit."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(code)
+    import threading
+
+    if threading.active_count() == 1:
+        os._exit(code)
+    sys.exit(code)
 
 
 def _without_no_daemon(argv: list[str]) -> list[str] | None:
