@@ -236,7 +236,7 @@ def test_a_standalone_restore_prints_what_the_command_prints(
     _cached_config(node)
     no_cache = tmp_path / "not-a-directory"
     no_cache.write_text("")
-    outcomes = []
+    outcomes: list[tuple[dict[str, object], tuple[int, str, str]]] = []
     for cache in (None, str(no_cache)):
         env = {"XDG_CACHE_HOME": cache} if cache else {}
         dest = tmp_path / f"restored-{len(outcomes)}"
