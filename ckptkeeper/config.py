@@ -29,15 +29,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from ckptkeeper.config_cache import CONFIG_ENV as CONFIG_ENV
+from ckptkeeper.config_cache import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
+from ckptkeeper.config_cache import TIERS_ENV as TIERS_ENV
+from ckptkeeper.config_cache import resolve_config_path as resolve_config_path
+from ckptkeeper.config_cache import tier_spec
 from ckptkeeper.config_checks import ENV_PREFIX, env_problems, env_variables, tier_problems
-from ckptkeeper.core.model import ReaperPolicy, TierPolicy, TierSpec
+from ckptkeeper.core.model import ReaperPolicy, TierSpec
 from ckptkeeper.util.fmt import format_duration
-
-DEFAULT_CONFIG_PATH = Path("/etc/ckptkeeper/config.toml")
-CONFIG_ENV = "CKPTKEEPER_CONFIG"
-TIERS_ENV = "CKPTKEEPER_TIERS"
-"""Set (a JSON list of tiers) with no config file named and none at the default path: the
-environment alone is the config (a container's way, see docs/kubernetes.md)."""
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.IGNORECASE)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -263,36 +262,7 @@ class TierConfig(_Strict):
         return Path(self.url.removeprefix("file://"))
 
     def to_spec(self) -> TierSpec:
-        return TierSpec(
-            name=self.name,
-            url=self.url,
-            storage_options=dict(self.storage_options),
-            node=self._node,
-            shared=self.shared,
-            compression=self.compression,
-            marker_beat=self._marker_beat,
-            max_rate=self.max_rate,
-            dedup=self.dedup,
-            dedup_tensors=self.dedup_tensors,
-            dedup_grace=self.dedup_grace,
-            policy=TierPolicy(
-                keep_last=self.keep_last,
-                keep_best=self.keep_best,
-                metric=self.metric,
-                mode=self.mode,
-                keep_every=self.keep_every,
-                keep_within=self.keep_within,
-                keep_hourly=self.keep_hourly,
-                keep_daily=self.keep_daily,
-                keep_weekly=self.keep_weekly,
-                keep_monthly=self.keep_monthly,
-                replicate=self.replicate,
-                high_watermark=self.high_watermark,
-                low_watermark=self.low_watermark,
-                headroom=self.headroom is not False,
-                undo_window=self.undo_window,
-            ),
-        )
+        return tier_spec(self)
 
 
 def _check_compression(i: int, tier: TierConfig) -> None:
@@ -517,13 +487,6 @@ def _default_node() -> str:
     return socket.gethostname()
 
 
-def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:
-    if explicit:
-        return Path(explicit)
-    env = os.environ.get(CONFIG_ENV)
-    return Path(env) if env else DEFAULT_CONFIG_PATH
-
-
 def _format_loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
@@ -564,13 +527,22 @@ def load_settings(
     path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None
 ) -> Settings:
     """Load and validate; raises ConfigError with one line per problem."""
+    return load_settings_and_source(path, overrides=overrides)[0]
+
+
+def load_settings_and_source(
+    path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None
+) -> tuple[Settings, tuple[Path, bytes] | None]:
+    """:func:`load_settings`, and the config file's path and the bytes that were validated (None
+    for a config from the environment alone): what :func:`ckptkeeper.config_cache.remember` keys on."""
     config_path = resolve_config_path(path)
     if _environment_only(path, config_path):
-        return settings_from_mapping(dict(overrides or {}))
+        return settings_from_mapping(dict(overrides or {})), None
     try:
         check_permissions(config_path)
         with config_path.open("rb") as f:
-            data = tomllib.load(f)
+            raw = f.read()
+        data = tomllib.loads(raw.decode())
     except FileNotFoundError:
         raise ConfigError([f"{config_path}: config file not found (use --config or ${CONFIG_ENV})"]) from None
     except PermissionError as exc:
@@ -581,7 +553,8 @@ def load_settings(
         raise ConfigError([f"{config_path}: config is not UTF-8: {exc}"]) from None
     if overrides:
         data.update(overrides)
-    return settings_from_mapping(data)
+        return settings_from_mapping(data), None
+    return settings_from_mapping(data), (config_path, raw)
 
 
 def _environment_only(explicit: str | os.PathLike[str] | None, config_path: Path) -> bool:

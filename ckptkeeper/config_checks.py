@@ -26,9 +26,10 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel
+if TYPE_CHECKING:
+    from pydantic import BaseModel  # imported where a model is looked at: tier_problems needs none
 
 __all__ = [
     "ENV_PREFIX",
@@ -213,6 +214,8 @@ def _unwrap(annotation: Any) -> Any:
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
     inner = _unwrap(annotation)
     return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
 

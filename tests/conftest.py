@@ -8,6 +8,7 @@ their tests.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,24 @@ import pytest
 
 _SESSION_THREADS: set[threading.Thread] = set()
 """Threads of session-scoped fixtures: they may start inside any test (lazy fixtures), not leaks."""
+
+# --------------------------------------------------------------------------------------------
+# the validated-config cache (ckptkeeper.config_cache)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _config_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Commands remember validated configs under ``$XDG_CACHE_HOME``: the suite's go to one
+    directory of its own (inherited by the commands it runs as subprocesses), not the user's."""
+    home = tmp_path_factory.mktemp("xdg-cache")
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    yield home
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
 
 # --------------------------------------------------------------------------------------------
 # S3 (moto server over HTTP)

@@ -196,3 +196,107 @@ def test_a_refused_manifest_get_fails_the_restore_naming_it(
     assert (warning["level"], warning["tier"]) == ("warning", "cold")  # logged as JSON lines, as configured
     assert "timestamp" in warning and "AccessDenied" in warning["error"]
     assert not dest.exists() or os.listdir(dest) == []
+
+
+# -- a config validated before (ckptkeeper.config_cache) ------------------------------------
+
+
+def _cached_config(node: Node) -> Path:
+    from ckptkeeper.config_cache import cache_path
+
+    path = cache_path(node.config)
+    assert path is not None and path.is_file(), "the prune remembered the config it validated"
+    return path
+
+
+def test_a_standalone_restore_of_a_config_validated_before_loads_neither_pydantic_nor_click(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """The prune validated this config: the restore reads the remembered values (no pydantic) and
+    parses its plain command line itself (no click), and restores the same files."""
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    _cached_config(node)
+    dest = tmp_path / "restored"
+    code, out, err = node.restore(dest, importtime=True, env={"AWS_DEFAULT_REGION": "us-east-1"})
+    assert code == 0, out + err
+    assert Path(out.strip()) == dest / CKPT
+    assert _tree(dest / CKPT) == node.original
+    imported = {m.split(".")[0] for m in _imported(err)}
+    assert "ckptkeeper" in imported
+    assert sorted(imported & {"pydantic", "pydantic_settings", "pydantic_core", "click"}) == []
+
+
+def test_a_standalone_restore_prints_what_the_command_prints(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """With the config remembered and without (no cache directory to read or write: click and
+    pydantic do the work), the same JSON document, and the same error and exit code for a step
+    that is nowhere."""
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    _cached_config(node)
+    no_cache = tmp_path / "not-a-directory"
+    no_cache.write_text("")
+    outcomes: list[tuple[dict[str, object], tuple[int, str, str]]] = []
+    for cache in (None, str(no_cache)):
+        env = {"XDG_CACHE_HOME": cache} if cache else {}
+        dest = tmp_path / f"restored-{len(outcomes)}"
+        code, out, err = node.cli(
+            "restore", RUN, "--step", str(STEP), "--to", str(dest), "--json", "--no-daemon", env=env
+        )
+        assert code == 0, out + err
+        doc = json.loads(out)
+        assert doc["path"] == str(dest / CKPT) and _tree(dest / CKPT) == node.original
+        missing = node.cli("restore", RUN, "--step", "7", "--to", str(dest), "--no-daemon", env=env)
+        outcomes.append(({**doc, "path": None, "duration_s": None}, missing))
+    (with_cache, missing_cached), (without, missing_full) = outcomes
+    assert with_cache == without
+    assert missing_cached == missing_full
+    assert missing_cached[0] == 1 and missing_cached[2].startswith("ckptkeeper: "), missing_cached
+
+
+def test_a_config_changed_since_is_validated_again(tmp_path: Path, s3_reset: str, s3_bucket: str) -> None:
+    """A typo added to the file, or a bad value in the environment, after the config was
+    remembered: the restore reports it as always (exit 2, naming the key) and does nothing."""
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    _cached_config(node)
+    dest = tmp_path / "restored"
+    code, out, err = node.restore(dest, env={"CKPTKEEPER_MAX_DELETE": "-1"})
+    assert code == 2, out + err
+    assert "config error: max_delete:" in err and "CKPTKEEPER_MAX_DELETE" in err, err
+    text = node.config.read_text().replace("keep_last = 0", "keep_lsat = 0", 1)
+    assert text != node.config.read_text()
+    node.config.write_text(text)
+    code, out, err = node.restore(dest)
+    assert code == 2, out + err
+    assert "config error: tiers[0].keep_lsat: unknown key" in err, err
+    assert not dest.exists()
+
+
+def test_a_config_file_others_may_write_is_refused_though_remembered(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    _cached_config(node)
+    node.config.chmod(0o620)
+    code, out, err = node.restore(tmp_path / "restored")
+    assert code == 2, out + err
+    assert "refusing a config file writable by group or others" in err, err
+
+
+def test_a_remembered_config_others_could_have_written_is_not_read(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """A cache file writable by group or others may say anything: the config is validated in
+    full (pydantic loaded) and the restore goes where the config says."""
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    cached = _cached_config(node)
+    doc = json.loads(cached.read_text())
+    doc["settings"]["index"] = str(tmp_path / "elsewhere.db")
+    cached.write_text(json.dumps(doc))
+    cached.chmod(0o622)
+    dest = tmp_path / "restored"
+    code, out, err = node.restore(dest, importtime=True)
+    assert code == 0, out + err
+    assert "pydantic" in {m.split(".")[0] for m in _imported(err)}
+    assert _tree(dest / CKPT) == node.original
+    assert not (tmp_path / "elsewhere.db").exists()

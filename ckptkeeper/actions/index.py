@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkeeper.actions.errors import IndexUnusable, Locked
-from ckptkeeper.config import Settings
 from ckptkeeper.hook.protocol import INDEX_RECORD_PREFIX
 from ckptkeeper.index import Index, IndexCorrupt, salvage_history
 from ckptkeeper.util.lock import ExecutorLock, LockHeld
 from ckptkeeper.util.logs import get_logger
 
 if TYPE_CHECKING:
+    from ckptkeeper.config import Settings
     from ckptkeeper.ingest.catalog import Catalog
     from ckptkeeper.ingest.report import ReconcileReport
 

@@ -16,13 +16,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptkeeper.actions.progress import byte_progress
-from ckptkeeper.config import Settings, load_settings
 from ckptkeeper.index import CheckpointRow, Index
 from ckptkeeper.storage import StorageError, TierStorage
 from ckptkeeper.util.logs import get_logger
+
+if TYPE_CHECKING:
+    from ckptkeeper.config import Settings  # pydantic: the CLI hands a restore a validated config
 
 # The catalog and the layouts (ingest) are imported where used: `ckptkeeper restore` needs neither
 # unless --step best reads a framework's record, or the Python API re-catalogs the hot run.
@@ -452,6 +454,8 @@ def _uniform_mtime(path: Path, when: float) -> None:
 
 
 def _open(config: str | os.PathLike[str] | Settings | None, run: str) -> tuple[Settings, Index]:
+    from ckptkeeper.config import Settings, load_settings
+
     settings = config if isinstance(config, Settings) else load_settings(config)
     path = Path(settings.index)
     writable = os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)

@@ -2,7 +2,8 @@
 
 ``ckptkeeper.cli:run`` is the console script and ``python -m ckptkeeper.cli`` runs it too: a restore
 the node's daemon serves is answered there without loading click (:mod:`.served`), everything else
-by the command group, ``ckptkeeper.cli.main`` (loaded on first use).
+by the command group, ``ckptkeeper.cli.main`` (loaded on first use); a plain ``restore ...
+--no-daemon`` of a config validated before runs without click too (:mod:`.standalone`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ __all__ = ["main", "run"]
 
 
 def run() -> None:
+    import sys
+
+    if "--no-daemon" in sys.argv:
+        from ckptkeeper.cli import standalone
+        from ckptkeeper.cli.served import _parse
+
+        try:
+            code = standalone.run(sys.argv[1:], _parse)
+        except KeyboardInterrupt:  # as click ends a command on Ctrl-C
+            print("\nAborted!", file=sys.stderr, flush=True)
+            sys.exit(1)
+        if code is not None:
+            standalone.exit_now(code)
     from ckptkeeper.cli.served import run as served_run
 
     served_run()

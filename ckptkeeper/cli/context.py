@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import click
 
@@ -22,8 +22,6 @@ from ckptkeeper.actions.errors import (
     EXIT_POLICY_HELD,
     EXIT_REFUSED,
     EXIT_USAGE,
-    IndexUnusable,
-    Locked,
 )
 
 if TYPE_CHECKING:
@@ -73,39 +71,50 @@ class Context:
         """The config; a bad one exits 2 with one line per problem."""
         if self._settings is None:
             # Imported here, not at the top: pydantic costs ~0.5 s, which --help must not pay.
-            from ckptkeeper.config import ConfigError, load_settings
-            from ckptkeeper.util import logs
+            from ckptkeeper.config import ConfigError, load_settings_and_source
+            from ckptkeeper.config_cache import remember
 
             try:
-                self._settings = load_settings(self.config_path)
+                settings, source = load_settings_and_source(self.config_path)
             except ConfigError as exc:
                 for line in exc.problems:
                     click.echo(f"config error: {line}", err=True)
                 sys.exit(EXIT_USAGE)
-            logs.configure(self._settings.log_level)
-            from ckptkeeper.storage import deadline
-
-            deadline.configure(self._settings.request_timeout)  # every command's requests, not only a pass's
+            if source is not None:
+                remember(*source, settings)
+            return self._use(settings)
         return self._settings
+
+    def settings_to_read(self) -> Settings:
+        """The config for a command that only reads its values (``restore``): the values a
+        previous command validated when nothing they depend on changed, without loading pydantic
+        (:mod:`ckptkeeper.config_cache`); else :attr:`settings`, which also remembers them."""
+        if self._settings is None:
+            from ckptkeeper.config_cache import load_view
+
+            view = load_view(self.config_path)
+            if view is not None:
+                # The view has every value and method of Settings that reading commands use.
+                self._use(cast("Settings", view))
+        return self.settings
+
+    def _use(self, settings: Settings) -> Settings:
+        from ckptkeeper.cli.standalone import configure
+
+        self._settings = settings
+        configure(settings)
+        return settings
 
     @contextmanager
     def index(self, *, rebuild: bool = False) -> Iterator[Index]:
         """``rebuild`` (scan, prune): check the index and rebuild a corrupt one from the tiers."""
-        # Imported here (sqlite, the catalog and its layouts): not for --help.
-        from ckptkeeper.actions.index import open_index
+        from ckptkeeper.cli.standalone import IndexOpenFailed, opened_index
 
         try:
-            ix = open_index(self.settings, check=rebuild, rebuild=rebuild)
-        except IndexUnusable as exc:
-            fail(str(exc), EXIT_ACTION_FAILED)
-        except Locked as exc:
-            fail(f"{exc}; try again later", EXIT_LOCKED)
-        except Exception as exc:  # sqlite3 errors carry the reason; the path is what users need
-            fail(f"cannot open index {self.settings.index}: {exc}", EXIT_ACTION_FAILED)
-        try:
-            yield ix
-        finally:
-            ix.close()
+            with opened_index(self.settings, rebuild=rebuild) as ix:
+                yield ix
+        except IndexOpenFailed as exc:
+            fail(str(exc), exc.code)
 
 
 pass_ctx = click.make_pass_decorator(Context)

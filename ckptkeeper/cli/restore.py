@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Context, emit_json, fail, pass_ctx
+from ckptkeeper.cli.context import EXIT_ACTION_FAILED, EXIT_OK, EXIT_USAGE, Context, fail, pass_ctx
 
 
 class _StepType(click.ParamType):
@@ -108,10 +108,11 @@ def restore(
             return
     from ckptkeeper.actions.restore import restore_to  # storage, fsspec: not for --help
 
+    settings = app.settings_to_read()
     with app.index() as ix:
         try:
             restored = restore_to(
-                app.settings,
+                settings,
                 ix,
                 run,
                 step,
@@ -128,16 +129,9 @@ def restore(
 
 
 def _print_restored(doc: dict[str, Any], run: str, as_json: bool) -> None:
-    for skipped in doc["skipped"]:
-        click.echo(
-            f"ckptkeeper: warning: {run}@{skipped['step']} has no verified copy left ({skipped['error']}); "
-            f"restored the previous checkpoint, {run}@{doc['step']}",
-            err=True,
-        )
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(doc["path"])
+    from ckptkeeper.cli.standalone import print_restored
+
+    print_restored(doc, run, as_json, echo=click.echo)
 
 
 def by_daemon(

@@ -17,7 +17,6 @@ removes the staging directory, so no half-restored checkpoint is ever renamed in
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -38,6 +37,8 @@ from ckptkeeper.storage.base import (
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
+    import asyncio  # imported where used: a restore by plain GETs (s3_get) runs no event loop
+
     from s3fs import S3FileSystem
 
     from ckptkeeper.core.model import TierSpec
@@ -80,6 +81,12 @@ class _Range:
     done: bool = False
 
 
+def _event() -> asyncio.Event:
+    import asyncio
+
+    return asyncio.Event()
+
+
 @dataclass(eq=False)
 class _File:
     entry: FileEntry
@@ -90,7 +97,7 @@ class _File:
     hasher: hashing.Hasher = field(default_factory=hashing.new_hasher)
     frontier: int = 0
     etag: str | None = None
-    moved: asyncio.Event = field(default_factory=asyncio.Event)
+    moved: asyncio.Event = field(default_factory=_event)
     """Set whenever the frontier advances (a range waiting for the window looks again)."""
     left: int = 0
     """Ranges not yet done."""
@@ -113,7 +120,7 @@ class _File:
                     self.hasher.update(chunk)
                 nxt.held.clear()
         self.moved.set()
-        self.moved = asyncio.Event()
+        self.moved = _event()
 
 
 def fetch_ranged(
@@ -135,6 +142,8 @@ def fetch_ranged(
     if s3_get.usable(tier):
         s3_get.fetch_direct(tier, rel, manifest, sink, progress)
         return
+    import asyncio
+
     loop = tier.fs.loop  # the s3fs client's event loop, run by fsspec's IO thread
     failed: list[BaseException] = []
     future: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
@@ -158,6 +167,8 @@ async def _fetch_all(
     progress: Progress | None,
     failed: list[BaseException],
 ) -> None:
+    import asyncio
+
     files: list[_File] = []
     try:
         for entry in sorted(manifest.files, key=lambda e: (-e.size, e.path)):
@@ -211,6 +222,8 @@ async def _get_range(
     tier: S3TierStorage, f: _File, r: int, progress: Progress | None, failed: list[BaseException]
 ) -> None:
     """GET range ``r`` of ``f`` into the file at its offset, resuming a broken stream."""
+    import asyncio
+
     rng = f.ranges[r]
     pos = rng.start
     attempt = 0
@@ -287,6 +300,8 @@ async def _get_range(
 async def _call(tier: S3TierStorage, method: str, **kwargs: Any) -> Any:
     """One request through the s3fs client (its retries for transient errors) within the request
     deadline (:mod:`ckptkeeper.storage.deadline`), errors named."""
+    import asyncio
+
     call: Callable[..., Awaitable[Any]] = tier.fs._call_s3
     what = f"{method} {kwargs.get('Key', '')}"
     try:

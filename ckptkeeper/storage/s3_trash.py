@@ -13,7 +13,6 @@ A mixin of :class:`~ckptkeeper.storage.s3.S3TierStorage`; what it needs of the b
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol, cast
 
 from ckptkeeper.core.model import MANIFEST_SUFFIX, Manifest
@@ -209,6 +208,8 @@ class TrashObjects(S3Objects):
     def _copy_keys(self, pairs: list[tuple[str, str]]) -> None:
         """Server-side copies ``src -> dst`` in this bucket, 16 in flight (s3fs copies objects over
         5 GiB part by part, still server-side)."""
+        import asyncio
+
         from fsspec.asyn import sync
 
         async def copy_all() -> list[Any]:
