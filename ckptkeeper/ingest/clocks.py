@@ -11,13 +11,17 @@ Local tiers only: an S3 tier's objects are judged by the store's own clock where
 (``store_now``), and the other ages by the pass's clock as before.
 
 A dry run writes nothing, so it cannot touch a probe: it estimates each filesystem's clock from
-this node's clock and the offset the last real pass recorded (``.ckptkeeper/clock/<node>.json``),
-never earlier than that record; without a record (no real pass yet), or when the probe fails, it
-judges by this node's clock and says so (:attr:`FileClocks.notes`).
+this node's clock and the offset the last real reading found, recorded beside the index
+(``<index>.clocks.json``), never earlier than the filesystem's time of that reading; without a
+record (no real pass yet), or when the probe fails, it judges by this node's clock and says so
+(:attr:`FileClocks.notes`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -26,16 +30,23 @@ from pathlib import Path
 from ckptkeeper.config import Settings
 from ckptkeeper.core.preflight import SKEW_WARN_SECONDS
 from ckptkeeper.storage.base import StorageError
-from ckptkeeper.storage.fs_clock import Reading, filesystem_now, last_reading
+from ckptkeeper.storage.fs_clock import Reading, filesystem_now, plausible
 from ckptkeeper.util.fmt import human_age
 from ckptkeeper.util.logs import get_logger
 
-__all__ = ["FileClocks"]
+__all__ = ["RECORD_SUFFIX", "FileClocks", "record_path"]
+
+RECORD_SUFFIX = ".clocks.json"
+"""Beside the index: each local tier's last clock reading by a real pass (a dry run's estimate)."""
+_MAX_RECORD = 1 << 16
 
 log = get_logger("ckptkeeper.ingest.clocks")
 
 _WARNED: set[tuple[Path, bool]] = set()
 """(root, dry run) whose skew or fallback this process has logged already (a daemon logs once)."""
+_KEPT: dict[tuple[Path, str], Reading] = {}
+"""(record file, tier) -> the reading last written there by this process."""
+_KEPT_LOCK = threading.Lock()
 
 
 class FileClocks:
@@ -51,6 +62,10 @@ class FileClocks:
         self.roots: dict[str, Path] = {t.name: t.local_path for t in settings.tiers if t.is_local}
         self.notes: list[str] = []
         """What a pass should say: a clock far off the filesystem's, a reading that failed."""
+        self.record = record_path(settings)
+        self._seen: dict[str, Reading] = {}
+        self._kept: dict[str, Reading | None] = {}
+        """A dry run's: the reading the last real pass kept, per tier (read once)."""
         self._said: set[str] = set()
         self._lock = threading.Lock()
 
@@ -62,13 +77,22 @@ class FileClocks:
             return time.time()
         if self.write:
             try:
-                now, reading = filesystem_now(root, record=self.node)
+                now, reading = filesystem_now(root)
             except StorageError as exc:
                 self._say(tier, root, f"{tier}: {exc}; file ages there are judged by this node's clock")
                 return time.time()
-            self._check_skew(tier, root, reading)
+            if self._seen.get(tier) is not reading:  # once per pass: its note
+                self._seen[tier] = reading
+                self._check_skew(tier, root, reading)
+                with _KEPT_LOCK:
+                    fresh = _KEPT.get((self.record, tier)) is not reading
+                    _KEPT[(self.record, tier)] = reading
+                if fresh:  # once per sample: the record
+                    _record(self.record, tier, root, reading)
             return now
-        got = last_reading(root, self.node)
+        if tier not in self._kept:
+            self._kept[tier] = _last_reading(self.record, tier, root)
+        got = self._kept[tier]
         node_now = time.time()
         if got is None:
             self._say(
@@ -76,7 +100,7 @@ class FileClocks:
                 root,
                 f"{tier}: no reading of the filesystem's clock yet (a dry run writes none); "
                 "file ages there are judged by this node's clock",
-                level="info",
+                level="debug",  # the plan's note says it; a log line would be noise
             )
             return node_now
         self._check_skew(tier, root, got)
@@ -116,3 +140,48 @@ class FileClocks:
             _WARNED.add((root, self.write))
         if first:
             getattr(log, level)(note, tier=tier, root=str(root), **fields)
+
+
+def record_path(settings: Settings) -> Path:
+    """``<index>.clocks.json``: this node's own state, beside its index (never in a tier)."""
+    index = Path(settings.index)
+    return index.with_name(index.name + RECORD_SUFFIX)
+
+
+def _read(path: Path) -> dict[str, object]:
+    try:
+        with open(path, "rb") as f:
+            body = f.read(_MAX_RECORD + 1)
+        doc = json.loads(body) if len(body) <= _MAX_RECORD else None
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _record(path: Path, tier: str, root: Path, reading: Reading) -> None:
+    """Keep ``reading`` for a later dry run (best effort: without it, a dry run says so)."""
+    doc = _read(path)
+    doc[tier] = {"root": str(root), "filesystem": reading.filesystem, "node": reading.node}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_text(json.dumps(doc, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.debug("cannot keep the filesystem clock reading", path=str(path), error=str(exc))
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _last_reading(path: Path, tier: str, root: Path) -> Reading | None:
+    """The reading a real pass kept for ``tier`` at ``root``; None when there is none, it was of
+    another root, or it is not one (malformed, implausible times)."""
+    got = _read(path).get(tier)
+    if not isinstance(got, dict) or got.get("root") != str(root):
+        return None
+    try:
+        reading = Reading(float(got["filesystem"]), float(got["node"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (plausible(reading.filesystem) and plausible(reading.node)):
+        return None
+    return reading
