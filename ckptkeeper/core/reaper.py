@@ -401,9 +401,9 @@ def plan_reaps(
     No action targets a tier in ``snapshot.unknown_tiers`` or a tier not in ``tiers``.
     Actions are sorted by (run, step, tier, path).
 
-    ``file_now``: the time now by the clock of each tier's filesystem (docs/design.md, "Cluster
-    reality"): a file's age is judged by the clock that stamped it — checkpoints' by the hot
-    tier's, an artifact's by its tier's. A tier missing there is judged by ``now``.
+    ``file_now``: the time now by the clock of each tier's filesystem, since a file's age is
+    judged by the clock that stamped it (docs/many-nodes-clocks.md, "File ages"): checkpoints' by
+    the hot tier's, an artifact's by its tier's. A tier missing there is judged by ``now``.
     """
     order = {t.name: i for i, t in enumerate(tiers)}
     hot = tiers[0].name if tiers else None

@@ -75,8 +75,8 @@ class LocalFleetObjects:
 
     def store_now(self) -> float:
         """The filesystem's time now (:func:`~ckptkeeper.storage.fs_clock.filesystem_now`: the
-        mtime it gives a file touched now, on NFS set by the server; docs/design.md, "Cluster
-        reality": one clock for cross-node time)."""
+        mtime it gives a file touched now, on NFS set by the server). One clock for cross-node
+        time: docs/design.md, "Cluster reality"."""
         try:
             return filesystem_now(self.root)[0]
         except StorageError as exc:
