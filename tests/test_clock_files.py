@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from builders import hf_checkpoint, local_tier, write_config
 
 CLOCKSHIFT = Path(__file__).parent / "clockshift"
@@ -173,3 +174,34 @@ def test_a_dry_run_writes_no_probe_and_says_which_clock_it_used(tmp_path: Path) 
     dry = prune_json(cfg, -3 * DAY, "--dry-run")
     assert reaps(dry) == ["dead/checkpoint-1", "dead/checkpoint-2", "dead/tmp-checkpoint-4"]
     assert not [n for n in dry["notes"] if "no reading" in n], dry["notes"]
+
+
+def test_a_clock_reading_leaves_nothing_behind_and_never_creates_a_root(tmp_path: Path) -> None:
+    from ckptkeeper.storage import StorageError
+    from ckptkeeper.storage.fs_clock import filesystem_now
+
+    root = tmp_path / "root"
+    root.mkdir()
+    now, reading = filesystem_now(root)
+    assert abs(now - time.time()) < 60 and reading.filesystem <= now
+    assert list(root.iterdir()) == []
+    with pytest.raises(StorageError, match="reading the filesystem's clock"):
+        filesystem_now(tmp_path / "gone")
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_filesystem_without_a_plausible_clock_is_judged_by_this_nodes_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that dates a file touched now to 1970 has no clock to judge by."""
+    from ckptkeeper.config import load_settings
+    from ckptkeeper.ingest.clocks import FileClocks
+    from ckptkeeper.storage import fs_clock
+
+    real_utime = os.utime
+    monkeypatch.setattr(fs_clock.os, "utime", lambda path: real_utime(path, (0, 0)))
+    clocks = FileClocks(load_settings(node(tmp_path)), write=True)
+    assert abs(clocks.now("hot") - time.time()) < 60
+    (note,) = [n for n in clocks.notes if n.startswith("hot:")]
+    assert "gives files the time 0.0: no usable clock" in note, note
+    assert note.endswith("file ages there are judged by this node's clock")
