@@ -205,3 +205,34 @@ def test_a_filesystem_without_a_plausible_clock_is_judged_by_this_nodes_and_said
     (note,) = [n for n in clocks.notes if n.startswith("hot:")]
     assert "gives files the time 0.0: no usable clock" in note, note
     assert note.endswith("file ages there are judged by this node's clock")
+
+
+def test_the_reaper_judges_each_file_by_its_tiers_clock() -> None:
+    """Pure: ``plan_reaps(file_now=...)``. A temp file in warm is judged by warm's clock, a
+    partial checkpoint in hot by hot's; a tier without a clock of its own by ``now``."""
+    from builders import checkpoint, snapshot, tier
+
+    from ckptkeeper.core.model import Artifact, CheckpointState, ReaperPolicy
+    from ckptkeeper.core.reaper import plan_reaps
+
+    now, hour = 1_700_000_000.0, 3600.0
+    policy = ReaperPolicy(failed_after=2 * hour, partial_after=hour, keep_last_of_failed=1)
+    snap = snapshot(
+        checkpoint(
+            "r", 5, state=CheckpointState.WRITING, last_write=now - 2 * hour, created_at=now - 2 * hour
+        ),
+        artifacts=(
+            Artifact("warm", "r/x.tmp", "tmp-file", 5, now - 2 * hour, run="r"),
+            Artifact("cold", "r/y.tmp", "tmp-file", 5, now - 2 * hour, run="r"),
+        ),
+    )
+    tiers = [tier("hot"), tier("warm"), tier("cold")]
+
+    def reaped(file_now: dict[str, float] | None) -> list[str]:
+        return sorted(f"{a.tier}:{a.path}" for a in plan_reaps(snap, tiers, policy, now, file_now).actions)
+
+    everything = ["cold:r/y.tmp", "hot:r/checkpoint-5", "warm:r/x.tmp"]
+    assert reaped(None) == everything
+    behind = now - 2 * hour  # a filesystem whose clock says these were written just now
+    assert reaped({"hot": behind, "warm": behind}) == ["cold:r/y.tmp"]
+    assert reaped({"hot": behind}) == ["cold:r/y.tmp", "warm:r/x.tmp"]
