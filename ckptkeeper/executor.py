@@ -100,8 +100,11 @@ class Executor(TrashSteps):
         clock: Callable[[], float] = time.time,
         trust_mtimes: bool = False,
         guard: Callable[[Action], str | None] | None = None,
+        hot_clock: Callable[[], float] | None = None,
     ) -> None:
         self.index = index
+        self.hot_clock = clock if hot_clock is None else hot_clock
+        """The hot tier's filesystem clock: "still being written" compares its files' mtimes with it."""
         self.guard = guard
         """Asked before each action: a reason to stop the pass there (a shared tier's lease lost)."""
         self.tiers = list(tiers)
@@ -558,13 +561,13 @@ class Executor(TrashSteps):
                 return "pinned since the plan was made"
             if action.tier == self.hot and row.state is not CheckpointState.COMPLETE:
                 newest = _newest_mtime(self._hot_path(action.path))
-                if newest is not None and self.clock() - newest < self.partial_after:
+                if newest is not None and self.hot_clock() - newest < self.partial_after:
                     return "still being written"
         elif action.tier == self.hot:
             newest = _newest_mtime(self._hot_path(action.path))
             if (
                 newest is not None
-                and self.clock() - newest < min(self.partial_after, 60.0)
+                and self.hot_clock() - newest < min(self.partial_after, 60.0)
                 and action.rule != "ckptkeeper-staging"
             ):
                 return "written to since the plan was made"

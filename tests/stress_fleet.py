@@ -32,8 +32,9 @@ objects themselves) and what each node wrote, and counts violations of the Done-
 5. adoption: what the policy expires among an orphan's copies is deleted exactly once, what it
    keeps stays whole (``stress_fleet_adopt.py``); a key deleted so is no violation of 2.
 6. cluster reality (docs/many-nodes-clocks.md): a third of the nodes run with a clock off by up to
-   ``--skew`` seconds either way (``tests/clockshift``: their processes' ``time.time`` and their hot
-   dirs' mtimes are shifted, the store's clock is not), and every invariant above holds for them
+   ``--skew`` seconds either way (``tests/clockshift``: their processes' ``time.time`` is shifted;
+   the store's clock and the kernel's, which dates their hot dirs' files as an NFS server would,
+   are not: file ages are judged by the filesystem's clock), and every invariant above holds for them
    too; one more keeper, from round 1 on, uses a live node's ``node`` name with its own hot dir and
    index: each of its passes must be refused (exit 2 naming ``node``) and change nothing.
 
@@ -223,7 +224,9 @@ def write_checkpoint(node: Node, run: str, step: int, size: int, rng: random.Ran
         "model.bin": rng.randbytes(size) + f"{node.name}/{run}/{step}".encode(),
         "trainer_state.json": json.dumps({"global_step": step, "node": node.name}).encode(),
     }
-    when = time.time() + node.offset - 600  # by the node's own (maybe skewed) clock, as its kernel would
+    # By the filesystem's clock (the kernel's here, the server's on NFS), which the node's keeper
+    # reads with a probe file: a node's skewed clock never dates files (docs/many-nodes-clocks.md).
+    when = time.time() - 600
     for rel, data in files.items():
         (ckpt / rel).write_bytes(data)
     for p in [*ckpt.iterdir(), ckpt]:

@@ -2,8 +2,8 @@
 skewed clocks on a third of the nodes, and a second keeper using a live node's ``node`` name.
 
 Kept apart so ``stress_fleet.py`` stays readable; the nodes' processes get the clock offset from
-``tests/clockshift`` (``stress_fleet._env``), their hot dirs' mtimes are written by their own clock
-(``stress_fleet.write_checkpoint``), the store's clock stays real.
+``tests/clockshift`` (``stress_fleet._env``); their hot dirs' mtimes (``stress_fleet.write_checkpoint``)
+and the store's clock stay real, as a shared filesystem's server and a bucket date them.
 """
 
 from __future__ import annotations

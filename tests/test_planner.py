@@ -580,7 +580,9 @@ def test_planner_vetoes_reaps_of_protected_checkpoints(monkeypatch: pytest.Monke
     # The reaper already spares pinned checkpoints; the planner checks again (defence in depth).
     from ckptkeeper.core.reaper import ReapDecision
 
-    def reckless(snapshot: Snapshot, tiers: Any, policy: Any, now: float) -> ReapDecision:
+    def reckless(
+        snapshot: Snapshot, tiers: Any, policy: Any, now: float, file_now: Any = None
+    ) -> ReapDecision:
         reaps = tuple(
             Action(
                 ActionKind.REAP, "oops", run=c.run, step=c.step, tier="hot", path=c.rel_path, bytes=c.bytes

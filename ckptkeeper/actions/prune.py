@@ -23,6 +23,7 @@ from ckptkeeper.config import Settings
 from ckptkeeper.core.model import Plan
 from ckptkeeper.executor import Progress
 from ckptkeeper.index import Index
+from ckptkeeper.ingest.clocks import FileClocks
 
 __all__ = ["KINDS", "PruneOutcome", "make_plan", "one_per_step", "run_prune"]
 
@@ -48,6 +49,8 @@ def make_plan(
         kinds=tuple(kinds),
         observed=time.time() if now is None else now,
     )
+    if now is None:  # file ages by the filesystems' clocks, read only (docs/many-nodes-clocks.md)
+        state.observed_on = dict(FileClocks(settings, write=False).now_all())
     participants = chosen.participants_for(settings)
     return restrict_phase(state, participants, plan_phase(state, participants))
 

@@ -130,6 +130,7 @@ def plan(
     max_delete: int = 100,
     force: bool = False,
     run: str | None = None,
+    file_now: Mapping[str, float] | None = None,
 ) -> Plan:
     """Plan retention (and reaping, when ``reaper`` is given) for ``snapshot``; pure and deterministic.
 
@@ -137,7 +138,8 @@ def plan(
     missing: no watermark applies, e.g. object storage). ``run`` restricts the plan's actions and
     keep list to one run; watermarks are still computed over every run, since disks are shared.
     Raises ValueError for inconsistent input (duplicate tier names or checkpoints, ``keep_best``
-    without a metric) rather than guess what to delete.
+    without a metric) rather than guess what to delete. ``file_now``: the time by each local
+    tier's filesystem clock, which the reaper judges file ages by (missing: ``now``).
     """
     # Inputs: tier positions, rules per tier, checkpoints per run, protections.
     names = [t.name for t in tiers]
@@ -151,7 +153,7 @@ def plan(
     protected = protections(snapshot, by_run)
 
     # 1. Reaps: reaped checkpoints leave retention.
-    reaped = reaps(snapshot, by_run, tiers, reaper, now, protected, unknown, notes)
+    reaped = reaps(snapshot, by_run, tiers, reaper, now, protected, unknown, notes, file_now)
 
     # 2-4. Keep-sets, residency, protections: plain checkpoints' keeps are final here. The hot
     # tier is watched for headroom only when its free space now is short of the active runs' next

@@ -252,6 +252,7 @@ class _Judge:
     def __init__(self, snapshot: Snapshot, policy: ReaperPolicy, now: float) -> None:
         self.policy = policy
         self.now = now
+        """The hot tier's clock: checkpoints' and runs' write times are its files' mtimes."""
         self.keep_n = max(0, policy.keep_last_of_failed)
         self.runs: dict[str, Run] = {r.name: r for r in snapshot.runs}
 
@@ -364,7 +365,11 @@ def _reap_tiers(c: Checkpoint, hot: str | None) -> set[str]:
 
 
 def plan_reaps(
-    snapshot: Snapshot, tiers: Sequence[TierSpec], policy: ReaperPolicy, now: float
+    snapshot: Snapshot,
+    tiers: Sequence[TierSpec],
+    policy: ReaperPolicy,
+    now: float,
+    file_now: Mapping[str, float] | None = None,
 ) -> ReapDecision:
     """Plan the reaping of waste (docs/design.md, "Reaper") as REAP actions; pure and deterministic.
 
@@ -395,11 +400,16 @@ def plan_reaps(
 
     No action targets a tier in ``snapshot.unknown_tiers`` or a tier not in ``tiers``.
     Actions are sorted by (run, step, tier, path).
+
+    ``file_now``: the time now by the clock of each tier's filesystem, since a file's age is
+    judged by the clock that stamped it (docs/many-nodes-clocks.md, "File ages"): checkpoints' by
+    the hot tier's, an artifact's by its tier's. A tier missing there is judged by ``now``.
     """
     order = {t.name: i for i, t in enumerate(tiers)}
     hot = tiers[0].name if tiers else None
     actionable = {name for name in order if name not in snapshot.unknown_tiers}
-    judge = _Judge(snapshot, policy, now)
+    clocks = file_now or {}
+    judge = _Judge(snapshot, policy, clocks.get(hot, now) if hot is not None else now)
 
     actions: list[Action] = []
     reaped: set[tuple[str, int]] = set()
@@ -436,7 +446,9 @@ def plan_reaps(
             keep_reasons[c.key] = verdict.reasons
 
     for a in _distinct_artifacts(snapshot.artifacts):
-        action = _artifact_action(a, actionable, (spared_paths, committed_paths), covered, policy, now)
+        action = _artifact_action(
+            a, actionable, (spared_paths, committed_paths), covered, policy, clocks.get(a.tier, now)
+        )
         if action is not None:
             actions.append(action)
 

@@ -57,12 +57,14 @@ def reaps(
     protections: Protections,
     unknown: frozenset[int],
     notes: list[str],
+    file_now: Mapping[str, float] | None = None,
 ) -> Reaps:
     """Ask the reaper (if ``policy`` is given), then drop what the planner's own guarantees forbid
-    (defence in depth): reaps of a protected checkpoint or in an unknown tier."""
+    (defence in depth): reaps of a protected checkpoint or in an unknown tier. ``file_now``: each
+    tier's filesystem clock (:func:`plan_reaps`)."""
     if policy is None:
         return Reaps()
-    decision = plan_reaps(reaper_view(snapshot, by_run), tiers, policy, now)
+    decision = plan_reaps(reaper_view(snapshot, by_run), tiers, policy, now, file_now)
     unknown_names = {tiers[i].name for i in unknown}
     blocked: dict[tuple[str, int], list[str]] = {}
     actions: list[Action] = []

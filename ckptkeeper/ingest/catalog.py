@@ -13,7 +13,6 @@ import math
 import os
 import socket
 import stat
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from ckptkeeper.hook import protocol, schema
 from ckptkeeper.hook.protocol import STAGING_MARK, STATE_DIR
 from ckptkeeper.index import CheckpointRow, Index, Quarantined
 from ckptkeeper.ingest import hookfiles, layouts
+from ckptkeeper.ingest.clocks import FileClocks
 from ckptkeeper.ingest.deferred import Deferred, fingerprints
 from ckptkeeper.ingest.report import HOSTILE, ReconcileReport
 from ckptkeeper.ingest.tiers import SlowerTiers, mark_off_hot, record_trash
@@ -45,7 +45,7 @@ class Catalog:
         settings: Settings,
         index: Index,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         storage_factory: Callable[[str], object] | None = None,
         defer_new: bool = False,
     ) -> None:
@@ -56,7 +56,10 @@ class Catalog:
         :meth:`record_deferred` (hashed then). ``prune`` does (:mod:`ckptkeeper.actions.pruning.hot_once`)."""
         self.deferred: list[Deferred] = []
         self.index = index
-        self.clock = clock
+        self.clock: Callable[[], float] = FileClocks(settings, write=True).hot if clock is None else clock
+        """The hot tier's filesystem clock (:mod:`ckptkeeper.ingest.clocks`): settling and run and
+        partial ages compare file times with it, never with this node's clock. A dry run passes a
+        read-only one."""
         self.hot_root = settings.hot.local_path
         self.hostname = socket.gethostname()
         self._storage_factory = storage_factory
@@ -391,7 +394,7 @@ class Catalog:
         (not a regular file, or changed too recently: see :func:`fingerprint.settled`)."""
         if not self.defer_new:
             return None
-        prints = fingerprints(run_dir / cand.name, cand.files)
+        prints = fingerprints(run_dir / cand.name, cand.files, now=self.clock())
         if prints is None:
             return None
         metrics = {**dict(cand.metrics), **(dict(commit.metrics) if commit else {})}

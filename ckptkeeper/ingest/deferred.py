@@ -40,10 +40,13 @@ class Deferred:
         return f"{self.cand.run}/{self.cand.name}"
 
 
-def fingerprints(base: Path, files: Iterable[str]) -> dict[str, Fingerprint] | None:
+def fingerprints(
+    base: Path, files: Iterable[str], *, now: float | None = None
+) -> dict[str, Fingerprint] | None:
     """The fingerprint of each file of the checkpoint at ``base``; None when one cannot vouch for
-    its file (gone, not a regular file, or changed too recently: :func:`fingerprint.settled`)."""
-    taken = time.time_ns()
+    its file (gone, not a regular file, or changed too recently: :func:`fingerprint.settled`).
+    ``now``: the time by the clock that stamps the files (the catalog's; default this node's)."""
+    taken = time.time_ns() if now is None else int(now * 1e9)
     prints: dict[str, Fingerprint] = {}
     for rel in files:
         try:

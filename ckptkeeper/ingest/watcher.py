@@ -272,7 +272,7 @@ class Watcher(HotObserver):
         Listing object storage can take long; holding the lock for it would stall commit indexing,
         and tier reconciles never touch hot-tier locations, so they need no exclusion from us.
         """
-        since = time.time()
+        since = self.catalog.clock()  # the clock of the files settling is judged by
         with self.reconcile_lock:
             report = self._reconcile_hot_full()
             self._settle_deferred(report)
@@ -303,7 +303,7 @@ class Watcher(HotObserver):
         from ckptkeeper.ingest.report import ReconcileReport
 
         report = ReconcileReport()
-        since = time.time()
+        since = self.catalog.clock()  # the clock of the files settling is judged by
         with self.reconcile_lock:
             now = self.catalog.clock()
             live = {
@@ -471,7 +471,7 @@ class Watcher(HotObserver):
             with self.reconcile_lock:
                 if self._stopping:
                     return
-                started, since = time.monotonic(), time.time()
+                started, since = time.monotonic(), self.catalog.clock()
                 report = self._reconcile_hot_full() if run == FULL_RESCAN else self.catalog.reconcile_run(run)
                 self._settle_deferred(report)
             self.stats.reconciles[run] = self.stats.reconciles.get(run, 0) + 1
@@ -528,10 +528,12 @@ class Watcher(HotObserver):
         A checkpoint with its framework marker becomes complete only after ``settle_seconds``
         without writes, and nothing will send an event when that time has passed. ``since`` is the
         wall time the reconcile started: a checkpoint that was already past its settle time then
-        is incomplete for another reason (no marker), and re-checking it would only spin.
+        is incomplete for another reason (no marker), and re-checking it would only spin. Both are the
+        hot filesystem's time (``catalog.clock``), as the file times are.
         """
         settle = self.catalog.settings.daemon.settle_seconds
-        wall_now, mono_now = time.time(), time.monotonic()
+        # The hot filesystem's clock, which stamped last_write: this node's may be days off it.
+        wall_now, mono_now = self.catalog.clock(), time.monotonic()
         try:
             rows = self.catalog.index.checkpoints(run)
         except Exception:

@@ -145,26 +145,18 @@ def remove(tier: TierStorage, digest: str, staging: str = "", *, encoded: bool =
 
 def store_now(tier: TierStorage) -> float:
     """The store's time now (docs/design.md, "Cluster reality"): an S3 response's ``Date``; for a
-    local tier the mtime the filesystem gives a file touched now in the content store."""
+    local tier the filesystem's clock (:func:`~ckptkeeper.storage.fs_clock.filesystem_now`)."""
     skew = float(os.environ.get(CLOCK_ENV, "0") or 0)
     if _is_s3(tier):
         s3: Any = tier
         return float(s3.store_now()) + skew
-    from ckptkeeper.storage.localfs import _open_dirs, _write_file_atomic
+    from ckptkeeper.storage.fs_clock import filesystem_now
 
     local: Any = tier
-    probe = f".clock{STAGING_MARK}{os.getpid()}"
     try:
-        with local._root_fd() as root_fd:
-            fd = _open_dirs(root_fd, _split_rel(node_dir(tier)), create=True)
-            try:
-                _write_file_atomic(fd, probe, b"")
-                now = os.stat(probe, dir_fd=fd).st_mtime
-                os.unlink(probe, dir_fd=fd)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        raise StorageError(f"tier {tier.name!r}: reading the store's clock failed: {_describe(exc)}") from exc
+        now = filesystem_now(local.root)[0]
+    except StorageError as exc:
+        raise StorageError(f"tier {tier.name!r}: reading the store's clock failed: {exc}") from exc
     return now + skew
 
 

@@ -23,11 +23,10 @@ import contextlib
 import hashlib
 import os
 import secrets
-import socket
-import time
 from pathlib import Path
 
 from ckptkeeper.storage.base import StorageError, _split_rel
+from ckptkeeper.storage.fs_clock import filesystem_now
 
 __all__ = ["FLEET_DIR", "LocalFleetObjects"]
 
@@ -35,8 +34,6 @@ FLEET_DIR = ".ckptkeeper"
 """Under a shared filesystem tier's root, like under a shared bucket's prefix. Hidden: never a run."""
 
 _MAX_BODY = 1 << 20
-_SAMPLES: dict[Path, tuple[float, float]] = {}
-"""Filesystem root -> (its clock, this process's monotonic clock) when sampled."""
 
 
 def _etag(body: bytes) -> str:
@@ -77,25 +74,13 @@ class LocalFleetObjects:
         return body, _etag(body), mtime
 
     def store_now(self) -> float:
-        """The filesystem's time now: the mtime it gives a file touched now (on NFS the server
-        sets it), sampled once per process and extrapolated with this process's monotonic clock
-        (docs/design.md, "Cluster reality": one clock for cross-node time)."""
-        sample = _SAMPLES.get(self.base)
-        if sample is None:
-            path = self.base / "clock" / f"{socket.gethostname()}-{os.getpid()}"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "wb"):
-                    pass
-                os.utime(path)  # times=None: set by the filesystem, to its "now"
-                sample = (path.stat().st_mtime, time.monotonic())
-                path.unlink()
-            except OSError as exc:
-                raise StorageError(
-                    f"tier {self.name!r}: reading the filesystem's clock at {path}: {exc}"
-                ) from exc
-            _SAMPLES[self.base] = sample
-        return sample[0] + (time.monotonic() - sample[1])
+        """The filesystem's time now (:func:`~ckptkeeper.storage.fs_clock.filesystem_now`: the
+        mtime it gives a file touched now, on NFS set by the server). One clock for cross-node
+        time: docs/design.md, "Cluster reality"."""
+        try:
+            return filesystem_now(self.root)[0]
+        except StorageError as exc:
+            raise StorageError(f"tier {self.name!r}: {exc}") from exc
 
     def put_fleet_object(
         self, name: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None

@@ -49,7 +49,8 @@ class FullReconcile(CatalogStep):
 
     def catalog(self, state: PassState) -> None:
         defer = hot_once.applies(state)  # new checkpoints moved this pass: hashed while copied
-        state.catalog = Catalog(state.settings, state.index, defer_new=defer)
+        clock = state.file_clocks().hot  # read only in a dry run
+        state.catalog = Catalog(state.settings, state.index, defer_new=defer, clock=clock)
         state.report = state.catalog.reconcile()
         if defer:
             hot_once.resolve(state, state.catalog, state.report, progress=self.progress)
@@ -57,7 +58,7 @@ class FullReconcile(CatalogStep):
 
     def after_execute(self, state: PassState, result: ExecResult) -> None:
         if result.done or result.failed:
-            Catalog(state.settings, state.index).reconcile()
+            Catalog(state.settings, state.index, clock=state.file_clocks().hot).reconcile()
 
 
 def _run_of(path: str | None, run_depth: int) -> str | None:

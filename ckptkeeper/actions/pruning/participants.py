@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ckptkeeper.actions.pruning.clocks import FilesystemClocks
 from ckptkeeper.actions.pruning.dedup import ContentCollection
 from ckptkeeper.actions.pruning.fleet import FleetHeartbeat
 from ckptkeeper.actions.pruning.freeze import IndexLossFreeze
@@ -38,4 +39,5 @@ def participants_for(settings: Settings) -> list[Participant]:
     if any(t.dedup for t in settings.tiers[1:]):
         out.append(ContentCollection())  # after PinObjects: its notes come with the pass's own
     out.append(HistoryRecord())  # after FleetHeartbeat: it records the adoptions that one made
+    out.append(FilesystemClocks())  # last: its clocks are read closest to the pass's "observed"
     return out

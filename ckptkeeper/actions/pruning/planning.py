@@ -83,6 +83,7 @@ def _plan(
             max_delete=settings.max_delete,
             force=state.force,
             run=state.run,
+            file_now=state.observed_on,
         )
 
 

@@ -94,6 +94,7 @@ def _boundary(
             clock=state.clock,
             trust_mtimes=settings.daemon.trust_mtimes,
             guard=guard,
+            hot_clock=state.file_clocks().hot,
         )
         yield _Executing(executor, on_plan)
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ckptkeeper.actions.held import TierUnavailable
     from ckptkeeper.executor import ExecResult
     from ckptkeeper.ingest.catalog import Catalog
+    from ckptkeeper.ingest.clocks import FileClocks
     from ckptkeeper.ingest.report import ReconcileReport
 
 __all__ = ["PHASES", "Participant", "PassState"]
@@ -47,6 +48,11 @@ class PassState:
     observed: float = 0.0
     """When the catalog began looking: the plan judges ages at this moment, not when the catalog
     ended (a write seen during a long catalog is at most that old)."""
+    observed_on: dict[str, float] = field(default_factory=dict)
+    """``observed`` by each local tier's filesystem clock: the reaper judges file ages by these
+    (:mod:`.clocks`); a tier missing here is judged by ``observed``."""
+    clocks: FileClocks | None = None
+    """The local tiers' filesystem clocks (:meth:`file_clocks`)."""
     catalog: Catalog | None = None
     """The catalog the plan was made from (None: the caller cataloged nothing this pass)."""
     report: ReconcileReport | None = None
@@ -64,6 +70,15 @@ class PassState:
     dedup: dict[str, Any] = field(default_factory=dict)
     """What the dedup tiers' copies uploaded and referenced, and what their content collection
     found (:mod:`.dedup`); empty without a dedup tier."""
+
+    def file_clocks(self) -> FileClocks:
+        """The filesystem clocks of this pass, made on first use: probed in a real pass, read
+        only in a dry run (:mod:`ckptkeeper.ingest.clocks`)."""
+        if self.clocks is None:
+            from ckptkeeper.ingest.clocks import FileClocks
+
+            self.clocks = FileClocks(self.settings, write=not self.dry_run)
+        return self.clocks
 
     @property
     def stopped(self) -> bool:
