@@ -531,6 +531,44 @@ def test_the_thin_clients_defaults_are_the_configs() -> None:
     assert config.Settings.model_fields["index"].default == wire.DEFAULT_INDEX
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        'index = "/srv/ck/index.db"\n',
+        "index='/srv/ck/index.db'   # the catalog\r\nrun_depth = 1\n",
+        '# index = "/old.db"\nlog_level = "info"\n[daemon]\nindex = "/not/top/level.db"\n',
+        'max_delete = 5\n\n[[tiers]]\nname = "hot"\nurl = "/nvme"\n',
+        'index = "/a.db"\nindex = "/b.db"\n',
+        '"index" = "/quoted.db"\n',
+        'index."x" = 1\n',
+        'index = "/esc\\u0061ped.db"\n',
+        'index = "/a.db" junk\n',
+        'note = """\nindex = "/inside/a/string.db"\n"""\nindex = "/real.db"\n',
+        "index = 'C:\\\\literal.db'\n",
+        'index = ""\n',
+        "index = 42\n",
+        'index = "/nul\\u0000.db"\n',
+        'index = "/caf\u00e9.db"\n',
+        "\ufeffnot toml at all = = =\n",
+    ],
+)
+def test_the_thin_client_reads_the_index_path_as_the_config_does(text: str) -> None:
+    """The client reads a plainly written ``index`` line itself and leaves anything else to the
+    TOML parser: the path it finds the socket beside is the one the config names (None: no usable
+    path). A file that does not parse may name any socket: no daemon runs it, so none serves it."""
+    import tomllib
+
+    from ckptkeeper.daemon import wire
+
+    try:
+        value = tomllib.loads(text).get("index", wire.DEFAULT_INDEX)
+    except tomllib.TOMLDecodeError:
+        assert wire.index_of(text.encode()) in (None, wire.DEFAULT_INDEX)
+        return
+    expected = value if isinstance(value, str) and value and "\0" not in value else None
+    assert wire.index_of(text.encode()) == expected
+
+
 def test_a_client_closing_between_poll_and_a_heartbeat_cancels_the_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

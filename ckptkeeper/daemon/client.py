@@ -9,14 +9,19 @@ Standard library only (and :mod:`.wire`): this module is all a restore served by
 beyond click.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: the named tuple's field types are then objects, not
+# strings that typing compiles one by one.
 
 import os
-import socket
 import stat
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+try:  # the C module ``socket`` wraps: without the enum classes it builds at import
+    import _socket
+except ImportError:  # pragma: no cover - an interpreter without it
+    import socket as _socket  # type: ignore[no-redef]
 
 from ckptkeeper import __version__
 from ckptkeeper.daemon.wire import (
@@ -79,7 +84,7 @@ def call(
         "progress": progress is not None,
         "args": args,
     }
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(CONNECT_TIMEOUT)
         reader = LineReader(sock)
@@ -99,7 +104,7 @@ def call(
         sock.close()
 
 
-def _connect(sock: socket.socket, path: str) -> None:
+def _connect(sock: _socket.socket, path: str) -> None:
     address, fd = addressable(path)
     try:
         sock.connect(address)
@@ -109,7 +114,7 @@ def _connect(sock: socket.socket, path: str) -> None:
 
 
 def _follow(
-    sock: socket.socket, reader: LineReader, progress: Callable[[int, int], None] | None
+    sock: _socket.socket, reader: LineReader, progress: Callable[[int, int], None] | None
 ) -> Served | None:
     try:
         while True:
@@ -140,10 +145,10 @@ def _follow(
         raise
 
 
-def _cancel(sock: socket.socket, reader: LineReader) -> None:
+def _cancel(sock: _socket.socket, reader: LineReader) -> None:
     """Tell the daemon to stop (end of our stream) and wait until it has removed its staging."""
     try:
-        sock.shutdown(socket.SHUT_WR)
+        sock.shutdown(_socket.SHUT_WR)
         sock.settimeout(CANCEL_WAIT)
         while reader.read() is not None:
             pass

@@ -9,13 +9,20 @@ One JSON object per line, both ways. The client sends one request; the server an
 ``result``. A request is untrusted input: :func:`parse_request` checks its schema and bounds.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: the named tuple's field types are then objects, not
+# strings that typing compiles one by one (a tenth of the thin client's own CPU).
 
-import hashlib
 import json
 import os
-import socket
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+try:  # the C module ``socket`` wraps: without the enum classes it builds at import
+    import _socket
+except ImportError:  # pragma: no cover - an interpreter without it
+    import socket as _socket  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 PROTOCOL = 1
 """Bumped when a message changes shape: a client and a daemon of other protocols never talk."""
@@ -81,7 +88,7 @@ def config_identity(explicit: str | os.PathLike[str] | None) -> tuple[str, bytes
         data, real = None, ""  # environment-only config, or none: the environment decides
     except OSError:
         return None
-    digest = hashlib.sha256()
+    digest = _sha256()
     digest.update(json.dumps([PROTOCOL, real, _settings_env()]).encode())
     digest.update(b"\0" if data is None else b"\1" + data)
     return digest.hexdigest(), data
@@ -95,6 +102,9 @@ def index_of(data: bytes | None) -> str | None:
             return value
     if data is None:
         return DEFAULT_INDEX
+    plain = _plain_index(data)
+    if plain is not None:
+        return plain or DEFAULT_INDEX
     import tomllib
 
     try:
@@ -103,6 +113,54 @@ def index_of(data: bytes | None) -> str | None:
         return None
     value = doc.get("index", DEFAULT_INDEX)
     return value if isinstance(value, str) and value and "\0" not in value else None
+
+
+def _sha256() -> "_Hash":
+    """A SHA-256 hasher without importing :mod:`hashlib`, which loads OpenSSL (a tenth of what the
+    thin client itself costs); the same digest either way."""
+    try:
+        from _sha256 import sha256  # Python 3.11
+    except ImportError:
+        try:
+            from _sha2 import sha256  # 3.12 and later
+        except ImportError:
+            from hashlib import sha256
+    hasher: _Hash = sha256()
+    return hasher
+
+
+def _plain_index(data: bytes) -> str | None:
+    """The top-level ``index`` of a config that writes it plainly (``index = "/path"``: a string
+    without escapes on a line of its own, before the first table), ``""`` when such a config sets
+    none, None when only a TOML parser can tell. Parsing TOML was a third of what the thin client
+    itself costs; a wrong guess costs no more than a daemon not found (a daemon serves only the
+    very config bytes it runs: :func:`config_identity`)."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    found = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            break  # a table: no top-level key follows
+        if "'''" in line or '"""' in line:
+            return None  # a multi-line string: the lines that follow are not keys
+        key, eq, value = line.partition("=")
+        if not eq or "index" not in key or line.startswith("#"):
+            continue
+        if key.strip() != "index" or found:
+            return None  # quoted, dotted, inside a value, or twice: the parser decides
+        value = value.strip()
+        quote = value[:1]
+        end = value.find(quote, 1) if quote in ("'", '"') else -1
+        rest = value[end + 1 :].strip() if end > 1 else "?"
+        if end <= 1 or "\\" in value[:end] or (rest and not rest.startswith("#")):
+            return None
+        found = value[1:end]
+        if not found.isprintable():
+            return None  # control characters: not a TOML string
+    return found
 
 
 def process_umask() -> int | None:
@@ -127,11 +185,11 @@ def addressable(path: str) -> tuple[str, int | None]:
     return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(sock: _socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end (``SO_PEERCRED``)."""
     import struct
 
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return pid, uid, gid
 
@@ -146,7 +204,7 @@ def encode(doc: dict[str, Any]) -> bytes:
 class LineReader:
     """Reads one bounded JSON line at a time from a socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
         self._buf = b""
 

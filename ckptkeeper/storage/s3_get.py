@@ -158,6 +158,8 @@ class _Plan:
         self.failed: list[BaseException] = []
         self.spare: list[bytearray] = []
         self.conns: set[http.client.HTTPConnection] = set()
+        self.gate = threading.Event()
+        """Set once every worker is started (or none more can be): workers begin then."""
 
     def take(self) -> tuple[_File, int] | None:
         """The next range to fetch (a file's next range, within its window), None when none is left."""
@@ -269,14 +271,22 @@ def fetch_direct(
             )
             for i in range(min(SMALL_WORKERS, max(0, small - WORKERS)))
         ]
-        for t in threads:
-            t.start()
+        started: list[threading.Thread] = []
         try:
-            for t in threads:
+            # Every worker waits at the gate until all are started: a thread's start() waits for
+            # it to take the GIL once, and workers already fetching would make each of them wait
+            # for its turn (about 5 ms each, 150+ ms for the 32 threads of many small files).
+            try:
+                for t in threads:
+                    t.start()
+                    started.append(t)
+            finally:
+                plan.gate.set()
+            for t in started:
                 t.join()
-        except BaseException as exc:  # Ctrl-C while waiting: stop the workers before the staging goes
+        except BaseException as exc:  # Ctrl-C, or no more threads: stop the workers, then the staging goes
             plan.fail(exc)
-            for t in threads:
+            for t in started:
                 t.join()
             raise
         if plan.failed:
@@ -396,6 +406,7 @@ def _worker(
     small: bool = False,
 ) -> None:
     """Fetch ranges until none is left (``small``: whole small objects, smallest first)."""
+    plan.gate.wait()
     buf = bytearray(SMALL_OBJECT if small else RANGE_SIZE)
     conn: http.client.HTTPConnection | None = None
     try:
