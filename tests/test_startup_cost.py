@@ -226,6 +226,33 @@ def test_a_standalone_restore_of_a_config_validated_before_loads_neither_pydanti
     assert sorted(imported & {"pydantic", "pydantic_settings", "pydantic_core", "click"}) == []
 
 
+def test_a_restore_no_daemon_answers_runs_here_without_click_or_pydantic(
+    tmp_path: Path, s3_reset: str, s3_bucket: str
+) -> None:
+    """The plain ``ckptkeeper restore`` a user types (no ``--no-daemon``) on a node whose daemon is
+    not up: the thin client finds no daemon and the restore runs in this process, as cheaply as
+    with ``--no-daemon``."""
+    node = Node(tmp_path, s3_bucket, s3_reset)
+    _cached_config(node)
+    dest = tmp_path / "restored"
+    code, out, err = node.cli(
+        "restore",
+        RUN,
+        "--step",
+        str(STEP),
+        "--to",
+        str(dest),
+        importtime=True,
+        env={"AWS_DEFAULT_REGION": "us-east-1"},
+    )
+    assert code == 0, out + err
+    assert Path(out.strip()) == dest / CKPT
+    assert _tree(dest / CKPT) == node.original
+    imported = {m.split(".")[0] for m in _imported(err)}
+    assert "ckptkeeper" in imported
+    assert sorted(imported & {"pydantic", "pydantic_settings", "pydantic_core", "click"}) == []
+
+
 def test_a_standalone_restore_prints_what_the_command_prints(
     tmp_path: Path, s3_reset: str, s3_bucket: str
 ) -> None:

@@ -23,13 +23,7 @@ def run() -> None:
         from ckptkeeper.cli import standalone
         from ckptkeeper.cli.served import _parse
 
-        try:
-            code = standalone.run(sys.argv[1:], _parse)
-        except KeyboardInterrupt:  # as click ends a command on Ctrl-C
-            print("\nAborted!", file=sys.stderr, flush=True)
-            sys.exit(1)
-        if code is not None:
-            standalone.exit_now(code)
+        standalone.attempt(sys.argv[1:], _parse)
     from ckptkeeper.cli.served import run as served_run
 
     served_run()

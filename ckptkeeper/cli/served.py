@@ -9,7 +9,8 @@ prints what the click command prints when it is served (the same text, stream an
 Anything else goes to the full command line (:mod:`ckptkeeper.cli.app`) untouched: another
 command or option, a value click would refuse or read differently, a terminal on stderr (the
 progress line is drawn there), or a daemon that does not serve the restore; in that last case
-with ``--no-daemon`` added, so that it is not asked twice and the restore runs in this process.
+with ``--no-daemon`` added, so that it is not asked twice and the restore runs in this process
+(without click too when the config was validated before: :mod:`ckptkeeper.cli.standalone`).
 Standard library only, like the thin client.
 """
 
@@ -37,6 +38,10 @@ def run() -> None:
         sys.exit(_EXIT_ACTION_FAILED)
     if isinstance(outcome, int):
         _exit(outcome)
+    if outcome is not argv:  # no daemon served it: the restore runs here, without click if it can
+        from ckptkeeper.cli import standalone
+
+        standalone.attempt(outcome, _parse)
     from ckptkeeper.cli.app import main
 
     if outcome is argv:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ckptkeeper.config import Settings
     from ckptkeeper.index import Index
 
-__all__ = ["IndexOpenFailed", "configure", "exit_now", "opened_index", "print_restored", "run"]
+__all__ = ["IndexOpenFailed", "attempt", "configure", "exit_now", "opened_index", "print_restored", "run"]
 
 NO_DAEMON = "--no-daemon"
 _VALUE_OPTIONS = ("--config", "--step", "--to")
@@ -68,6 +68,19 @@ def run(argv: list[str], parse: Callable[[list[str]], Parsed | None]) -> int | N
         return _fail(str(exc), EXIT_ACTION_FAILED)
     print_restored(restored.to_json(), run_name, as_json)
     return EXIT_OK
+
+
+def attempt(argv: list[str], parse: Callable[[list[str]], Parsed | None]) -> None:
+    """Run the restore ``argv`` asks for here and end the process, when :func:`run` can; return
+    (nothing done) when it cannot. The console script's way in, with ``--no-daemon`` given or
+    added once the daemon did not serve the restore."""
+    try:
+        code = run(argv, parse)
+    except KeyboardInterrupt:  # as click ends a command on Ctrl-C
+        print("\nAborted!", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ACTION_FAILED)
+    if code is not None:
+        exit_now(code)
 
 
 def exit_now(code: int) -> NoReturn:
