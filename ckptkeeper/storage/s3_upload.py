@@ -134,8 +134,8 @@ class _S3FileWriter:
         self.in_background = False
         """Set by a sink that lets a one-PUT object go on while the next file is read
         (:meth:`_S3Sink.open_file`): :meth:`finish` then only sends the PUT, and :meth:`settle`
-        waits for its answer. Needs ``defer_check``; the body is read from the file again, or
-        held in its own buffer (at most the part size) while the request is in flight."""
+        waits for its answer. Needs ``defer_check``; the body is held in its own buffer (at most
+        the part size) while the request is in flight."""
         self.put: tuple[Future[Any], str] | None = None
         """The one-PUT request in flight and the CRC32 it carries, until :meth:`settle`."""
         self.content = hashing.new_hasher()
@@ -378,8 +378,8 @@ class _S3FileWriter:
     @property
     def backgrounded(self) -> bool:
         """This object's PUT is sent by :meth:`finish` and answered at :meth:`settle` (from a
-        buffer of its own, when it has no file to read again: at most ``put_concurrency`` one-PUT
-        objects are held, none above the part size)."""
+        buffer of its own: at most ``put_concurrency`` one-PUT objects are held, none above the
+        part size)."""
         return self.in_background and self.defer_check and self.single
 
     def finish(self) -> None:
