@@ -23,8 +23,7 @@ client CPU of every thread, peak RSS); medians of the rounds:
   verification beyond the tool's own.
 
 Then the same restore in one warm process (:mod:`bench._fetch_warm`: what a restore served by a
-long-running process costs, start-up excluded), and the client CPU per GiB of uploading a
-checkpoint of 4 files of 512 MiB: ``ckptkeeper prune`` to the S3 tier against boto3 and each tool.
+long-running process costs, start-up excluded). Uploads are :mod:`bench.upload_s3`.
 
 Shapes: a few large files (4 x 128 MiB) and many small ones (200 files of 64 KiB-4 MiB).
 """
@@ -42,7 +41,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from bench import _s3_tools
 from bench._harness import Config, GiB, MiB, Row, median, python_env
@@ -408,60 +406,6 @@ def _missing(tool: str) -> str:
     return f"skipped: {tool} is not installed ({how}, or put {tool} on PATH)"
 
 
-def _upload(cfg: Config, endpoint: str, reps: int) -> list[Row]:
-    """Client CPU per GiB uploading the large checkpoint: ``ckptkeeper prune`` to the S3 tier (a
-    fresh hot copy and index each time) against boto3 ``upload_file`` and every tool installed."""
-    env = {**python_env(), **_AWS_ENV}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    tool_env = _s3_tools.env(env)
-    with cfg.tempdir(cfg.fast_dir, "upload") as home:
-        total = _make_checkpoint(home / "pristine", "large", cfg.pick(512 * MiB, 32 * MiB, 1 * MiB), 0)
-        src = home / "pristine" / RUN / f"checkpoint-{STEP}"
-        boto3_job = [sys.executable, "-m", "bench._boto3_job", "upload", endpoint, BUCKET]
-        sides: dict[str, Any] = {"boto3": lambda p: [*boto3_job, p, str(src)]}
-        missing = []
-        for tool in _s3_tools.TOOLS:
-            exe = _s3_tools.find(tool)
-            if exe is None:
-                missing.append(tool)
-            else:
-                sides[tool] = lambda p, t=tool, x=exe: _s3_tools.upload(t, x, endpoint, BUCKET, src, p)
-        results: dict[str, list[Usage]] = {name: [] for name in ["ckptkeeper", *sides]}
-        order = list(results)
-        for i in range(reps):
-            for name in order if i % 2 == 0 else order[::-1]:
-                prefix = f"up-{name}-{i}"
-                if name == "ckptkeeper":
-                    results[name].append(
-                        _prune_once(home / f"home-{i}", home / "pristine", endpoint, prefix, env)
-                    )
-                else:
-                    results[name].append(measure(sides[name](prefix), tool_env if name != "boto3" else env))
-                _delete_prefix(endpoint, prefix)
-            cfg.log(f"restore_s3 upload: round {i + 1} of {reps}")
-    gib = total / GiB
-    cpu = {k: median([u.cpu / gib for u in v]) for k, v in results.items()}
-    others = {k: v for k, v in cpu.items() if k != "ckptkeeper"}
-    best = min(others, key=others.__getitem__)
-    label = {"boto3": "boto3 upload_file", **_s3_tools.LABELS}
-    note = ", ".join(f"{label[k]} {v:.2f}" for k, v in others.items()) + " CPU-s/GiB"
-    note += "".join(f"; {_missing(t)}" for t in missing)
-    return [
-        Row(
-            metric=f"upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files, {total / GiB:.2f} GiB: client CPU per GiB",
-            baseline=others[best],
-            ours=cpu["ckptkeeper"],
-            unit="cpu-s/GiB",
-            ratio=cpu["ckptkeeper"] / others[best],
-            target="<= 1.0x (lowest)",
-            ok=cpu["ckptkeeper"] <= others[best],
-            baseline_label=f"lowest: {label[best]}",
-            note=note,
-            samples={k: [u.cpu / gib for u in v] for k, v in results.items()},
-        )
-    ]
-
-
 def _prune_once(
     home: Path,
     pristine: Path,
@@ -508,9 +452,4 @@ def run(cfg: Config) -> list[Row]:
     with cfg.tempdir(cfg.disk_dir, "restore-weed") as data, seaweedfs_server(data) as endpoint:
         for shape, label in (("large", "4 large files"), ("small", f"{cfg.pick(200, 60, 4)} small files")):
             rows += _shape(cfg, endpoint, shape, label, reps)
-        try:
-            rows += _upload(cfg, endpoint, reps)
-        except RuntimeError as exc:  # a store failing under load must not lose the restore rows
-            what = "upload to S3 (SeaweedFS, ckptkeeper prune) (error)"
-            rows.append(Row(what, None, None, "", target="-", ok=False, note=str(exc)[-300:]))
     return rows

@@ -133,7 +133,6 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
     assert metrics.count("  same, against the one-GET-per-object restore (wall)") == 2
     for tool in ("s5cmd", "rclone", "aws s3 cp"):  # measured, or skipped with a note when not installed
         assert sum(m.startswith(f"  same, against {tool}") for m in metrics) == 2, metrics
-    assert sum(m.startswith("upload to S3 (SeaweedFS, ckptkeeper prune)") for m in metrics) == 1, metrics
     # the restore served by a running daemon, in the same rounds (the bench fails unless its log
     # shows every one served): whole client process, client CPU, client + daemon CPU
     served = [row for row in doc["rows"] if row["metric"].startswith("  same, served")]
@@ -209,3 +208,29 @@ def test_tiny_compression_and_dedup_run_in_the_harness(tmp_path: Path) -> None:
         if row["samples"]:  # the prune rows: 3 alternating rounds of each side
             assert len(row["samples"]["ckptkeeper"]) == 3 == len(row["samples"]["baseline"]), row
     assert list(fast.iterdir()) == []  # every hot copy removed
+
+
+def test_tiny_upload_s3_measures_every_client_and_leaves_nothing(tmp_path: Path) -> None:
+    """`ckptkeeper prune` to an S3 tier against boto3 and each tool installed (or a note that it
+    is not), each run into a bucket of its own checked for every byte and dropped after it; the
+    row names the load average; the server's data and the hot copies are gone afterwards."""
+    out = tmp_path / "bench.json"
+    fast, disk = tmp_path / "fast", tmp_path / "disk"
+    fast.mkdir()
+    disk.mkdir()
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "upload_s3", "--json", str(out)]
+    argv += ["--disk-dir", str(disk), "--fast-dir", str(fast)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    [row] = doc["rows"]
+    assert row["metric"].startswith("upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files")
+    assert row["unit"] == "cpu-s/GiB" and row["ours"] > 0 and row["baseline"] > 0
+    for tool in ("s5cmd", "rclone", "aws"):
+        assert tool in row["samples"] or f"{tool} is not installed" in row["note"], row
+    assert all(len(v) == 1 for v in row["samples"].values()) and {"ckptkeeper", "boto3"} <= set(
+        row["samples"]
+    )
+    assert "load average" in row["note"]
+    assert list(fast.iterdir()) == [] and list(disk.iterdir()) == []

@@ -180,3 +180,71 @@ def test_tiny_bench_measures_a_prune_to_s3_and_a_resume_of_several_files(tmp_pat
     assert reads["baseline"] > reads["ours"] > 0 and "net of the" in reads["note"]
     several = rows["finish a 4 x 6 MiB upload killed at 62 % (bytes sent)"]
     assert several["ours"] < several["baseline"]
+
+
+def _prehashed(config: Path, hot: Path) -> tuple[int, dict[str, str], int]:
+    """(rchar of an idle pass, file -> sha256, bytes to move) after two new checkpoints were
+    created and cataloged (hashed) by a ``scan``: what the daemon does as each one settles."""
+    rc, idle, err = _cli_rchar(config, "prune", "--json")
+    assert rc == 0, err
+    digests = _new_checkpoints(hot, 40 << 20)  # 40 MiB of weights: 3 parts; the rest one PUT each
+    assert _cli(config, "scan").returncode == 0
+    versions = _index_versions(config.parent)
+    assert versions[OLD][1] == {"hot": versions[OLD][0]}  # hashed and recorded, in hot only
+    moved = sum(p.stat().st_size for p in (hot / RUN / OLD).iterdir())
+    return idle, digests, moved
+
+
+def test_a_checkpoint_hashed_before_the_pass_uploads_reading_each_byte_once(
+    shm: Path, tmp_path: Path, s3_client: Any, s3_bucket: str, s3_reset: str
+) -> None:
+    """A checkpoint the catalog hashed in an earlier pass (or the daemon as it settled) is
+    uploaded from the very buffers the copy reads and checks against the catalog's hashes."""
+    config, hot = _node(shm, tmp_path, s3_bucket, s3_reset)
+    idle, digests, moved = _prehashed(config, hot)
+
+    rc, rchar, err = _cli_rchar(config, "prune", "--json")
+
+    assert rc == 0, err
+    _assert_uploaded_exactly(tmp_path, hot, s3_client, s3_bucket, digests)
+    # Before: the copy read and hashed every byte, and each part was read again while it was sent (2x).
+    assert rchar - idle <= 1.1 * moved, (rchar, idle, moved)
+    restored = tmp_path / "restored"
+    got = _cli(config, "restore", RUN, "--step", "100", "--to", str(restored), "--no-daemon")
+    assert got.returncode == 0, got.stderr
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (restored / OLD).iterdir()} == digests
+
+
+@pytest.mark.parametrize(
+    ("mode", "at"),
+    [("same-size", "copy-journaled"), ("other-size", "copy-progress"), ("same-size", "copy-progress")],
+)
+def test_a_file_rewritten_after_it_was_hashed_fails_its_upload(
+    shm: Path, tmp_path: Path, s3_client: Any, s3_bucket: str, s3_reset: str, mode: str, at: str
+) -> None:
+    """A checkpoint hashed before the pass, one file rewritten before the upload read it
+    (``copy-journaled``) or while it is uploaded (after its first chunk, parts already sent): its
+    hash or size is not the catalog's, the upload is aborted, nothing of it is left in S3 and the
+    checkpoint stays in hot with its new bytes."""
+    config, hot = _node(shm, tmp_path, s3_bucket, s3_reset)
+    _new_checkpoints(hot, 40 << 20)  # weights of 3 parts: the rewrite lands after parts were sent
+    assert _cli(config, "scan").returncode == 0
+    target = hot / RUN / OLD / "model.safetensors"
+    env = {**_env(), "REWRITE_FILE": str(target), "REWRITE_MODE": mode, "REWRITE_AT": at}
+    proc = subprocess.run(
+        [sys.executable, "-c", REWRITE_WRAPPER, "--config", str(config), "prune", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "changed since cataloged" in proc.stderr
+    assert target.exists()
+    keys = list(_objects(s3_client, s3_bucket))
+    assert not [k for k in keys if k.startswith(f"{PREFIX}/{RUN}/{OLD}")], keys
+    assert s3_client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert _cli(config, "scan").returncode == 0  # cataloged again, from its new bytes, in hot only
+    _, locations = _index_versions(tmp_path)[OLD]
+    assert "cold" not in locations

@@ -855,33 +855,33 @@ def flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([old[0] ^ 0x01]))
 
 
-def test_s3_part_changed_after_hashing_is_not_stored(
+def test_s3_part_changed_after_hashing_stores_the_bytes_hashed(
     cold: storage.S3TierStorage, hot: Hot, big: Manifest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Parts of a local file are read from it again while they are sent. The copy loop has already
-    # hashed part 1 (the manifest hash holds) when it changes: the bytes now read must not reach the
-    # store under the CRC32 of the old ones — a store that does not check CRC32s would keep them.
+    # Parts are sent from the buffers the copy loop read and hashed them into, not read from the
+    # file again: a file changed after part 1 was hashed cannot put other bytes under the CRC32
+    # and hash of the ones read. What the store holds is the version of the manifest.
     path = hot.path(big)
+    hashed = path.read_bytes()
     original = s3_upload._S3FileWriter._upload_part
 
     async def upload_part(self: Any, upload_id: str, number: int, body: Any, crc: str) -> Any:
         if number == 1:
-            flip_byte(path, 5 * MiB - 1)  # the part's last byte: all but the last read went out
+            flip_byte(path, 5 * MiB - 1)  # the part's last byte, before the part is sent
         return await original(self, upload_id, number, body, crc)
 
     monkeypatch.setattr(s3_upload._S3FileWriter, "_upload_part", upload_part)
-    with pytest.raises(
-        VerificationError, match=r"big\.pt/?: part at bytes 0-5242880: changed after it was hashed"
-    ):
-        cold.copy_from(hot.tier, big)
-    assert cold.list_manifests() == [] and cold.list_staging() == []
+    cold.copy_from(hot.tier, big)
+    assert path.read_bytes() != hashed
+    assert cold.verify(big) == [] and cold.list_staging() == []
     assert cold.list_multipart_uploads() == []
 
 
-def test_s3_single_put_changed_after_hashing_is_not_stored(
+def test_s3_single_put_changed_after_hashing_stores_the_bytes_hashed(
     cold: storage.S3TierStorage, hot: Hot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = hot.path(hot.ckpt_file)
+    hashed = path.read_bytes()
     original = s3_upload._S3FileWriter._send
 
     async def send(self: Any, method: str, body: Any, crc: str, **kwargs: Any) -> Any:
@@ -890,9 +890,9 @@ def test_s3_single_put_changed_after_hashing_is_not_stored(
         return await original(self, method, body, crc, **kwargs)
 
     monkeypatch.setattr(s3_upload._S3FileWriter, "_send", send)
-    with pytest.raises(VerificationError, match="changed after it was hashed"):
-        cold.copy_from(hot.tier, hot.ckpt_file)
-    assert cold.list_manifests() == [] and cold.list_staging() == []
+    cold.copy_from(hot.tier, hot.ckpt_file)
+    assert path.read_bytes() != hashed
+    assert cold.verify(hot.ckpt_file) == [] and cold.list_staging() == []
 
 
 _TRACED_UPLOAD = """
@@ -910,11 +910,11 @@ print(tracemalloc.get_traced_memory()[1])
 """
 
 
-def test_s3_upload_from_a_local_file_holds_no_part_buffers(cold: storage.S3TierStorage, hot: Hot) -> None:
-    # A training node's memory is the scarce resource: parts are read from the file while they
-    # are sent, so an upload's memory does not grow with part size x parts in flight (held in
-    # buffers, that would be 3 x 16 MiB here). Traced in a process of its own: the moto server
-    # of the tests allocates in this one.
+def test_s3_upload_holds_at_most_its_part_buffers(cold: storage.S3TierStorage, hot: Hot) -> None:
+    # A training node's memory is the scarce resource: parts are sent from the buffers the copy
+    # read and hashed them into (each byte read once), reused: an upload holds at most
+    # (max_inflight + 1) part buffers, never the whole file. Traced in a process of its own: the
+    # moto server of the tests allocates in this one.
     import subprocess
     import sys
 
@@ -924,8 +924,8 @@ def test_s3_upload_from_a_local_file_holds_no_part_buffers(cold: storage.S3TierS
     job = {
         "url": cold.spec.url,
         "options": dict(cold.spec.storage_options),
-        "part_size": 16 * MiB,
-        "max_inflight": 3,
+        "part_size": 8 * MiB,
+        "max_inflight": 2,
         "hot": str(hot.root),
         "manifest": m.to_json(),
     }
@@ -934,5 +934,5 @@ def test_s3_upload_from_a_local_file_holds_no_part_buffers(cold: storage.S3TierS
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = int(proc.stdout.split()[-1])
-    assert peak < 8 * MiB, f"{peak / MiB:.1f} MiB traced at peak"
+    assert peak < (2 + 1) * 8 * MiB + 4 * MiB, f"{peak / MiB:.1f} MiB traced at peak"
     assert cold.verify(m) == []

@@ -67,7 +67,7 @@ Modules, each importing only those listed before it:
 * ``local_fleet``: fleet objects (heartbeats, a lease) in a filesystem several nodes mount, with
   conditional writes built from ``link(2)`` and ``rename(2)`` (a shared hot tier);
 * ``s3_client``: the S3 requests every S3 module builds on (client, errors, secret redaction);
-* ``s3_bodies``: request bodies of uploads (a buffered part, a part re-read from its file);
+* ``s3_bodies``: request bodies of uploads (a part held in a buffer) and the pool of buffers;
 * ``s3_upload``: single-PUT and multipart uploads (and the ``_S3Tier`` surface they drive);
 * ``s3_transfer``: the S3 reader and the S3 sink (marker, files, manifest commit);
 * ``s3_trash``: an S3 tier's trash (server-side copies into and out of it);

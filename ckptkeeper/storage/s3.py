@@ -83,15 +83,14 @@ class S3TierStorage(StagingObjects, FleetObjects, TrashObjects, TierStorage):
     objects its listing did not show as expected."""
     put_concurrency: int = 4
     """One-PUT objects of a checkpoint (files up to :attr:`part_size`) in flight at once while the
-    copy reads and hashes the next file (:meth:`~.s3_transfer._S3Sink.settle`); each is read from
-    its file again while sent, so no buffer is held. Measured in bench/prune_e2e.py (below)."""
+    copy reads and hashes the next file (:meth:`~.s3_transfer._S3Sink.settle`); each is sent from
+    a buffer of its own (at most :attr:`part_size`). Measured in bench/prune_e2e.py (below)."""
     max_inflight: int = 3
     """Parts uploaded concurrently per file.
 
-    From a local file the parts are read from it while they are sent (:class:`~.s3_bodies._FilePart`): memory
-    does not depend on part size or this (bench/s3_transfer.py, 4 x 256 MiB: the transfer adds
-    ~1 MiB to the worker's peak RSS; it added 33 MiB when parts were held in buffers). From other
-    sources part buffers take ≈ (max_inflight + 1) * part_size.
+    Parts are sent from the buffers the copy read and hashed them into (each byte read once,
+    docs/uploads.md): part buffers take ≈ (max_inflight + 1) * part_size. (Parts read from the
+    file again while sent held no buffer, but read and hashed every byte twice.)
 
     Measured against a local moto server, 4 x 256 MiB, with buffered parts: 16 MiB x 4 took 1.39
     client CPU-s/GiB, 8 MiB x 3 1.57 CPU-s/GiB, 5 MiB x 4 1.71 CPU-s/GiB; all at or above boto3's

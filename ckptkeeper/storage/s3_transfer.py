@@ -29,7 +29,7 @@ from ckptkeeper.storage.base import (
     _token,
     log,
 )
-from ckptkeeper.storage.s3_bodies import _PartPool, _rereadable
+from ckptkeeper.storage.s3_bodies import _PartPool
 from ckptkeeper.storage.s3_upload import _S3FileWriter, _S3Tier
 from ckptkeeper.util import hashing
 
@@ -191,10 +191,13 @@ class _S3Sink:
             tier._delete_keys([m for m in superseded if m != self.marker])
 
     def open_file(self, entry: FileEntry, source: _Reader | None = None) -> _FileWriter:
+        """A writer of ``entry``'s object. ``source`` is not read: what is stored is exactly the
+        bytes written (read and hashed once by the copy, checked against the manifest before the
+        writer finishes), never the file read again."""
         key = f"{self.key}/{entry.path}" if entry.path else self.key
         self._note_landed()
         self.writer = _S3FileWriter(
-            self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool, _rereadable(source)
+            self.tier, key, entry, f"{self.tier.name}:{self.rel}/{entry.path}", self.pool
         )
         self.writer.on_upload = self._upload_started
         self.writer.resume = self.resumable.pop(key, None)

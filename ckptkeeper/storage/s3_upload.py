@@ -1,6 +1,6 @@
 """Uploads to S3: one object per file, a single PUT or a multipart upload, each body carrying
-the CRC32 of the bytes that were hashed; parts read back from the local file while they are sent,
-or sent from the buffers the copy read them into (a copy that hashes them on the way).
+the CRC32 of the bytes that were hashed, sent from the very buffers the copy read and hashed
+(each byte read once: docs/uploads.md).
 
 Also the :class:`_S3Tier` surface through which this module and :mod:`.s3_transfer` drive the
 backend, so that neither imports it (``s3.py`` builds on both).
@@ -21,7 +21,7 @@ from ckptkeeper.storage.base import (
     _describe,
     log,
 )
-from ckptkeeper.storage.s3_bodies import _crc32_b64, _FilePart, _PartPool, _PartStream
+from ckptkeeper.storage.s3_bodies import _crc32_b64, _PartPool, _PartStream
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
@@ -70,13 +70,12 @@ class _S3Tier(Protocol):
 class _S3FileWriter:
     """Streams one object: a single PUT if it fits in one part, else a multipart upload.
 
-    At most ``max_inflight`` parts upload concurrently on fsspec's IO loop. From a local file
-    (``source``) a part is read from the file again while it is sent (:class:`_FilePart`): no
-    part is held in memory, and each byte is copied once more, 256 KiB at a time, on its way to
-    the socket. Without one (another tier's object; or a copy that hashes the file on the way,
-    which reads each byte once: docs/uploads.md) the part being filled and the parts in flight
-    are held in buffers of the copy's :class:`_PartPool` (``(max_inflight + 1) * part_size``),
-    and a one-PUT object in a buffer of its own. Every request carries the CRC32 of its body,
+    At most ``max_inflight`` parts upload concurrently on fsspec's IO loop. The part being
+    filled and the parts in flight are held in buffers of the copy's :class:`_PartPool`
+    (``(max_inflight + 1) * part_size``), and a one-PUT object in a buffer of its own: what is
+    sent is exactly the bytes the copy read and hashed, never the file read again (each byte is
+    read once, and a file changed after it was read cannot slip other bytes under the CRC32 and
+    hash of the ones read: docs/uploads.md). Every request carries the CRC32 of its body,
     computed here from the bytes that were hashed.
     """
 
@@ -87,15 +86,12 @@ class _S3FileWriter:
         entry: FileEntry,
         where: str,
         pool: _PartPool,
-        source: io.FileIO | None = None,
     ) -> None:
         self.tier = tier
         self.key = key
         self.entry = entry
         self.where = where
         self.pool = pool
-        self.source = source
-        """Our own handle on the local source file (closed by finish/abort), or None: buffered."""
         self.part_size = tier._part_size_for(entry.size)
         self.single = entry.size <= self.part_size
         """The whole object fits in one part: one PUT, no multipart upload."""
@@ -105,7 +101,6 @@ class _S3FileWriter:
         self.offset = 0
         """Where the part being filled starts in the file."""
         self.crc = 0
-        self.part_hash: hashing.Hasher | None = None
         self.upload_id: str | None = None
         self.next_part = 1
         self.parts: list[dict[str, Any]] = []
@@ -139,8 +134,8 @@ class _S3FileWriter:
         self.in_background = False
         """Set by a sink that lets a one-PUT object go on while the next file is read
         (:meth:`_S3Sink.open_file`): :meth:`finish` then only sends the PUT, and :meth:`settle`
-        waits for its answer. Needs ``defer_check``; the body is read from the file again, or
-        held in its own buffer (at most the part size) while the request is in flight."""
+        waits for its answer. Needs ``defer_check``; the body is held in its own buffer (at most
+        the part size) while the request is in flight."""
         self.put: tuple[Future[Any], str] | None = None
         """The one-PUT request in flight and the CRC32 it carries, until :meth:`settle`."""
         self.content = hashing.new_hasher()
@@ -166,15 +161,11 @@ class _S3FileWriter:
             take = view[:n]
             if self.done is not None:
                 pass  # the store holds this object already: its bytes are only checked
-            elif self.source is None:
+            else:
                 if self.buf is None:
                     # a one-PUT object's buffer is its own (sizes vary: a pool would keep them all)
                     self.buf = bytearray(self.capacity) if self.single else self.pool.get(self.capacity)
                 self.buf[self.filled : self.filled + n] = take
-            else:
-                if self.part_hash is None:
-                    self.part_hash = hashing.new_hasher()
-                self.part_hash.update(take)
             self.crc = hashing.crc32(take, self.crc)
             if self.stored_parts:
                 self._md5_for_reuse(take)
@@ -186,19 +177,12 @@ class _S3FileWriter:
                 else:
                     self._send_part()
 
-    def _take_part(self) -> tuple[_PartStream | _FilePart, int, bytearray | None]:
-        """The body of the part filled so far, its CRC32 and its buffer (None: read from the file)."""
-        body: _PartStream | _FilePart
-        buf: bytearray | None = None
-        if self.source is None:
-            buf = self.buf if self.buf is not None else bytearray(0)
-            body = _PartStream(buf, self.filled)
-        else:
-            digest = (self.part_hash or hashing.new_hasher()).hexdigest()
-            body = _FilePart(self.source, self.offset, self.filled, digest, self.where)
-        taken = (body, self.crc, buf)
+    def _take_part(self) -> tuple[_PartStream, int, bytearray]:
+        """The body of the part filled so far, its CRC32 and its buffer."""
+        buf = self.buf if self.buf is not None else bytearray(0)
+        taken = (_PartStream(buf, self.filled), self.crc, buf)
         self.offset += self.filled
-        self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
+        self.buf, self.filled, self.crc = None, 0, 0
         return taken
 
     def resume_record(self) -> dict[str, Any] | None:
@@ -303,7 +287,7 @@ class _S3FileWriter:
         self.part_crcs[number] = self.crc
         self.parts.append({"PartNumber": number, "ETag": stored[1], "ChecksumCRC32": crc})
         self.offset += self.filled
-        self.buf, self.filled, self.crc, self.part_hash = None, 0, 0, None
+        self.buf, self.filled, self.crc = None, 0, 0
         self.next_part += 1
         self.reused += 1
         return True
@@ -330,8 +314,7 @@ class _S3FileWriter:
     async def _send(self, method: str, body: io.BytesIO, crc: str, **kwargs: Any) -> Any:
         """One body-carrying request (UploadPart, or the PutObject of a one-part object) with
         s3fs's retry policy, rewinding the stream before every attempt: s3fs's own retry loop
-        would resend a half-consumed one (botocore's retries rewind it too). A body whose file
-        changed under it is not retried: it fails with its own error. The request gets the same
+        would resend a half-consumed one (botocore's retries rewind it too). The request gets the same
         extra arguments s3fs adds to its own calls (``s3_additional_kwargs``, requester pays)."""
         import asyncio
 
@@ -362,7 +345,6 @@ class _S3FileWriter:
             try:
                 return await call(**request)
             except Exception as exc:
-                _raise_body_failure(body, exc)
                 attempt += 1
                 if not isinstance(exc, retryable) or attempt >= fs.retries:
                     raise
@@ -396,8 +378,8 @@ class _S3FileWriter:
     @property
     def backgrounded(self) -> bool:
         """This object's PUT is sent by :meth:`finish` and answered at :meth:`settle` (from a
-        buffer of its own, when it has no file to read again: at most ``put_concurrency`` one-PUT
-        objects are held, none above the part size)."""
+        buffer of its own: at most ``put_concurrency`` one-PUT objects are held, none above the
+        part size)."""
         return self.in_background and self.defer_check and self.single
 
     def finish(self) -> None:
@@ -503,7 +485,6 @@ class _S3FileWriter:
             self.trusted = False
         elif not _same_checksum(stored, expected):
             raise VerificationError(f"{self.where}: stored CRC32 {stored} != {expected} of the bytes sent")
-        self._close_source()
 
     def _stored_unchecked(self, resp: Mapping[str, Any], expected: str) -> bool:
         """Check a one-PUT answer; True if the object counts as stored, its presence and size left
@@ -514,7 +495,6 @@ class _S3FileWriter:
             # it holds the object, at this size, is checked with its siblings' before commit.
             self.etag = str(resp["ETag"])
             self.unchecked = True
-            self._close_source()
             return True
         return False
 
@@ -524,16 +504,8 @@ class _S3FileWriter:
             return
         future, expected = self.put
         self.put = None
-        try:
-            if not self._stored_unchecked(future.result(), expected):
-                self._check_stored(expected)  # an answer without an ETag: ask the store
-        except BaseException:
-            self._close_source()  # the sink no longer holds this writer: nothing else would
-            raise
-
-    def _close_source(self) -> None:
-        if self.source is not None:
-            self.source.close()  # a straggling read then fails (closed file), never reads another
+        if not self._stored_unchecked(future.result(), expected):
+            self._check_stored(expected)  # an answer without an ETag: ask the store
 
     def abort(self) -> None:
         """Stop this object's requests. A PUT still in flight is let finish (one request, bounded
@@ -555,7 +527,6 @@ class _S3FileWriter:
         concurrent.futures.wait([f for _, _, f, _ in self.pending], timeout=60)
         self.pending.clear()  # their buffers are dropped, not reused: a cancelled send may hold them
         self.buf, self.filled = None, 0
-        self._close_source()
         if self.upload_id is not None:
             try:
                 self.tier._call(
@@ -568,13 +539,6 @@ class _S3FileWriter:
                     self.tier._redact(_describe(exc)),
                 )
             self.upload_id = None
-
-
-def _raise_body_failure(body: io.BytesIO, exc: BaseException) -> None:
-    """Surface a file part's own verdict; the HTTP stack reports it as a connection error."""
-    failure = getattr(body, "failure", None)
-    if failure is not None:
-        raise failure from exc
 
 
 def _same_checksum(stored: str, expected: str) -> bool:
