@@ -461,7 +461,10 @@ class Executor(TrashSteps):
             self._trace(action, started, error=str(exc))
             raise
         self._crash.hit("copy-committed")
-        with self.index.transaction():
+        # Not flushed: a power cut that loses it leaves the copy committed with its journal entry
+        # open, which recovery treats as above (the listing records it); a delete of the source
+        # begins with a durable journal entry, which flushes this commit first.
+        with self.index.transaction(durable=False):
             row_id = record(hashed)
             if row_id is not None:
                 self.index.set_location(row_id, action.to_tier, hashed.digest, scrubbed_at=time.time())
@@ -605,7 +608,10 @@ class Executor(TrashSteps):
         self._crash.hit("remove-journaled")
         freed = storage.delete(action.path)
         self._crash.hit("remove-done")
-        with self.index.transaction():
+        # Not flushed (nothing irreversible waits on it): a power cut that loses it leaves the
+        # journal entry open, and recovery finishes the removal (_recover_removal); the next
+        # durable commit, or the close of the index, flushes it.
+        with self.index.transaction(durable=False):
             if row is not None:
                 self.index.remove_location(row.id, action.tier)
             self._add_reclaimed(action.tier, reason, freed or action.bytes)
