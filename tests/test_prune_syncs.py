@@ -38,6 +38,8 @@ STRACE = shutil.which("strace")
 needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed (.ci/syncs.sh)")
 
 _CALL = re.compile(r"^\d+\s+(?P<call>\w+)\((?P<args>.*)\)\s+=\s+(?P<ret>-?\d+)")
+_UNFINISHED = re.compile(r"^(?P<tid>\d+)\s+(?P<call>\w+)\((?P<args>.*) <unfinished \.\.\.>$")
+_RESUMED = re.compile(r"^(?P<tid>\d+)\s+<\.\.\. \w+ resumed>.*\)\s+=\s+(?P<ret>-?\d+)")
 
 
 @pytest.fixture
@@ -128,12 +130,18 @@ def _traced_prune(config: Path, out: Path) -> list[tuple[str, str]]:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    calls = []
+    calls: list[tuple[str, str, str]] = []  # in the order they started: (call, arguments, result)
+    started: dict[str, int] = {}  # thread id -> its call that another thread's line interrupted
     for line in out.read_text().splitlines():
-        m = _CALL.match(line)
-        if m and m["ret"] != "-1":
-            calls.append((m["call"], m["args"]))
-    return calls
+        if m := _CALL.match(line):
+            calls.append((m["call"], m["args"], m["ret"]))
+        elif m := _UNFINISHED.match(line):
+            started[m["tid"]] = len(calls)
+            calls.append((m["call"], m["args"], ""))
+        elif (m := _RESUMED.match(line)) and m["tid"] in started:
+            i = started.pop(m["tid"])
+            calls[i] = (*calls[i][:2], m["ret"])
+    return [(call, args) for call, args, ret in calls if ret not in ("", "-1")]
 
 
 def _flushes(calls: list[tuple[str, str]]) -> list[str]:
@@ -159,6 +167,7 @@ def test_a_move_flushes_the_copy_and_the_delete_s_journal_entry_before_touching_
     before = [args for call, args in calls[:first] if call in ("fsync", "fdatasync")]
     assert any("model.safetensors" in a and str(warm) in a for a in before), before
     assert any("optimizer.pt" in a and str(warm) in a for a in before), before
+    assert any("ckptkeeper-manifest.json" in a and str(warm) in a for a in before), before
     # the copy renamed into place, then its directory flushed, then the journal's log
     commit = max(
         i

@@ -406,17 +406,39 @@ class _LocalSink:
                 os.close(fd)
         self.dir_fds.clear()
 
+    def _sync_contents(self) -> None:
+        while self.unsynced:  # file data first, then the directory entries naming the files
+            self._sync_oldest()
+        # deepest first: a directory entry is durable once its parent directory is synced
+        for parts in sorted(self.dir_fds, key=len, reverse=True):
+            os.fsync(self.dir_fds[parts])
+        self._close_dirs()
+
+    def _commit_manifest(self, manifest: Manifest) -> None:
+        """Flush the copy and, beside it, the manifest under a staging name (two flushes that
+        depend on nothing but each other's end: see :func:`_alongside`); then rename the manifest
+        into place, once both are durable."""
+        staged: list[str] = []
+
+        def stage() -> None:
+            staged.append(_stage_file(self.parent_fd, self.manifest_name, manifest.to_json().encode()))
+
+        try:
+            _alongside(stage, self._sync_contents)
+            os.rename(staged[0], self.manifest_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        except BaseException:
+            for tmp in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=self.parent_fd)
+            raise
+        self.manifest_written = True
+
     def commit(self, manifest: Manifest) -> None:
         try:
-            while self.unsynced:  # file data first, then the directory entries naming the files
-                self._sync_oldest()
-            # deepest first: a directory entry is durable once its parent directory is synced
-            for parts in sorted(self.dir_fds, key=len, reverse=True):
-                os.fsync(self.dir_fds[parts])
-            self._close_dirs()
             if self.with_manifest:
-                _write_file_atomic(self.parent_fd, self.manifest_name, manifest.to_json().encode())
-                self.manifest_written = True
+                self._commit_manifest(manifest)
+            else:
+                self._sync_contents()
             if _exists_at(self.parent_fd, self.name):
                 raise StorageError(f"{self.root}/{self.rel} appeared during the copy; not overwriting it")
             os.rename(self.staging, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
