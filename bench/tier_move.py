@@ -11,6 +11,9 @@ shell commands a cron job would use.
   disk, against ``cp -r`` + ``sync`` + ``rm -rf``; and what it reads per byte moved: ``rchar`` of
   the whole process from ``/proc/<pid>/io``, read while it is a zombie (before this change: 2.0x,
   the catalog's hash and then the copy). Run as installed: bytecode compiled, after a warm-up.
+  At least 7 rounds, each a pair taken back to back in alternating order; the row's ratio is the
+  median of the pairs' ratios (the ratio of the medians, the range and the load average are in
+  its note): on a shared box a change of load then hits both sides of a pair.
 * same filesystem: hot and warm on disk. Baseline: ``mv`` + ``sync`` of both parent directories,
   the durable equivalent of what the executor does (a bare ``mv`` flushes nothing and
   is shown for information only). ckptkeeper: the executor's rename path. The three sides rotate
