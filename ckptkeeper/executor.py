@@ -443,7 +443,13 @@ class Executor(TrashSteps):
         assert action.action is ActionKind.COPY and action.tier == self.hot and action.to_tier
         started = time.monotonic()
         src, dst = self.storage(action.tier), self.storage(action.to_tier)
-        entry = self.index.journal_begin(action.to_dict(), "copying", {"version": None, "hashing": True})
+        # The intent is committed at once and flushed beside the copy, durable before the copy is
+        # committed (copy_from's before_commit), as a rename's is beside its manifest: a power cut
+        # before that leaves staging only, which recovery and list_staging clean.
+        entry = self.index.journal_begin(
+            action.to_dict(), "copying", {"version": None, "hashing": True}, durable=False
+        )
+        flush = _Beside(self.index.sync_wal)
         self._crash.hit("copy-journaled")
         total, done = manifest.total_bytes, 0
 
@@ -455,7 +461,12 @@ class Executor(TrashSteps):
             self._crash.hit("copy-progress")
 
         try:
-            hashed = dst.copy_from(src, manifest, progress=on_bytes, fingerprints=fingerprints).manifest
+            try:
+                hashed = dst.copy_from(
+                    src, manifest, progress=on_bytes, fingerprints=fingerprints, before_commit=flush.wait
+                ).manifest
+            finally:
+                flush.join()
         except BaseException as exc:
             self.index.journal_done(entry, "failed")
             self._trace(action, started, error=str(exc))
@@ -643,6 +654,29 @@ class Executor(TrashSteps):
             return _newest_mtime(str(run_dir / row.name)) != row.last_write
         written = cand.last_write if self.trust_mtimes else max(cand.last_write, cand.changed_at)
         return written != row.last_write or cand.bytes != row.bytes
+
+
+class _Beside:
+    """``fn`` running in a thread from now on; :meth:`wait` joins it and raises what it raised."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="ckptkeeper-flush", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # raised by wait()
+            self._errors.append(exc)
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
 
 
 def _newest_mtime(path: str) -> float | None:
