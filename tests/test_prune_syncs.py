@@ -3,7 +3,7 @@
 
 * A move flushes the copy (every file, its directories, the manifest, the rename into place) and a
   journal entry for the delete before the first change to the source.
-* A pass with nothing to do flushes only the index's close (SQLite's checkpoint of its log): the
+* A pass with nothing to do flushes only what SQLite itself flushes (a new log, the close): the
   catalog's commits are re-derived from the tiers by the next pass and are not flushed one by one.
 
 And the delete of a checkpoint's large files, unlinked beside each other, frees what it reports.
@@ -186,8 +186,8 @@ def test_an_idle_pass_flushes_only_the_close_of_the_index(shm: Path, tmp_path: P
     calls = _traced_prune(config, tmp_path / "idle.strace")
 
     flushes = _flushes(calls)
-    # SQLite's checkpoint when the index closes: its log (twice), the log's directory, the
-    # database. Before, every catalog commit flushed the log as well: 7 in all.
+    # SQLite's own: a new log's header and its directory at the first commit, the log and the
+    # database at the close. Before, every catalog commit flushed the log as well: 7 in all.
     assert len(flushes) <= 4, flushes
     assert all("index.db" in a or a.rstrip(">").endswith("/state") for a in flushes), flushes
     assert not [args for call, args in calls if call.startswith(("rename", "unlink")) and str(hot) in args]

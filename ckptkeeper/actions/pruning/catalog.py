@@ -13,8 +13,8 @@ The index's flushes: what a reconcile writes is re-derived from the tiers by the
 ``ckptkeeper prune`` commits it without an fsync each (``Index.deferred_flush``; ``kill -9`` loses
 none of it). Nothing irreversible waits on it: every step of the executor begins with a durable
 journal entry, which flushes every earlier commit with it (the write-ahead log is sequential), and
-the close of the index flushes the rest. An idle pass went from 7 flushes to the 4 of SQLite's
-checkpoint at the close (its log twice, the log's directory, the database).
+the close of the index flushes the rest. An idle pass went from 7 flushes to SQLite's own 4: the
+header of a new log and its directory at the first commit, the log and the database at the close.
 """
 
 from __future__ import annotations
