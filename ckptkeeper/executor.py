@@ -446,7 +446,13 @@ class Executor(TrashSteps):
         assert action.action is ActionKind.COPY and action.tier == self.hot and action.to_tier
         started = time.monotonic()
         src, dst = self.storage(action.tier), self.storage(action.to_tier)
-        entry = self.index.journal_begin(action.to_dict(), "copying", {"version": None, "hashing": True})
+        # The intent is committed at once and flushed beside the copy, durable before the copy is
+        # committed (copy_from's before_commit), as a rename's is beside its manifest: a power cut
+        # before that leaves staging only, which recovery and list_staging clean.
+        entry = self.index.journal_begin(
+            action.to_dict(), "copying", {"version": None, "hashing": True}, durable=False
+        )
+        flush = _Beside(self.index.sync_wal)
         self._crash.hit("copy-journaled")
         total, done = manifest.total_bytes, 0
 
@@ -458,13 +464,21 @@ class Executor(TrashSteps):
             self._crash.hit("copy-progress")
 
         try:
-            hashed = dst.copy_from(src, manifest, progress=on_bytes, fingerprints=fingerprints).manifest
+            try:
+                hashed = dst.copy_from(
+                    src, manifest, progress=on_bytes, fingerprints=fingerprints, before_commit=flush.wait
+                ).manifest
+            finally:
+                flush.join()
         except BaseException as exc:
             self.index.journal_done(entry, "failed")
             self._trace(action, started, error=str(exc))
             raise
         self._crash.hit("copy-committed")
-        with self.index.transaction():
+        # Not flushed: a power cut that loses it leaves the copy committed with its journal entry
+        # open, which recovery treats as above (the listing records it); a delete of the source
+        # begins with a durable journal entry, which flushes this commit first.
+        with self.index.transaction(durable=False):
             row_id = record(hashed)
             if row_id is not None:
                 self.index.set_location(row_id, action.to_tier, hashed.digest, scrubbed_at=time.time())
@@ -608,7 +622,10 @@ class Executor(TrashSteps):
         self._crash.hit("remove-journaled")
         freed = storage.delete(action.path)
         self._crash.hit("remove-done")
-        with self.index.transaction():
+        # Not flushed (nothing irreversible waits on it): a power cut that loses it leaves the
+        # journal entry open, and recovery finishes the removal (_recover_removal); the next
+        # durable commit, or the close of the index, flushes it.
+        with self.index.transaction(durable=False):
             if row is not None:
                 self.index.remove_location(row.id, action.tier)
             self._add_reclaimed(action.tier, reason, freed or action.bytes)
@@ -640,6 +657,29 @@ class Executor(TrashSteps):
             return _newest_mtime(str(run_dir / row.name)) != row.last_write
         written = cand.last_write if self.trust_mtimes else max(cand.last_write, cand.changed_at)
         return written != row.last_write or cand.bytes != row.bytes
+
+
+class _Beside:
+    """``fn`` running in a thread from now on; :meth:`wait` joins it and raises what it raised."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="ckptkeeper-flush", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # raised by wait()
+            self._errors.append(exc)
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
 
 
 def _newest_mtime(path: str) -> float | None:

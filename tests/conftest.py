@@ -392,6 +392,7 @@ TEST_KINDS: dict[str, str] = {
     "test_tiering_e2e": "e2e",
     "test_hot_once": "e2e",
     "test_hot_once_s3": "e2e",
+    "test_prune_syncs": "e2e",
     "test_max_rate": "integration",
     "test_dedup": "e2e",
     "test_dedup_compression": "e2e",

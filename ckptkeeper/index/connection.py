@@ -68,6 +68,8 @@ class Connection:
         self._wal = False
         """In WAL mode: a commit may skip its flush (``transaction(durable=False)``) and
         :meth:`sync_wal` flush it later, exactly what ``synchronous = FULL`` does at the commit."""
+        self._deferring = threading.local()
+        """Per thread: inside :meth:`deferred_flush` (its depth)."""
         if not readonly:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
@@ -185,6 +187,8 @@ class Connection:
         clone.reconcile_lock = threading.RLock()
         clone._db = mem
         clone._identity = None
+        clone._wal = False
+        clone._deferring = threading.local()
         mem.row_factory = sqlite3.Row
         mem.execute("PRAGMA foreign_keys = ON")
         try:
@@ -212,7 +216,7 @@ class Connection:
                 yield
                 return
             self.check_identity()
-            lazy = not durable and self._wal
+            lazy = (not durable or self._deferred()) and self._wal
             if lazy:
                 self._db.execute("PRAGMA synchronous = NORMAL")
             try:
@@ -233,6 +237,23 @@ class Connection:
             finally:
                 if lazy:
                     self._db.execute("PRAGMA synchronous = FULL")
+
+    @contextmanager
+    def deferred_flush(self) -> Iterator[None]:
+        """Within this block every commit of this thread skips its flush, as
+        ``transaction(durable=False)`` does (autocommitted writes included); other threads' commits
+        are untouched. For writes that recovery re-derives from the tiers (a catalog reconcile): a
+        power cut may lose them, ``kill -9`` does not, and the next durable commit (an executor's
+        journal entry, before anything irreversible) or the close of the index flushes them too."""
+        depth = getattr(self._deferring, "depth", 0)
+        self._deferring.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._deferring.depth = depth
+
+    def _deferred(self) -> bool:
+        return getattr(self._deferring, "depth", 0) > 0
 
     def sync_wal(self) -> None:
         """Make every commit so far durable: fsync the write-ahead log, the very flush
@@ -277,5 +298,8 @@ class Connection:
         """
         with self._lock:
             if not self._db.in_transaction and sql.lstrip()[:7].upper().startswith(_WRITES):
+                if self._deferred():  # its own commit, without the flush (deferred_flush)
+                    with self.transaction(durable=False):
+                        return _Result(self._db.execute(sql, params))
                 self.check_identity()  # a write into a deleted or replaced file is lost
             return _Result(self._db.execute(sql, params))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -210,6 +210,7 @@ class TierStorage:
         progress: Progress | None = None,
         replace_damaged: bool = False,
         fingerprints: Mapping[str, Fingerprint] | None = None,
+        before_commit: Callable[[], object] | None = None,
     ) -> Copied:
         """Copy checkpoint ``manifest`` from ``src`` into this tier, verified and committed; return
         the manifest committed and, when this tier compresses, what it stored (raw and stored
@@ -230,6 +231,9 @@ class TierStorage:
         ignored) and each file must keep its fingerprint from before its first byte is read until
         the copy is committed, or :class:`VerificationError`: it changed since it was cataloged.
         The manifest committed (and returned) carries the hashes computed.
+
+        ``before_commit``: called once every byte is written and checked, right before the copy is
+        committed (the caller's journal flush, run beside the copy: it must be durable first).
         """
         _check_manifest(manifest)
         manifest = compressed.raw_form(
@@ -287,6 +291,8 @@ class TierStorage:
                 if fingerprints is not None:
                     _check_unchanged(src, rel, manifest, fingerprints)
                     manifest = dataclasses.replace(manifest, files=tuple(hashed))
+            if before_commit is not None:
+                before_commit()
             sink.commit(manifest)
         except BaseException as exc:
             sink.abort()
