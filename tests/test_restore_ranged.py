@@ -421,3 +421,44 @@ def test_a_refused_get_fails_the_restore_naming_the_object_and_leaves_nothing(
     assert code == 1, out
     assert "part-07.bin" in out and "AccessDenied" in out
     _nothing_restored(dest)
+
+
+def test_a_process_keeping_buffers_restores_one_checkpoint_after_another_byte_identical(
+    tmp_path: Path, store: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon keeps its range buffers between restores (``keep_buffers``): a second restore,
+    of other bytes, into buffers that still hold the first's, is byte-identical, and a range the
+    store changed still fails it with nothing left. Idle, the buffers are given back."""
+    monkeypatch.setattr(s3_get, "_BUFFERS", s3_get._Buffers())
+    monkeypatch.setattr(s3_get, "_buffer", s3_get._BUFFERS.take)
+    monkeypatch.setattr(s3_get, "_give_back", s3_get._BUFFERS.give_back)
+    s3_get.keep_buffers()
+    bucket, options = store
+    first = Node(tmp_path / "a", bucket, options["endpoint_url"], {"model.bin": 2 * 2**20 + 7})
+    code, out = first.restore(tmp_path / "restored-a")
+    assert code == 0, out
+    assert _tree(tmp_path / "restored-a" / CKPT) == first.original
+    kept = s3_get.kept_buffer_bytes()
+    assert kept >= RANGE  # what the restore used is kept for the next one
+    files = {"model.bin": 2 * 2**20 + 3, **{f"shard/part-{i}.bin": 1 + i * 4099 for i in range(40)}}
+    other, other_bucket = tmp_path / "b", f"{bucket}-b"
+    s3 = _client(options["endpoint_url"])
+    s3.create_bucket(Bucket=other_bucket)
+    node = Node(other, other_bucket, options["endpoint_url"], files)
+    code, out = node.restore(other / "restored")
+    assert code == 0, out
+    assert _tree(other / "restored" / CKPT) == node.original
+    assert (
+        s3_get.kept_buffer_bytes()
+        <= (s3_get.WORKERS + s3_get.AHEAD) * RANGE + s3_get.SMALL_WORKERS * s3_get.SMALL_OBJECT
+    )
+    key = node.key("model.bin")
+    body = bytearray(s3.get_object(Bucket=other_bucket, Key=key)["Body"].read())
+    body[RANGE * 3 + 5] ^= 0xFF  # a range in the middle: the buffer it lands in held good bytes before
+    s3.put_object(Bucket=other_bucket, Key=key, Body=bytes(body))
+    code, out = node.restore(other / "again")
+    assert code != 0, out
+    _nothing_restored(other / "again")
+    assert s3_get.release_idle_buffers(3600.0) == 0  # used just now: kept
+    assert s3_get.release_idle_buffers(0.0) > 0
+    assert s3_get.kept_buffer_bytes() == 0

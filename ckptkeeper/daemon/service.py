@@ -56,6 +56,7 @@ from ckptkeeper.daemon.logbridge import bridge_stdlib_logging
 from ckptkeeper.daemon.prune_job import PruneJob
 from ckptkeeper.daemon.schedule import JOB_IDS, intervals, make_scheduler, reschedule
 from ckptkeeper.daemon.sdnotify import WatchdogPinger, notify, watchdog_interval
+from ckptkeeper.storage import s3_get
 from ckptkeeper.util import logs
 from ckptkeeper.util.fmt import format_duration, human_age
 from ckptkeeper.util.lock import DaemonLock, LockHeld
@@ -80,6 +81,8 @@ PROMPT_RETENTION_DELAY = 2.0
 """New complete checkpoints within this window share one prompt retention pass."""
 STATUS_INTERVAL = 30.0
 WATCHER_RESTART_BACKOFF = 30.0
+RESTORE_BUFFERS_IDLE = 60.0
+"""Seconds without a restore after which the range buffers kept for the next one are given back."""
 
 
 def _release_memory() -> None:
@@ -241,6 +244,7 @@ class Daemon(PruneJob):
             self.scheduler.start()
             self._starting = False
             self._serve_restores(settings)
+            s3_get.keep_buffers()  # restore after restore (a job's pre-stage, a requeue) skips their first touch
             _freeze_startup_heap()
             notify("READY=1\n" + self._status_line())
             log.info("ready", observer="polling" if self.watcher.polling else "inotify")
@@ -260,6 +264,7 @@ class Daemon(PruneJob):
                 self._reload_requested = False
                 self.reload()
             self._check_health()
+            s3_get.release_idle_buffers(RESTORE_BUFFERS_IDLE)
             if time.monotonic() - last_status >= STATUS_INTERVAL:
                 notify(self._status_line())
                 last_status = time.monotonic()
