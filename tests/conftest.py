@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,12 @@ import pytest
 
 _SESSION_THREADS: set[threading.Thread] = set()
 """Threads of session-scoped fixtures: they may start inside any test (lazy fixtures), not leaks."""
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A suite a script started in the background (``( pytest & )``) inherits Ctrl-C ignored, and
+    # so would every process it starts (an ignored signal stays ignored across exec): the tests
+    # that press Ctrl-C on a restore would wait for nothing. A handled one is reset at exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # --------------------------------------------------------------------------------------------
 # the validated-config cache (ckptkeeper.config_cache)
