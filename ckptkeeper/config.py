@@ -32,8 +32,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ckptkeeper.config_cache import CONFIG_ENV as CONFIG_ENV
 from ckptkeeper.config_cache import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from ckptkeeper.config_cache import TIERS_ENV as TIERS_ENV
+from ckptkeeper.config_cache import is_local_url, local_path_of, tier_spec
 from ckptkeeper.config_cache import resolve_config_path as resolve_config_path
-from ckptkeeper.config_cache import tier_spec
 from ckptkeeper.config_checks import ENV_PREFIX, env_problems, env_variables, tier_problems
 from ckptkeeper.core.model import ReaperPolicy, TierSpec
 from ckptkeeper.util.fmt import format_duration
@@ -255,11 +255,11 @@ class TierConfig(_Strict):
 
     @property
     def is_local(self) -> bool:
-        return "://" not in self.url or self.url.startswith("file://")
+        return is_local_url(self.url)
 
     @property
     def local_path(self) -> Path:
-        return Path(self.url.removeprefix("file://"))
+        return local_path_of(self.url)
 
     def to_spec(self) -> TierSpec:
         return tier_spec(self)

@@ -44,7 +44,9 @@ __all__ = [
     "TIERS_ENV",
     "SettingsView",
     "cache_path",
+    "is_local_url",
     "load_view",
+    "local_path_of",
     "remember",
     "resolve_config_path",
     "tier_spec",
@@ -156,14 +158,24 @@ class _Section:
         raise AttributeError(f"{type(self).__name__} has no {name!r}")
 
 
+def is_local_url(url: str) -> bool:
+    """A tier URL naming a local directory (a path, or ``file://``)."""
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path_of(url: str) -> Path:
+    """The directory a local tier URL names."""
+    return Path(url.removeprefix("file://"))
+
+
 class TierView(_Section):
     @property
     def is_local(self) -> bool:
-        return "://" not in self.url or self.url.startswith("file://")
+        return is_local_url(self.url)
 
     @property
     def local_path(self) -> Path:
-        return Path(self.url.removeprefix("file://"))
+        return local_path_of(self.url)
 
     def to_spec(self) -> TierSpec:
         return tier_spec(self)
