@@ -157,6 +157,20 @@ class SlurmCluster:
             time.sleep(0.1)
         raise TimeoutError(f"{count} {kind} of job {job_id} did not run: {self.hook_exits(job_id)}")
 
+    def wait_node_state(self, node: str, *states: str, timeout: float = 60) -> str:
+        """Poll until ``sinfo`` shows ``node`` in one of ``states``; its ``%t %E`` line then.
+
+        A hook's exit is in ``hooks.log`` before slurmd has told slurmctld about it, so a node's
+        state after a failing Prolog has to be waited for, not read once."""
+        deadline = time.monotonic() + timeout
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.run("sinfo", "-h", "-n", node, "-o", "%t %E", check=False).strip()
+            if line and line.split()[0] in states:
+                return line
+            time.sleep(0.1)
+        raise TimeoutError(f"node {node} not in {states} after {timeout}s: {line!r}\n{self.logs()}")
+
     def drained(self) -> list[str]:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
         return [line for line in out.splitlines() if re.search(r"drain|drng|drng|down", line)]

@@ -54,8 +54,7 @@ def test_a_failing_preflight_drains_the_node_and_the_job_runs_elsewhere(tmp_path
         assert start["preflight"]["refused"] is True
         assert start["preflight"]["failed"][0].startswith("hot_capacity: needs 1000000 kept")
         # Slurm's answer to a failing Prolog: the node is drained, the job requeued (held).
-        drained = cluster.run("sinfo", "-h", "-n", "n1", "-o", "%t %E")
-        assert drained.split()[0] in ("drain", "drng"), drained
+        drained = cluster.wait_node_state("n1", "drain", "drng")
         assert "Prolog" in drained or "prolog" in drained, drained
         info = cluster.wait(job, "PENDING")
         assert int(info["Restarts"]) >= 1, info
