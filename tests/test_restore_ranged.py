@@ -27,6 +27,8 @@ import pytest
 from builders import local_tier, s3_tier, write_config
 from click.testing import CliRunner
 from faultproxy import FaultProxy, Request
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckptkeeper.cli import main
 from ckptkeeper.storage import s3_fetch, s3_get
@@ -36,12 +38,15 @@ STEP = 100
 CKPT = f"checkpoint-{STEP}"
 RANGE = 64 * 1024
 """A small range size for the tests, so a few MiB already span more ranges than the window."""
+CHUNK = 16 * 1024
+"""A small buffer, so each range streams through several and a few MiB fill the room ahead."""
 
 
 @pytest.fixture(autouse=True)
 def _small_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(s3_fetch, "RANGE_SIZE", RANGE)
     monkeypatch.setattr(s3_get, "RANGE_SIZE", RANGE)
+    monkeypatch.setattr(s3_get, "CHUNK", CHUNK)
 
 
 def _client(endpoint: str) -> Any:
@@ -439,7 +444,7 @@ def test_a_process_keeping_buffers_restores_one_checkpoint_after_another_byte_id
     assert code == 0, out
     assert _tree(tmp_path / "restored-a" / CKPT) == first.original
     kept = s3_get.kept_buffer_bytes()
-    assert kept >= RANGE  # what the restore used is kept for the next one
+    assert kept >= CHUNK  # what the restore used is kept for the next one
     files = {"model.bin": 2 * 2**20 + 3, **{f"shard/part-{i}.bin": 1 + i * 4099 for i in range(40)}}
     other, other_bucket = tmp_path / "b", f"{bucket}-b"
     s3 = _client(options["endpoint_url"])
@@ -448,10 +453,7 @@ def test_a_process_keeping_buffers_restores_one_checkpoint_after_another_byte_id
     code, out = node.restore(other / "restored")
     assert code == 0, out
     assert _tree(other / "restored" / CKPT) == node.original
-    assert (
-        s3_get.kept_buffer_bytes()
-        <= (s3_get.WORKERS + s3_get.AHEAD) * RANGE + s3_get.SMALL_WORKERS * s3_get.SMALL_OBJECT
-    )
+    assert s3_get.kept_buffer_bytes() <= (s3_get.WORKERS + s3_get.SMALL_WORKERS + s3_get.AHEAD) * CHUNK
     key = node.key("model.bin")
     body = bytearray(s3.get_object(Bucket=other_bucket, Key=key)["Body"].read())
     body[RANGE * 3 + 5] ^= 0xFF  # a range in the middle: the buffer it lands in held good bytes before
@@ -462,3 +464,54 @@ def test_a_process_keeping_buffers_restores_one_checkpoint_after_another_byte_id
     assert s3_get.release_idle_buffers(3600.0) == 0  # used just now: kept
     assert s3_get.release_idle_buffers(0.0) > 0
     assert s3_get.kept_buffer_bytes() == 0
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**36), max_size=300))
+def test_ranges_are_as_large_as_lets_every_worker_stream(sizes: list[int]) -> None:
+    """The range size of a restore: between the bounds, whole chunks, and, unless at the least
+    size, the ranges running ahead of their files' frontiers fit the room ahead (no worker waits)."""
+    size = s3_get.range_size(sizes)
+    assert s3_get.RANGE_SIZE <= size <= max(s3_get.RANGE_SIZE, s3_get.LARGEST_RANGE)
+    assert size % s3_get.CHUNK == 0
+    in_flight = min(s3_get.WORKERS, sum(1 for n in sizes if n > s3_get.RANGE_SIZE))
+    if size > s3_get.RANGE_SIZE:
+        assert (s3_get.WORKERS - in_flight) * size <= s3_get.AHEAD * s3_get.CHUNK
+    if in_flight == s3_get.WORKERS:
+        assert size == s3_get.LARGEST_RANGE  # every worker at a frontier: nothing is held
+
+
+@pytest.mark.parametrize("room", [1, 3])
+def test_with_little_room_ahead_workers_wait_their_turn_and_the_restore_is_byte_identical(
+    tmp_path: Path, store: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """With room for only ``room`` chunks received ahead of their files' frontiers, workers whose
+    next chunk is not yet hashable wait (the one at each frontier never does): the restore of
+    uneven large objects still completes byte-identical, and a byte changed in a chunk that waited
+    still fails it, leaving nothing."""
+    monkeypatch.setattr(s3_get, "CHUNK", 4096)
+    monkeypatch.setattr(s3_get, "AHEAD", room)
+    waited: list[int] = []
+    reserve = s3_get._Plan.reserve
+
+    def watched(plan: s3_get._Plan, f: Any, pos: int) -> bool:
+        if pos != f.hashed and plan.ahead >= s3_get.AHEAD:
+            waited.append(pos)
+        return reserve(plan, f, pos)
+
+    monkeypatch.setattr(s3_get._Plan, "reserve", watched)
+    bucket, options = store
+    files = {"model.bin": 2 * 2**20 + 11, "optimizer.bin": 1 * 2**20 + 4097, "extra.bin": 300_001}
+    node = Node(tmp_path, bucket, options["endpoint_url"], files)
+    code, out = node.restore(tmp_path / "restored")
+    assert code == 0, out
+    assert _tree(tmp_path / "restored" / CKPT) == node.original
+    assert waited, "no worker ever had to wait for room: the test did not exercise the bound"
+    s3 = _client(options["endpoint_url"])
+    key = node.key("model.bin")
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[2 * 2**20 - 3] ^= 0x10  # near the end: received far ahead of the frontier
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    code, out = node.restore(tmp_path / "again")
+    assert code == 1, out
+    assert "model.bin: hash" in out
+    _nothing_restored(tmp_path / "again")

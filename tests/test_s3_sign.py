@@ -20,7 +20,7 @@ import pytest
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from ckptkeeper.storage import s3_get
+from ckptkeeper.storage import s3_urls
 from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
 
 KEYS = [
@@ -193,8 +193,8 @@ class _Tier:
 def test_which_restores_take_plain_gets(
     options: dict[str, object], environ: dict[str, str], direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in (*s3_get._PROXY_ENV, *s3_get._ENDPOINT_ENV, "AWS_REGION", "AWS_DEFAULT_REGION"):
+    for name in (*s3_urls.PROXY_ENV, *s3_urls.ENDPOINT_ENV, "AWS_REGION", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    assert s3_get.usable(_Tier(options)) is direct  # type: ignore[arg-type]
+    assert s3_urls.usable(_Tier(options)) is direct  # type: ignore[arg-type]

@@ -137,9 +137,9 @@ def fetch_ranged(
 
     Plain GETs on worker threads (:mod:`.s3_get`: about half the CPU per byte) unless a proxy
     stands between this host and the store, which only the S3 client's own HTTP stack speaks to."""
-    from ckptkeeper.storage import s3_get
+    from ckptkeeper.storage import s3_get, s3_urls
 
-    if s3_get.usable(tier):
+    if s3_urls.usable(tier):
         s3_get.fetch_direct(tier, rel, manifest, sink, progress)
         return
     import asyncio

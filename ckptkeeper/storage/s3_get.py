@@ -6,113 +6,71 @@ that passes through aiohttp is copied three times in Python (socket read, stream
 ``read()`` that joins it) on one thread that also parses and signs each request; a restore spent
 about twice the CPU per byte of s5cmd that way (bench/restore_s3.py). Here each request is signed
 by :mod:`.s3_sign` (SigV4, ~15 µs; where the bucket lives and with which credentials as the tier's
-S3 client would resolve them) and ``http.client`` fetches it with ``readinto`` straight into the
-worker's buffer, every socket read, hash and write made with the GIL released. The S3 client
-(s3fs, aiohttp) is never imported for a restore.
+S3 client would resolve them, :mod:`.s3_urls`) and ``http.client`` fetches it with ``readinto``
+straight into the worker's buffer, every socket read, hash and write made with the GIL released.
+The S3 client (s3fs, aiohttp) is never imported for a restore.
 
-Large objects are fetched as ranges by :data:`WORKERS` threads, largest first; small objects
-(one range of at most :data:`SMALL_OBJECT` bytes) whole by up to :data:`SMALL_WORKERS` more, smallest
-first, so a checkpoint of many small files keeps many requests in flight (each costs the store a
-round of lookups, whatever its size) without more large buffers held.
+Large objects are fetched as ranges of :data:`RANGE_SIZE` by :data:`WORKERS` threads; small
+objects (one range of at most :data:`SMALL_OBJECT` bytes) whole by up to :data:`SMALL_WORKERS`
+more, smallest first, so a checkpoint of many small files keeps many requests in flight (each
+costs the store a round of lookups, whatever its size). Every response streams through buffers of
+:data:`CHUNK` bytes: what a restore holds does not grow with the range size, so ranges can be large
+(fewer requests: each costs the store and the client a round trip and its parsing) while memory
+stays bounded.
 
-Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a range that is done
-before its turn waits, in its buffer, for the earlier ones; how many ranges may wait is bounded),
-checked against its manifest entry (size, then hash) before it is finished; all ranges of one
-object carry the same ETag (``If-Match`` on every range after the first answer); a broken stream
-resumes from its last byte a bounded number of times; the first failure stops every worker (their
-connections are shut down, so none waits out a stalled read) before the caller's abort removes the
-staging directory.
+Safety is the same as :mod:`.s3_fetch`: each file is hashed in file order (a chunk that arrives
+before its turn waits, in its buffer, for the earlier ones; how many may wait is bounded), checked
+against its manifest entry (size, then hash) before it is finished; all ranges of one object carry
+the same ETag (``If-Match`` on every range after the first answer); a broken stream resumes from
+its last byte a bounded number of times; the first failure stops every worker (their connections
+are shut down, so none waits out a stalled read) before the caller's abort removes the staging
+directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import socket
 import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ckptkeeper.core.model import FileEntry, Manifest
-from ckptkeeper.storage import deadline
+from ckptkeeper.storage import deadline, s3_urls
 from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError, log
-from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
+from ckptkeeper.storage.s3_urls import S3TierStorage, error_code, region_hint
 from ckptkeeper.util import hashing
 
 if TYPE_CHECKING:
-    from ckptkeeper.core.model import TierSpec
     from ckptkeeper.storage.localfs import _LocalFileWriter, _LocalSink
+    from ckptkeeper.storage.s3_sign import GetSigner
 
-
-class S3TierStorage(Protocol):
-    """What a direct restore uses of the S3 backend (:class:`~ckptkeeper.storage.s3.S3TierStorage`)."""
-
-    name: str
-    bucket: str
-    spec: TierSpec
-
-    def _redact(self, text: str) -> str: ...
-    def _key(self, rel: str) -> str: ...
-
+__all__ = ["S3TierStorage", "fetch_direct", "keep_buffers", "kept_buffer_bytes", "release_idle_buffers"]
 
 RANGE_SIZE = 8 * 2**20
-"""Bytes per ranged GET of a large object, and per worker buffer."""
+"""The fewest bytes per ranged GET of a large object (:func:`range_size` picks the size)."""
+LARGEST_RANGE = 64 * 2**20
+"""The most bytes per ranged GET."""
+CHUNK = 2 * 2**20
+"""Bytes per buffer: each is received, written and hashed whole (then reused)."""
 WORKERS = 8
-"""GETs in flight at once for one restore (threads, each with its own connection)."""
+"""GETs of large objects' ranges in flight at once (threads, each with its own connection)."""
 SMALL_OBJECT = 2 * 2**20
 """Objects of at most this many bytes may also go to the small-object workers."""
 SMALL_WORKERS = 24
-"""More GETs in flight, each of one whole small object (taken smallest first, while the
-:data:`WORKERS` go largest first): a small object's request costs the store a round of lookups
-that more connections hide. Their buffers are of :data:`SMALL_OBJECT` bytes, so they add at most
-``SMALL_WORKERS x SMALL_OBJECT`` to what a restore holds."""
-AHEAD = 4
-"""Ranges done before their turn to be hashed that may wait, at most, beyond one per worker (bounds
-the bytes held: ``(WORKERS + AHEAD) x RANGE_SIZE`` at worst)."""
+"""More GETs in flight, each of one whole small object (taken smallest first): a small object's
+request costs the store a round of lookups that more connections hide."""
+AHEAD = 40
+"""Chunks received before their turn to be hashed that may wait, at most (a worker whose next
+chunk would be one more waits for its turn first). With one buffer per worker this bounds what a
+restore holds: ``(WORKERS + SMALL_WORKERS + AHEAD) x CHUNK`` at worst."""
 RETRIES = 5
 """Resumptions of one range whose stream broke or whose request failed transiently."""
-URL_SECONDS = 6 * 3600
-"""Lifetime of a presigned URL (a failed request signs its URL again before it is retried)."""
-_PROXY_ENV = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy")
-
-
-_OPTIONS = frozenset(
-    {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "profile", "anon"}
-    | {"requester_pays", "use_ssl"}
-)
-"""``storage_options`` the signing client understands as s3fs does; any other keeps the S3 client."""
-_ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-
-
-def usable(tier: S3TierStorage) -> bool:
-    """Plain GETs reach the store the way the tier's S3 client would: no proxy is configured, every
-    storage option is one :func:`_signer` maps, and the endpoint or the bucket's region is given."""
-    options = _options(tier)
-    if set(options) - _OPTIONS or any(os.environ.get(k) for k in _PROXY_ENV):
-        return False
-    config = options.get("config_kwargs") or {}
-    client_kwargs = options.get("client_kwargs") or {}
-    verify = client_kwargs.get("verify")
-    if config.get("proxies") or not (verify is None or isinstance(verify, bool | str)):
-        return False
-    # On AWS itself only a region given in the tier's options is trusted to be the bucket's (an
-    # AWS_REGION in the environment is often the compute's): botocore follows a wrong one, we cannot.
-    return bool(
-        options.get("endpoint_url")
-        or client_kwargs.get("endpoint_url")
-        or client_kwargs.get("region_name")
-        or config.get("region_name")
-        or any(os.environ.get(k) for k in _ENDPOINT_ENV)
-    )
-
-
-def _options(tier: S3TierStorage) -> dict[str, Any]:
-    return dict(tier.spec.storage_options or {})
 
 
 @dataclass(eq=False)
@@ -120,6 +78,7 @@ class _File:
     entry: FileEntry
     key: str
     where: str
+    range_size: int
     ranges: int
     url: str = ""
     writer: _LocalFileWriter | None = None
@@ -128,21 +87,45 @@ class _File:
     hasher: hashing.Hasher = field(default_factory=hashing.new_hasher)
     handed: int = 0
     """Ranges given to a worker so far (they are handed out in order)."""
-    frontier: int = 0
-    """Ranges hashed so far: the next one to hash."""
-    held: dict[int, bytearray] = field(default_factory=dict)
-    """Ranges done before their turn: their bytes, written already, waiting to be hashed."""
+    hashed: int = 0
+    """Bytes hashed so far: the frontier, always the start of a chunk not yet received."""
+    held: dict[int, tuple[bytearray, int]] = field(default_factory=dict)
+    """Chunks received before their turn, by offset: their buffer and length (written already)."""
     etag: str | None = None
     hashing: bool = False
-    """A worker is hashing this file's frontier range (the others hold theirs)."""
+    """A worker is hashing this file's frontier (received chunks that follow are held)."""
 
     def span(self, r: int) -> tuple[int, int]:
-        start = r * RANGE_SIZE
-        return start, min(start + RANGE_SIZE, self.entry.size)
+        start = r * self.range_size
+        return start, min(start + self.range_size, self.entry.size)
+
+    def ahead_of_frontier(self) -> int:
+        """How far the next range to hand out starts past the frontier (0: nothing in flight)."""
+        return self.handed * self.range_size - self.hashed
+
+
+def range_size(sizes: list[int]) -> int:
+    """Bytes per ranged GET for a checkpoint of files of ``sizes``: as large as lets every worker
+    stream without waiting for room ahead. Each file in flight has one range at its frontier, which
+    holds nothing; the other workers' ranges run ahead of their files' frontiers, and together they
+    should fit the :data:`AHEAD` chunks. Larger ranges mean fewer requests (a served restore of
+    4 x 128 MiB: ~10 % less wall and CPU at 64 MiB than at 8 MiB, bench/restore_s3.py); but a store
+    that serves each connection at a bounded rate (S3: about 100 MB/s) is only fast with every
+    connection streaming, which ranges too large for the room ahead would stop."""
+    in_flight = min(WORKERS, sum(1 for size in sizes if size > RANGE_SIZE))
+    ahead = WORKERS - in_flight
+    if ahead == 0:
+        return max(RANGE_SIZE, LARGEST_RANGE)
+    fits = AHEAD * CHUNK // ahead // CHUNK * CHUNK
+    return max(RANGE_SIZE, min(LARGEST_RANGE, fits))
 
 
 class _Plan:
-    """Which range a worker fetches next, what waits to be hashed, and the first failure."""
+    """Which range a worker fetches next, which chunks wait to be hashed, and the first failure.
+
+    Progress is guaranteed: the chunk at a file's frontier is always the next one its range's
+    worker receives (a chunk is hashed at once, or held, the moment it arrives), and that worker
+    never waits for room (:meth:`reserve`); hashing it frees the held chunks that follow."""
 
     def __init__(self, files: list[_File], sink: _LocalSink, signer: GetSigner | None) -> None:
         self.files = files
@@ -154,8 +137,8 @@ class _Plan:
         self.signer = signer
         """Signs each request (None: every URL is presigned)."""
         self.cond = threading.Condition()
-        self.waiting = 0
-        """Ranges done but not hashed (their buffers held)."""
+        self.ahead = 0
+        """Chunks received (or being received) before their turn: held, or reserved."""
         self.failed: list[BaseException] = []
         self.spare: list[bytearray] = []
         self.conns: set[http.client.HTTPConnection] = set()
@@ -163,7 +146,9 @@ class _Plan:
         """Set once every worker is started (or none more can be): workers begin then."""
 
     def take(self) -> tuple[_File, int] | None:
-        """The next range to fetch (a file's next range, within its window), None when none is left."""
+        """The next range to fetch, None when none is left. A range that starts at its file's
+        frontier first (it streams straight through, holding nothing), else, while there is
+        room ahead, the range nearest its file's frontier."""
         with self.cond:
             while not self.failed:
                 files = self.files
@@ -171,17 +156,28 @@ class _Plan:
                     self.first += 1
                 if self.first == len(files):
                     return None
-                for i in range(self.first, len(files)):
+                nearest: _File | None = None
+                for i in range(self.first, self.last):
                     f = files[i]
-                    # the range at a file's frontier is always given (it is hashed as soon as it is
-                    # done, never held), so the restore can always progress
-                    if f.handed < f.ranges and (f.handed == f.frontier or self.waiting < AHEAD):
-                        if f.writer is None:
-                            f.writer = self.sink.open_file(f.entry)  # type: ignore[assignment]
-                        f.handed += 1
-                        return f, f.handed - 1
+                    if f.handed >= f.ranges:
+                        continue
+                    if f.ahead_of_frontier() == 0:
+                        nearest = f
+                        break
+                    if self.ahead < AHEAD and (
+                        nearest is None or f.ahead_of_frontier() < nearest.ahead_of_frontier()
+                    ):
+                        nearest = f
+                if nearest is not None:
+                    return self._hand(nearest)
                 self.cond.wait()
             return None
+
+    def _hand(self, f: _File) -> tuple[_File, int]:
+        if f.writer is None:
+            f.writer = self.sink.open_file(f.entry)  # type: ignore[assignment]
+        f.handed += 1
+        return f, f.handed - 1
 
     def take_small(self) -> _File | None:
         """The smallest object not handed out yet, if it is a small one (whole: one range)."""
@@ -194,36 +190,52 @@ class _Plan:
             f = files[self.last - 1]
             if not _small(f):
                 return None
-            f.writer = self.sink.open_file(f.entry)  # type: ignore[assignment]
-            f.handed = 1
-            return f
+            return self._hand(f)[0]
 
-    def done(self, f: _File, r: int, buf: bytearray) -> tuple[bytearray, bool]:
-        """Range ``r`` of ``f`` is in ``buf`` (and written): hash it now, or hold it until its turn.
-        Returns the buffer the worker goes on with and whether the whole file is hashed.
+    def reserve(self, f: _File, pos: int) -> bool:
+        """Before receiving the chunk at ``pos``: whether it takes a place ahead (True), waiting
+        for one if none is free. The chunk at the frontier never waits and takes none."""
+        with self.cond:
+            while True:
+                if self.failed:
+                    raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed")
+                if pos == f.hashed:
+                    return False
+                if self.ahead < AHEAD:
+                    self.ahead += 1
+                    return True
+                self.cond.wait()
+
+    def received(self, f: _File, pos: int, n: int, buf: bytearray, reserved: bool) -> tuple[bytearray, bool]:
+        """The chunk ``[pos, pos + n)`` of ``f`` is in ``buf`` (and written): hash it now, or hold
+        it until its turn. Returns the buffer the worker goes on with and whether the whole file is
+        hashed (for exactly one caller per file).
 
         Hashing (the GIL released) happens outside the lock, by one worker at a time per file: the
-        one whose range is at the frontier, which then hashes the held ranges that follow it."""
+        one whose chunk is at the frontier, which then hashes the held chunks that follow it."""
         with self.cond:
-            if r != f.frontier or f.hashing:
-                f.held[r] = buf
-                self.waiting += 1
-                return (self.spare.pop() if self.spare else _buffer(RANGE_SIZE)), False
+            if pos != f.hashed or f.hashing:
+                f.held[pos] = (buf, n)
+                if not reserved:
+                    self.ahead += 1
+                return (self.spare.pop() if self.spare else _buffer()), False
             f.hashing = True
-        mine, chunk = buf, buf
+            if reserved:
+                self.ahead -= 1
+        mine, chunk, size = buf, buf, n
         while True:
-            start, end = f.span(r)
-            f.hasher.update(memoryview(chunk)[: end - start])
+            f.hasher.update(memoryview(chunk)[:size])
             with self.cond:
                 if chunk is not mine:
                     self.spare.append(chunk)
-                    self.waiting -= 1
-                r = f.frontier = r + 1
-                if r not in f.held:
+                    self.ahead -= 1
+                pos = f.hashed = pos + size
+                following = f.held.pop(pos, None)
+                if following is None:
                     f.hashing = False
                     self.cond.notify_all()
-                    return mine, f.frontier >= f.ranges
-                chunk = f.held.pop(r)
+                    return mine, f.hashed >= f.entry.size
+                chunk, size = following
 
     def fail(self, exc: BaseException) -> None:
         """Stop every worker: no new range is given, and reads in progress end now."""
@@ -246,31 +258,31 @@ def fetch_direct(
     Returns when all files are written, each checked against the manifest; raises the first
     failure once every worker has stopped (the caller's abort never races a write)."""
     files: list[_File] = []
+    per_range = range_size([e.size for e in manifest.files])
     try:
         for entry in sorted(manifest.files, key=lambda e: (-e.size, e.path)):
             key = tier._key(f"{rel}/{entry.path}" if entry.path else rel)
             where = f"{tier.name}:{rel}/{entry.path}" if entry.path else f"{tier.name}:{rel}"
-            files.append(_File(entry, key, where, max(1, -(-entry.size // RANGE_SIZE))))
-        signer, urls = _urls(tier, [f.key for f in files])
+            files.append(_File(entry, key, where, per_range, max(1, -(-entry.size // per_range))))
+        signer, urls = s3_urls.urls(tier, [f.key for f in files])
         for f, url in zip(files, urls, strict=True):
             f.url = url
         plan = _Plan(files, sink, signer)
         report = _locked(progress, plan.cond) if progress is not None else None
-        context = _tls_context(tier) if files and files[0].url.startswith("https:") else None
+        context = s3_urls.tls_context(tier) if files and files[0].url.startswith("https:") else None
         small = sum(1 for f in files if _small(f))
+        workers = [
+            _Worker(tier, plan, report, context, small=False)
+            for _ in range(min(WORKERS, sum(f.ranges for f in files)))
+        ] + [
+            _Worker(tier, plan, report, context, small=True)
+            for _ in range(min(SMALL_WORKERS, max(0, small - WORKERS)))
+        ]
         threads = [
             threading.Thread(
-                target=_worker, args=(tier, plan, report, context), name=f"ckptkeeper-get-{i}", daemon=True
+                target=w.run, name=f"ckptkeeper-get-{'small-' if w.small else ''}{i}", daemon=True
             )
-            for i in range(min(WORKERS, sum(f.ranges for f in files)))
-        ] + [
-            threading.Thread(
-                target=_worker,
-                args=(tier, plan, report, context, True),
-                name=f"ckptkeeper-get-small-{i}",
-                daemon=True,
-            )
-            for i in range(min(SMALL_WORKERS, max(0, small - WORKERS)))
+            for i, w in enumerate(workers)
         ]
         started: list[threading.Thread] = []
         try:
@@ -308,160 +320,202 @@ def _locked(progress: Progress, lock: threading.Condition) -> Progress:
     return report
 
 
-def _urls(tier: S3TierStorage, keys: list[str]) -> tuple[GetSigner | None, list[str]]:
-    """Each key's URL, and the signer of each request to it (:mod:`.s3_sign`): built from the options
-    alone when they say everything (endpoint, credentials, region), else from what botocore's
-    presigned URL of the first key shows; failing both, URLs presigned by botocore (no signer)."""
-    if not keys:
-        return None, []
-    plain = plain_signer(_options(tier), os.environ, tier.bucket)
-    if plain is not None:
-        return plain, [plain.url(k) for k in keys]
-    client, params = _signer(tier)
-    probe = _presign(tier, keys[:1])[0]
-    signer = None
-    if not params:  # a RequestPayer parameter goes in the query, which GetSigner does not sign
-        with contextlib.suppress(Exception):  # private attribute of botocore: else presign each
-            signer = GetSigner.from_probe(probe, keys[0], client._request_signer._credentials)
-    if signer is None:
-        return None, [probe, *_presign(tier, keys[1:])]
-    return signer, [signer.url(k) for k in keys]
+class _Worker:
+    """One thread's fetching: its connection, and the buffer it receives into (held chunks are
+    the plan's until hashed; a buffer is given back once, by whoever holds it last)."""
 
+    def __init__(
+        self,
+        tier: S3TierStorage,
+        plan: _Plan,
+        progress: Progress | None,
+        context: ssl.SSLContext | None,
+        *,
+        small: bool,
+    ) -> None:
+        self.tier = tier
+        self.plan = plan
+        self.progress = progress
+        self.context = context
+        self.small = small
+        """Takes whole small objects, smallest first (else large objects' ranges)."""
+        self.buf: bytearray | None = None
+        self.conn: http.client.HTTPConnection | None = None
 
-def _presign(tier: S3TierStorage, keys: list[str]) -> list[str]:
-    """A GET URL per key, signed (SigV4) by a botocore client built from the tier's options."""
-    client, params = _signer(tier)
-    try:
-        return [
-            client.generate_presigned_url(
-                "get_object", Params={"Bucket": tier.bucket, "Key": k, **params}, ExpiresIn=URL_SECONDS
-            )
-            for k in keys
-        ]
-    except Exception as exc:
-        raise StorageError(tier._redact(f"tier {tier.name!r}: cannot sign GET requests: {exc}")) from exc
+    def run(self) -> None:
+        """Fetch ranges until none is left."""
+        plan = self.plan
+        plan.gate.wait()
+        try:
+            self.buf = _buffer()
+            while (job := _next(plan, self.small)) is not None:
+                self._fetch(*job)
+        except BaseException as exc:  # the first one is raised by the caller
+            plan.fail(exc)
+        finally:
+            self._drop()
+            if self.buf is not None:
+                _give_back(self.buf)
 
-
-_SIGNERS: dict[tuple[int, str, str, str], tuple[Any, dict[str, str]]] = {}
-_SIGNERS_LOCK = threading.Lock()
-
-
-def _signer(tier: S3TierStorage) -> tuple[Any, dict[str, str]]:
-    """The process's signing client for ``tier`` (botocore alone: it resolves credentials, region,
-    endpoint and addressing as the tier's s3fs client does, at half the start-up of s3fs) and the
-    extra GET parameters. Kept per tier, options and ``AWS_*`` environment, as s3fs clients are."""
-    options = dict(_options(tier))
-    environment = json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-    cache_key = (os.getpid(), tier.name, json.dumps(options, sort_keys=True, default=repr), environment)
-    with _SIGNERS_LOCK:
-        found = _SIGNERS.get(cache_key)
-        if found is not None:
-            return found
-        import botocore.session
-        from botocore import UNSIGNED
-        from botocore.config import Config
-
-        client_kwargs = dict(options.get("client_kwargs") or {})
-        client_kwargs.pop("verify", None)  # no request is sent by this client
-        init = {
-            "aws_access_key_id": options.get("key"),
-            "aws_secret_access_key": options.get("secret"),
-            "aws_session_token": options.get("token"),
-            "endpoint_url": options.get("endpoint_url"),
-        }
-        init = {k: v for k, v in init.items() if v is not None}
-        if "use_ssl" in options:
-            init["use_ssl"] = options["use_ssl"]
-        config = {"signature_version": "s3v4", **dict(options.get("config_kwargs") or {})}
-        if options.get("anon"):
-            config["signature_version"] = UNSIGNED
-        session = botocore.session.Session(profile=options.get("profile"))
-        client = session.create_client("s3", config=Config(**config), **{**init, **client_kwargs})
-        params = {"RequestPayer": "requester"} if options.get("requester_pays") else {}
-        with contextlib.suppress(Exception):  # credentials from a profile or instance metadata
-            creds = client._request_signer._credentials
-            add = getattr(tier, "_add_secrets", None)
-            if creds is not None and add is not None:
-                add(str(getattr(creds, f"_{n}", None) or "") for n in ("access_key", "secret_key", "token"))
-        _SIGNERS[cache_key] = (client, params)
-        return client, params
-
-
-def _tls_context(tier: S3TierStorage) -> ssl.SSLContext:
-    """Certificates checked as the S3 client checks them (``verify``, ``AWS_CA_BUNDLE``, botocore's bundle)."""
-    verify = (_options(tier).get("client_kwargs") or {}).get("verify")
-    if verify is False:
-        return ssl._create_unverified_context()
-    cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
-    if cafile is None:
-        with contextlib.suppress(Exception):
-            from botocore.httpsession import get_cert_path
-
-            cafile = get_cert_path(True)
-    return ssl.create_default_context(cafile=cafile if isinstance(cafile, str) else None)
-
-
-def _worker(
-    tier: S3TierStorage,
-    plan: _Plan,
-    progress: Progress | None,
-    context: ssl.SSLContext | None,
-    small: bool = False,
-) -> None:
-    """Fetch ranges until none is left (``small``: whole small objects, smallest first)."""
-    plan.gate.wait()
-    buf = _buffer(SMALL_OBJECT if small else RANGE_SIZE)
-    conn: http.client.HTTPConnection | None = None
-    try:
-        while (job := _next(plan, small)) is not None:
-            f, r = job
-            conn = _get_range(tier, plan, f, r, memoryview(buf), conn, context)
-            start, end = f.span(r)
-            if progress is not None and end > start:
-                progress(end - start)
-            buf, whole = plan.done(f, r, buf)
+    def _fetch(self, f: _File, r: int) -> None:
+        """Range ``r`` of ``f``, chunk by chunk: received, written at its offset, then hashed or
+        held (:meth:`_Plan.received`)."""
+        plan = self.plan
+        start, end = f.span(r)
+        assert f.writer is not None and f.writer.fd is not None
+        fd = f.writer.fd
+        stream = _Stream(self, f, start, end)
+        pos = start
+        while True:
+            n = min(CHUNK, end - pos)
+            reserved = plan.reserve(f, pos)
+            assert self.buf is not None
+            view = memoryview(self.buf)[:n]
+            stream.fill(view)
+            _pwrite_all(fd, view, pos)
+            if self.progress is not None and n:
+                self.progress(n)
+            buf, self.buf = self.buf, None  # the plan's now, until it says which one is ours
+            self.buf, whole = plan.received(f, pos, n, buf, reserved)
             if whole:
                 _check(f)
-    except BaseException as exc:  # the first one is raised by the caller
-        plan.fail(exc)
-    finally:
-        if conn is not None:
-            with plan.cond:
-                plan.conns.discard(conn)
-            conn.close()
-        _give_back(buf)
+            pos += n
+            if pos >= end:
+                stream.finish()
+                return
+
+    def connection(self, url: str, timeout: float) -> http.client.HTTPConnection:
+        if self.conn is None:
+            self.conn = s3_urls.connect(url, timeout, self.context)
+            with self.plan.cond:
+                self.plan.conns.add(self.conn)
+        self.conn.timeout = timeout
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(timeout)
+        return self.conn
+
+    def _drop(self) -> None:
+        if self.conn is not None:
+            with self.plan.cond:
+                self.plan.conns.discard(self.conn)
+            self.conn.close()
+            self.conn = None
+
+
+class _Stream:
+    """The bytes ``[start, end)`` of one object as they arrive on one GET, resumed from the next
+    byte not received when the stream breaks (a bounded number of times per range)."""
+
+    def __init__(self, worker: _Worker, f: _File, start: int, end: int) -> None:
+        self.worker = worker
+        self.f = f
+        self.at = start
+        """The next byte to receive."""
+        self.end = end
+        self.resp: http.client.HTTPResponse | None = None
+        self.timeout = 0.0
+        """Of the request in flight: its socket's timeout, what a hung one is reported with."""
+        self.attempt = 0
+
+    def fill(self, view: memoryview) -> None:
+        """Receive the next ``len(view)`` bytes into ``view`` (the request is sent on the first
+        call, also for an empty object: its answer is checked all the same)."""
+        base = self.at
+        target = base + len(view)
+        tier, plan, f = self.worker.tier, self.worker.plan, self.f
+        what = f"GET {f.key}"
+        while True:
+            if plan.failed:
+                raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed")
+            try:
+                if self.resp is None:
+                    try:
+                        self.timeout = deadline.remaining(what, tier.name)
+                    except TimeoutError as exc:
+                        raise TierUnavailable(tier._redact(str(exc))) from None
+                    conn = self.worker.connection(f.url, self.timeout)
+                    self.resp = _request(tier, conn, plan.signer, f, self.at, self.end)
+                if self.at >= target:
+                    return
+                n = self.resp.readinto(view[self.at - base :])
+                if not n:
+                    raise _Broken(f"connection closed at byte {self.at} of {self.end}")
+                self.at += n
+            except (StorageError, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                self._broken(exc)
+
+    def finish(self) -> None:
+        """Every byte is received: the answer is read to its end, so its connection can carry the
+        next request (an empty object's answer has no body to read otherwise)."""
+        if self.resp is not None and not self.resp.isclosed():
+            self.resp.read()
+        self.resp = None
+
+    def _broken(self, exc: BaseException) -> None:
+        """A request failed or its stream broke: retried after a pause (a failure elsewhere or
+        Ctrl-C ends it at once), or the restore fails naming the object and the byte."""
+        tier, plan, f = self.worker.tier, self.worker.plan, self.f
+        self.resp = None
+        self.worker._drop()
+        if plan.failed:
+            raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed") from None
+        if isinstance(exc, TimeoutError | socket.timeout):
+            raise TierUnavailable(
+                tier._redact(deadline.hung(tier.name, f"GET {f.key}", self.timeout))
+            ) from None
+        if not isinstance(exc, _Broken | OSError | http.client.HTTPException):
+            raise exc
+        self.attempt += 1
+        if self.attempt > RETRIES:
+            raise StorageError(
+                f"{f.where}: read broke at byte {self.at}: {tier._redact(_describe(exc))}"
+            ) from exc
+        log.warning(
+            "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
+            tier.name,
+            tier.bucket,
+            f.key,
+            self.at,
+            tier._redact(_describe(exc)),
+            self.attempt,
+            RETRIES,
+        )
+        with plan.cond:
+            plan.cond.wait_for(lambda: bool(plan.failed), timeout=min(0.2 * 2**self.attempt, 5.0))
+        if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign" and plan.signer is None:
+            f.url = s3_urls.presign(tier, [f.key])[0]  # expired (a signer signs every request afresh)
 
 
 class _Buffers:
-    """Range buffers a long-lived process (the daemon, :func:`keep_buffers`) keeps between
-    restores. A fresh buffer costs its pages' first touch: ~20 ms of CPU per 64 MiB here, ~30 ms
-    of a served 512 MiB restore (bench/restore_s3.py), paid again by every restore; kept, the next
-    restore writes into pages already mapped. What a buffer still holds of an earlier restore is
-    never read: each range is checked whole (length, then the file's hash) before it counts.
-    Bounded by what one restore holds at most, and given back to the OS once idle
-    (:func:`release_idle_buffers`)."""
+    """Chunk buffers a long-lived process (the daemon, :func:`keep_buffers`) keeps between
+    restores. A fresh buffer costs its pages' first touch (~20 ms of CPU per 64 MiB here), paid
+    again by every restore; kept, the next restore writes into pages already mapped. What a
+    buffer still holds of an earlier restore is never read: each chunk is received whole before it
+    is written or hashed, and each file is checked against its manifest. Bounded by what one
+    restore holds at most, and given back to the OS once idle (:func:`release_idle_buffers`)."""
 
     def __init__(self) -> None:
         self.keeping = False
-        self.free: dict[int, list[bytearray]] = {}
+        self.free: list[bytearray] = []
         self.last_used = 0.0
         self.lock = threading.Lock()
 
-    def take(self, size: int) -> bytearray:
+    def take(self) -> bytearray:
         with self.lock:
-            free = self.free.get(size)
-            if free:
-                return free.pop()
-        return bytearray(size)
+            if self.free:
+                buf = self.free.pop()
+                if len(buf) == CHUNK:
+                    return buf
+        return bytearray(CHUNK)
 
     def give_back(self, buf: bytearray) -> None:
         if not self.keeping:
             return
-        cap = SMALL_WORKERS if len(buf) == SMALL_OBJECT else WORKERS + AHEAD
         with self.lock:
-            free = self.free.setdefault(len(buf), [])
-            if len(free) < cap:
-                free.append(buf)
+            if len(self.free) < WORKERS + SMALL_WORKERS + AHEAD:
+                self.free.append(buf)
             self.last_used = time.monotonic()
 
 
@@ -471,7 +525,7 @@ _give_back = _BUFFERS.give_back
 
 
 def keep_buffers() -> None:
-    """This process serves restore after restore (the daemon): keep range buffers between them."""
+    """This process serves restore after restore (the daemon): keep chunk buffers between them."""
     _BUFFERS.keeping = True
 
 
@@ -481,15 +535,15 @@ def release_idle_buffers(idle_seconds: float) -> int:
     with _BUFFERS.lock:
         if time.monotonic() - _BUFFERS.last_used < idle_seconds:
             return 0
-        released = sum(len(b) for free in _BUFFERS.free.values() for b in free)
+        released = sum(len(b) for b in _BUFFERS.free)
         _BUFFERS.free.clear()
     return released
 
 
 def kept_buffer_bytes() -> int:
-    """Bytes of range buffers kept for the next restore."""
+    """Bytes of chunk buffers kept for the next restore."""
     with _BUFFERS.lock:
-        return sum(len(b) for free in _BUFFERS.free.values() for b in free)
+        return sum(len(b) for b in _BUFFERS.free)
 
 
 def _small(f: _File) -> bool:
@@ -519,98 +573,16 @@ class _Broken(Exception):
     """A transient failure of one request: the range is resumed from where it got to."""
 
 
-def _get_range(
-    tier: S3TierStorage,
-    plan: _Plan,
-    f: _File,
-    r: int,
-    view: memoryview,
-    conn: http.client.HTTPConnection | None,
-    context: ssl.SSLContext | None,
-) -> http.client.HTTPConnection | None:
-    """GET range ``r`` of ``f`` into ``view`` and write it at its offset, resuming a broken stream.
-    Returns the connection to reuse (None once one was dropped)."""
-    start, end = f.span(r)
-    at = [start]  # the next byte to receive (a broken stream is resumed there)
-    attempt = 0
-    what = f"GET {f.key}"
-    assert f.writer is not None
-    fd = f.writer.fd
-    assert fd is not None
-    while True:
-        if plan.failed:
-            raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed")
-        try:
-            timeout = deadline.remaining(what, tier.name)
-        except TimeoutError as exc:
-            raise TierUnavailable(tier._redact(str(exc))) from None
-        try:
-            if conn is None:
-                conn = _connect(f.url, timeout, context)
-                with plan.cond:
-                    plan.conns.add(conn)
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-            _request(tier, conn, plan.signer, f, at, end, view[: end - start], start)
-            _pwrite_all(fd, view[: end - start], start)
-            return conn
-        except (StorageError, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            if conn is not None:
-                with plan.cond:
-                    plan.conns.discard(conn)
-                conn.close()
-                conn = None
-            if plan.failed:
-                raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed") from None
-            if isinstance(exc, TimeoutError | socket.timeout):
-                raise TierUnavailable(tier._redact(deadline.hung(tier.name, what, timeout))) from None
-            if not isinstance(exc, _Broken | OSError | http.client.HTTPException):
-                raise
-            attempt += 1
-            if attempt > RETRIES:
-                raise StorageError(
-                    f"{f.where}: read broke at byte {at[0]}: {tier._redact(_describe(exc))}"
-                ) from exc
-            log.warning(
-                "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
-                tier.name,
-                tier.bucket,
-                f.key,
-                at[0],
-                tier._redact(_describe(exc)),
-                attempt,
-                RETRIES,
-            )
-            with plan.cond:  # a pause that a failure elsewhere (or Ctrl-C) ends at once
-                plan.cond.wait_for(lambda: bool(plan.failed), timeout=min(0.2 * 2**attempt, 5.0))
-            if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign" and plan.signer is None:
-                f.url = _presign(tier, [f.key])[0]  # expired (a signer signs every request afresh)
-
-
-def _connect(url: str, timeout: float, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.scheme == "https":
-        return http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=context)
-    return http.client.HTTPConnection(host, parts.port, timeout=timeout)
-
-
 def _request(
     tier: S3TierStorage,
     conn: http.client.HTTPConnection,
     signer: GetSigner | None,
     f: _File,
-    at: list[int],
+    pos: int,
     end: int,
-    view: memoryview,
-    start: int,
-) -> None:
-    """One GET of ``[at[0], end)`` into ``view`` (which holds ``[start, end)``), ``at[0]`` moved
-    past every byte received (also when the stream breaks)."""
-    pos = at[0]
+) -> http.client.HTTPResponse:
+    """Send one GET of ``[pos, end)`` of ``f``; its answer, checked (status, ETag, lengths), with
+    the body still to be read."""
     whole = f.ranges == 1 and pos == 0
     parts = urlsplit(f.url)
     path = f"{parts.path}?{parts.query}" if parts.query else parts.path
@@ -642,11 +614,7 @@ def _request(
         raise VerificationError(
             f"{f.where}: object holds {length} bytes, manifest says {f.entry.size} (changed since cataloged)"
         )
-    while at[0] < end:
-        n = resp.readinto(view[at[0] - start :])
-        if not n:
-            raise _Broken(f"connection closed at byte {at[0]} of {end}")
-        at[0] += n
+    return resp
 
 
 def _fail_status(
@@ -666,16 +634,6 @@ def _fail_status(
     if status == 403 and presigned:
         raise _Broken("resign")
     raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
-
-
-def error_code(body: bytes, status: int) -> str:
-    """The S3 error code in an error answer's XML body (``NoSuchKey``), else ``HTTP <status>``."""
-    return body.decode(errors="replace").partition("<Code>")[2].partition("</Code>")[0] or f"HTTP {status}"
-
-
-def region_hint(region: str) -> str:
-    """What to do about a redirect to the bucket's own region (``x-amz-bucket-region``)."""
-    return f": the bucket is in region {region}; set client_kwargs.region_name to it in the tier's storage_options"
 
 
 def _describe(exc: BaseException) -> str:

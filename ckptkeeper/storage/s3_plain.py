@@ -4,10 +4,10 @@ A standalone ``ckptkeeper restore`` reads the checkpoint's committed manifest, t
 files with plain GETs (:mod:`.s3_get`). Reading that one manifest through the tier's s3fs client
 cost more CPU than fetching a checkpoint of 200 files: importing s3fs, aiobotocore and aiohttp and
 building the client (botocore's service model) took ~0.3-0.4 CPU-s of a ~1 CPU-s process
-(bench/restore_s3.py). Here the GET is signed as :mod:`.s3_get` signs its requests (the tier's
+(bench/restore_s3.py). Here the GET is signed as :mod:`.s3_get` signs its requests (:mod:`.s3_urls`: the tier's
 options and credentials, resolved as its S3 client would) and sent with ``http.client``.
 
-Used only where :func:`.s3_get.usable` says plain GETs reach the store as the client would (no
+Used only where :func:`.s3_urls.usable` says plain GETs reach the store as the client would (no
 proxy, every storage option understood) and the tier has no client yet: once it has one, that
 client is used. Answers mean what they mean through the client: 404 is a missing object (None);
 5xx, 429 and broken connections are retried a bounded number of times, each attempt within the
@@ -61,9 +61,9 @@ def usable(tier: S3Objects) -> bool:
     """Plain GETs reach this tier's store as its client would, and it has no client yet."""
     if tier._fs is not None:
         return False
-    from ckptkeeper.storage import s3_get
+    from ckptkeeper.storage import s3_urls
 
-    return s3_get.usable(tier)
+    return s3_urls.usable(tier)
 
 
 def get(tier: S3Objects, key: str) -> bytes | None:
@@ -72,11 +72,11 @@ def get(tier: S3Objects, key: str) -> bytes | None:
     Raises :class:`~ckptkeeper.storage.base.TierUnavailable` when the request deadline passes,
     ``OSError`` naming the key and the store's code for any other failure (the caller's error
     context names the tier and what it was reading)."""
-    from ckptkeeper.storage import s3_get
+    from ckptkeeper.storage import s3_urls
 
-    signer, urls = s3_get._urls(tier, [key])
+    signer, urls = s3_urls.urls(tier, [key])
     url = urls[0]
-    context = s3_get._tls_context(tier) if url.startswith("https:") else None
+    context = s3_urls.tls_context(tier) if url.startswith("https:") else None
     what = f"GET {key}"
     attempt = 0
     while True:
@@ -102,15 +102,15 @@ def get(tier: S3Objects, key: str) -> bytes | None:
             )
             time.sleep(min(0.2 * 2**attempt, 5.0))
             if signer is None:  # a presigned URL: sign it again (it may have expired)
-                url = s3_get._presign(tier, [key])[0]
+                url = s3_urls.presign(tier, [key])[0]
 
 
 def _get_once(tier: S3Objects, url: str, signer: Any, key: str, timeout: float, context: Any) -> bytes | None:
-    from ckptkeeper.storage import s3_get
+    from ckptkeeper.storage import s3_urls
 
     parts = urlsplit(url)
     path = f"{parts.path}?{parts.query}" if parts.query else parts.path
-    conn = s3_get._connect(url, timeout, context)
+    conn = s3_urls.connect(url, timeout, context)
     try:
         conn.request("GET", path, headers=signer.headers(path) if signer is not None else {})
         resp = conn.getresponse()
@@ -126,11 +126,11 @@ def _get_once(tier: S3Objects, url: str, signer: Any, key: str, timeout: float, 
         body = resp.read(4096)
     finally:
         conn.close()
-    code = s3_get.error_code(body, resp.status)
+    code = s3_urls.error_code(body, resp.status)
     if resp.status == 404:
         return None
     if resp.status >= 500 or resp.status == 429 or (resp.status == 403 and signer is None):
         raise _Transient(f"{code} (HTTP {resp.status})")
     region = resp.getheader("x-amz-bucket-region")
-    hint = s3_get.region_hint(region) if resp.status in (301, 307) and region else ""
+    hint = s3_urls.region_hint(region) if resp.status in (301, 307) and region else ""
     raise _Final(f"GET {key}: {code} (HTTP {resp.status}){hint}")
