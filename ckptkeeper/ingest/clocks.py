@@ -14,7 +14,8 @@ A dry run writes nothing, so it cannot touch a probe: it estimates each filesyst
 this node's clock and the offset the last real reading found, recorded beside the index
 (``<index>.clocks.json``), never earlier than the filesystem's time of that reading; without a
 record (no real pass yet), or when the probe fails, it judges by this node's clock and says so
-(:attr:`FileClocks.notes`).
+(:attr:`FileClocks.notes`). ``status`` reads the same record (:func:`kept_readings`) to warn of a
+clock far off, with the pass's threshold and words (:func:`skew_note`).
 """
 
 from __future__ import annotations
