@@ -337,6 +337,7 @@ TEST_KINDS: dict[str, str] = {
     "test_fleet_clock_properties": "unit",
     "test_fleet_clocks": "integration",
     "test_clock_files": "integration",
+    "test_status_clocks": "integration",
     "test_fleet_cluster": "integration",
     "test_fleet_contract": "integration",
     "test_fleet_half_config": "integration",

@@ -48,6 +48,28 @@ class TierSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class FsClock:
+    """A local tier's filesystem clock as the last real prune pass read it (docs/many-nodes-clocks.md)."""
+
+    tier: str
+    skew: float
+    """This node's clock minus the filesystem's, seconds (positive: the node runs ahead)."""
+    read_at: float
+    """This node's clock when the pass read it."""
+    warning: str | None
+    """Set when the skew is past the pass's threshold."""
+
+
+@dataclass(frozen=True, slots=True)
+class FsClocks:
+    """``<index>.clocks.json``, read only: no probe, nothing written."""
+
+    tiers: tuple[FsClock, ...]
+    error: str | None
+    """The record, or a tier's reading in it, is unreadable (one line; the next real pass rewrites it)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StatusSummary:
     now: float
     tiers: tuple[TierSummary, ...]
@@ -87,6 +109,14 @@ class StatusSummary:
     be read."""
     trash: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Tier -> (bytes, entries) waiting in its trash (``undo_window``): not reclaimed yet."""
+    fs_clocks: FsClocks | None = None
+    """Each local tier's filesystem clock against this node's, as the last real pass read it;
+    None: no reading kept (no real pass yet)."""
+
+    @property
+    def clock_warnings(self) -> tuple[str, ...]:
+        """``"<tier>: <why>"`` for each local tier whose filesystem clock is far off this node's."""
+        return tuple(c.warning for c in self.fs_clocks.tiers if c.warning) if self.fs_clocks else ()
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -120,7 +150,7 @@ class StatusSummary:
             },
             "pending": {"journal": self.journal_open},
             "deletes_held": self.deletes_held,
-            "warnings": list(self.warnings),
+            "warnings": [*self.warnings, *self.clock_warnings],
             "policy_held": {
                 t.tier: {"error": t.error, "checkpoints": t.checkpoints, "since": t.since}
                 for t in self.policy_held.values()
@@ -130,6 +160,25 @@ class StatusSummary:
             "quarantined": [q.to_dict() for q in self.quarantined],
             "cost_per_month": self._cost_doc(),
             "headroom": self._headroom_doc(),
+            "filesystem_clocks": self._fs_clocks_doc(),
+        }
+
+    def _fs_clocks_doc(self) -> dict[str, Any] | None:
+        """The kept clock readings (None: none kept yet; a tier without one is absent)."""
+        c = self.fs_clocks
+        if c is None:
+            return None
+        return {
+            "tiers": {
+                t.tier: {
+                    "skew_seconds": round(t.skew, 3),
+                    "read_at": t.read_at,
+                    "age_seconds": round(max(0.0, self.now - t.read_at), 1),
+                    "warning": t.warning,
+                }
+                for t in c.tiers
+            },
+            "error": c.error,
         }
 
     def _tier_doc(self, t: TierSummary) -> dict[str, Any]:
@@ -249,12 +298,13 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
                 dedup=t.dedup,
             )
         )
+    now = time.time() if now is None else now
     try:
         held_text = deletes_held(settings)
     except OSError as exc:  # a status must answer; the hold is then unknown, not absent
         held_text = f"unknown: cannot read the hold file: {exc}"
     return StatusSummary(
-        now=time.time() if now is None else now,
+        now=now,
         tiers=tuple(tiers),
         runs=dict(Counter(r.state.value for r in runs)),
         checkpoints=dict(Counter(c.state.value for c in checkpoints)),
@@ -285,6 +335,7 @@ def summarize(settings: Settings, index: Index, *, now: float | None = None) -> 
         quarantined=quarantined,
         headroom=_headroom(settings, usage, runs, checkpoints),
         trash=_trash(index),
+        fs_clocks=_fs_clocks(settings, now),
         **_costs(settings, checkpoints, tiers, stored),
     )
 
@@ -306,6 +357,22 @@ def _clock_skew(settings: Settings) -> tuple[str, ...]:
     from ckptkeeper.actions.fleet import clock_skew_warnings  # only for shared buckets
 
     return clock_skew_warnings(settings)
+
+
+def _fs_clocks(settings: Settings, now: float) -> FsClocks | None:
+    """The offsets the last real passes kept beside the index (read only: status never probes)."""
+    from ckptkeeper.ingest.clocks import kept_readings, skew_note
+
+    kept = kept_readings(settings)
+    if kept is None:
+        return None
+    return FsClocks(
+        tiers=tuple(
+            FsClock(tier, r.skew, r.node, skew_note(tier, r.skew, read_ago=max(0.0, now - r.node)))
+            for tier, r in kept.readings.items()
+        ),
+        error=kept.error,
+    )
 
 
 def _headroom(

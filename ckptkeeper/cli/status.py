@@ -112,6 +112,10 @@ def _render_status(s: StatusSummary) -> None:
     _render_headroom(s)
     for warning in s.warnings:
         click.echo(f"WARNING run {warning}")
+    for warning in s.clock_warnings:
+        click.echo(f"WARNING clock {warning}")
+    if s.fs_clocks is not None and s.fs_clocks.error:
+        click.echo(f"filesystem clocks: {s.fs_clocks.error} (the next prune pass writes it again)")
     for held in s.policy_held.values():
         since = f" for {human_age(s.now - held.since)}" if held.since is not None else ""
         click.echo(f"policy held{since}: {held.describe()}")

@@ -14,7 +14,8 @@ A dry run writes nothing, so it cannot touch a probe: it estimates each filesyst
 this node's clock and the offset the last real reading found, recorded beside the index
 (``<index>.clocks.json``), never earlier than the filesystem's time of that reading; without a
 record (no real pass yet), or when the probe fails, it judges by this node's clock and says so
-(:attr:`FileClocks.notes`).
+(:attr:`FileClocks.notes`). ``status`` reads the same record (:func:`kept_readings`) to warn of a
+clock far off, with the pass's threshold and words (:func:`skew_note`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkeeper.config import Settings
@@ -34,7 +36,7 @@ from ckptkeeper.storage.fs_clock import Reading, filesystem_now, plausible
 from ckptkeeper.util.fmt import human_age
 from ckptkeeper.util.logs import get_logger
 
-__all__ = ["RECORD_SUFFIX", "FileClocks", "record_path"]
+__all__ = ["RECORD_SUFFIX", "FileClocks", "KeptReadings", "kept_readings", "record_path", "skew_note"]
 
 RECORD_SUFFIX = ".clocks.json"
 """Beside the index: each local tier's last clock reading by a real pass (a dry run's estimate)."""
@@ -117,18 +119,9 @@ class FileClocks:
         return {name: self.now(name) for name in self.roots}
 
     def _check_skew(self, tier: str, root: Path, reading: Reading) -> None:
-        skew = reading.skew
-        if abs(skew) <= SKEW_WARN_SECONDS:
-            return
-        way = "ahead of" if skew > 0 else "behind"
-        self._say(
-            tier,
-            root,
-            f"{tier}: this node's clock is {human_age(round(abs(skew)))} {way} the filesystem's; file ages "
-            "there are judged by the filesystem's clock (fix NTP: chrony/timesyncd)",
-            node_clock=reading.node,
-            filesystem_clock=reading.filesystem,
-        )
+        note = skew_note(tier, reading.skew)
+        if note is not None:
+            self._say(tier, root, note, node_clock=reading.node, filesystem_clock=reading.filesystem)
 
     def _say(self, tier: str, root: Path, note: str, *, level: str = "warning", **fields: float) -> None:
         with self._lock:
@@ -150,12 +143,9 @@ def record_path(settings: Settings) -> Path:
 
 def _read(path: Path) -> dict[str, object]:
     try:
-        with open(path, "rb") as f:
-            body = f.read(_MAX_RECORD + 1)
-        doc = json.loads(body) if len(body) <= _MAX_RECORD else None
-    except (OSError, ValueError):
+        return _load(path) or {}
+    except ValueError:
         return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def _record(path: Path, tier: str, root: Path, reading: Reading) -> None:
@@ -179,9 +169,92 @@ def _last_reading(path: Path, tier: str, root: Path) -> Reading | None:
     if not isinstance(got, dict) or got.get("root") != str(root):
         return None
     try:
+        return _reading_of(got)
+    except ValueError:
+        return None
+
+
+def skew_note(tier: str, skew: float, *, read_ago: float | None = None) -> str | None:
+    """What to say of this node's clock running ``skew`` seconds off ``tier``'s filesystem's
+    (positive: ahead); None within :data:`SKEW_WARN_SECONDS`, the one threshold of the pass and
+    ``status``. ``read_ago``: the reading is the one a pass kept, taken that long ago."""
+    if abs(skew) <= SKEW_WARN_SECONDS:
+        return None
+    off = f"{human_age(round(abs(skew)))} {'ahead of' if skew > 0 else 'behind'} the filesystem's"
+    if read_ago is not None:
+        off = f"was {off} when a prune pass last read it, {human_age(round(read_ago))} ago"
+    else:
+        off = f"is {off}"
+    return (
+        f"{tier}: this node's clock {off}; file ages there are judged by the filesystem's clock "
+        "(fix NTP: chrony/timesyncd)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KeptReadings:
+    """``<index>.clocks.json`` as ``status`` reads it: never written, no probe touched."""
+
+    path: Path
+    readings: Mapping[str, Reading]
+    """Local tier -> the last real pass's reading of its filesystem's clock (at its root now)."""
+    error: str | None = None
+    """Why the record, or a tier's reading in it, cannot be used (one line)."""
+
+
+def kept_readings(settings: Settings) -> KeptReadings | None:
+    """The readings the last real passes kept, per local tier; None when there is no record (no
+    real pass yet). Never raises on what the file holds: an unreadable one is :attr:`KeptReadings.error`."""
+    path = record_path(settings)
+    try:
+        doc = _load(path)
+    except ValueError as exc:
+        return KeptReadings(path, {}, f"cannot read {path}: {exc}")
+    if doc is None:
+        return None
+    readings: dict[str, Reading] = {}
+    bad: list[str] = []
+    for tier in settings.tiers:
+        got = doc.get(tier.name) if tier.is_local else None
+        if got is None or (isinstance(got, dict) and got.get("root") != str(tier.local_path)):
+            continue  # no reading, or one of the root the tier had before
+        try:
+            readings[tier.name] = _reading_of(got)
+        except ValueError as exc:
+            bad.append(f"{tier.name}: {exc}")
+    return KeptReadings(path, readings, f"{path}: unreadable reading of {'; '.join(bad)}" if bad else None)
+
+
+def _load(path: Path) -> dict[str, object] | None:
+    """The record; None when there is none. Raises ValueError saying why it is unreadable."""
+    try:
+        with open(path, "rb") as f:
+            body = f.read(_MAX_RECORD + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from exc
+    if len(body) > _MAX_RECORD:
+        raise ValueError(f"larger than {_MAX_RECORD} bytes")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise ValueError(f"not JSON ({str(exc)[:200]})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"not a JSON object but {type(doc).__name__}")
+    return doc
+
+
+def _reading_of(got: object) -> Reading:
+    """One tier's kept reading; raises ValueError when it is not one (malformed, implausible)."""
+    if not isinstance(got, dict):
+        raise ValueError(f"not an object but {type(got).__name__}")
+    try:
         reading = Reading(float(got["filesystem"]), float(got["node"]))
-    except (KeyError, TypeError, ValueError):
-        return None
+    except KeyError as exc:
+        raise ValueError(f"no {exc}") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError("times that are not numbers") from exc
     if not (plausible(reading.filesystem) and plausible(reading.node)):
-        return None
+        raise ValueError("implausible times")
     return reading
