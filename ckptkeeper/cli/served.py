@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from typing import Any, NoReturn
+from typing import Any
+
+from ckptkeeper.cli.exiting import exit_now
 
 __all__ = ["run", "serve"]
 
@@ -37,7 +39,7 @@ def run() -> None:
         _echo("Aborted!", err=True)
         sys.exit(_EXIT_ACTION_FAILED)
     if isinstance(outcome, int):
-        _exit(outcome)
+        exit_now(outcome)
     if outcome is not argv:  # no daemon served it: the restore runs here, without click if it can
         from ckptkeeper.cli import standalone
 
@@ -150,18 +152,6 @@ def _is_file(path: str) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except (OSError, ValueError):
         return False
-
-
-def _exit(code: int) -> NoReturn:
-    """End the process now: the answer is printed and flushed, and nothing else is held (a served
-    restore imports the standard library only). The interpreter's teardown was a sixth of the thin
-    client's CPU."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        sys.exit(code)  # the interpreter reports the stream that failed, as it always does
-    os._exit(code)
 
 
 def _echo(text: str, *, err: bool = False) -> None:
