@@ -11,6 +11,7 @@ BENCHMARKS = (
     "upload_resume",
     "prune_e2e",
     "restore_s3",
+    "restore_paced",
     "upload_s3",
     "restore_daemon",
     "hook_latency",
