@@ -10,10 +10,10 @@ S3 client would resolve them, :mod:`.s3_urls`) and ``http.client`` fetches it wi
 straight into the worker's buffer, every socket read, hash and write made with the GIL released.
 The S3 client (s3fs, aiohttp) is never imported for a restore.
 
-Large objects are fetched as ranges of :data:`RANGE_SIZE` by :data:`WORKERS` threads; small
-objects (one range of at most :data:`SMALL_OBJECT` bytes) whole by up to :data:`SMALL_WORKERS`
-more, smallest first, so a checkpoint of many small files keeps many requests in flight (each
-costs the store a round of lookups, whatever its size). Every response streams through buffers of
+Large objects are fetched as ranges (sized per checkpoint, :func:`range_size`) by :data:`WORKERS`
+threads; small objects (one range of at most :data:`SMALL_OBJECT` bytes) whole by up to
+:data:`SMALL_WORKERS` more, smallest first, so a checkpoint of many small files keeps many requests
+in flight (each costs the store a round of lookups, whatever its size). Every response streams through buffers of
 :data:`CHUNK` bytes: what a restore holds does not grow with the range size, so ranges can be large
 (fewer requests: each costs the store and the client a round trip and its parsing) while memory
 stays bounded.
