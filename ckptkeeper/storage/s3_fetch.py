@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkeeper.core.model import FileEntry, Manifest
-from ckptkeeper.storage import deadline
+from ckptkeeper.storage import deadline, s3_urls
 from ckptkeeper.storage.base import (
     Progress,
     StorageError,
     TierUnavailable,
     VerificationError,
     _describe,
-    log,
 )
 from ckptkeeper.util import hashing
 
@@ -137,7 +136,7 @@ def fetch_ranged(
 
     Plain GETs on worker threads (:mod:`.s3_get`: about half the CPU per byte) unless a proxy
     stands between this host and the store, which only the S3 client's own HTTP stack speaks to."""
-    from ckptkeeper.storage import s3_get, s3_urls
+    from ckptkeeper.storage import s3_get
 
     if s3_urls.usable(tier):
         s3_get.fetch_direct(tier, rel, manifest, sink, progress)
@@ -271,20 +270,7 @@ async def _get_range(
             raise
         except Exception as exc:
             attempt += 1
-            if attempt > RETRIES:
-                raise StorageError(
-                    f"{f.where}: read broke at byte {pos}: {tier._redact(_describe(exc))}"
-                ) from exc
-            log.warning(
-                "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
-                tier.name,
-                tier.bucket,
-                f.key,
-                pos,
-                tier._redact(_describe(exc)),
-                attempt,
-                RETRIES,
-            )
+            s3_urls.resume_or_fail(tier, f.where, f.key, pos, exc, attempt, RETRIES)
             await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             continue
         finally:

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 from ckptkeeper.core.model import FileEntry, Manifest
 from ckptkeeper.storage import deadline, s3_urls
-from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError, log
+from ckptkeeper.storage.base import Progress, StorageError, TierUnavailable, VerificationError
 from ckptkeeper.storage.s3_urls import S3TierStorage, error_code, region_hint
 from ckptkeeper.util import hashing
 
@@ -468,20 +468,7 @@ class _Stream:
         if not isinstance(exc, _Broken | OSError | http.client.HTTPException):
             raise exc
         self.attempt += 1
-        if self.attempt > RETRIES:
-            raise StorageError(
-                f"{f.where}: read broke at byte {self.at}: {tier._redact(_describe(exc))}"
-            ) from exc
-        log.warning(
-            "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
-            tier.name,
-            tier.bucket,
-            f.key,
-            self.at,
-            tier._redact(_describe(exc)),
-            self.attempt,
-            RETRIES,
-        )
+        s3_urls.resume_or_fail(tier, f.where, f.key, self.at, exc, self.attempt, RETRIES)
         with plan.cond:
             plan.cond.wait_for(lambda: bool(plan.failed), timeout=min(0.2 * 2**self.attempt, 5.0))
         if isinstance(exc, _Broken) and exc.args and exc.args[0] == "resign" and plan.signer is None:
@@ -634,10 +621,6 @@ def _fail_status(
     if status == 403 and presigned:
         raise _Broken("resign")
     raise StorageError(tier._redact(f"tier {tier.name!r}: GET {f.key}: {code} (HTTP {status})"))
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

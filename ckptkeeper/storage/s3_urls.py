@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from ckptkeeper.storage.base import StorageError
+from ckptkeeper.storage.base import StorageError, _describe, log
 from ckptkeeper.storage.s3_sign import GetSigner, plain_signer
 
 if TYPE_CHECKING:
@@ -180,3 +180,24 @@ def error_code(body: bytes, status: int) -> str:
 def region_hint(region: str) -> str:
     """What to do about a redirect to the bucket's own region (``x-amz-bucket-region``)."""
     return f": the bucket is in region {region}; set client_kwargs.region_name to it in the tier's storage_options"
+
+
+def resume_or_fail(
+    tier: S3TierStorage, where: str, key: str, at: int, exc: BaseException, attempt: int, retries: int
+) -> None:
+    """A read of ``key`` broke at byte ``at`` (``attempt`` of ``retries``): logged as resumed, or,
+    past the last attempt, the restore fails naming the file, the byte and why. Shared by the plain
+    GETs (:mod:`.s3_get`) and the S3 client's path (:mod:`.s3_fetch`)."""
+    why = tier._redact(_describe(exc))
+    if attempt > retries:
+        raise StorageError(f"{where}: read broke at byte {at}: {why}") from exc
+    log.warning(
+        "%s: read of s3://%s/%s broke at byte %d (%s); resuming, attempt %d of %d",
+        tier.name,
+        tier.bucket,
+        key,
+        at,
+        why,
+        attempt,
+        retries,
+    )
