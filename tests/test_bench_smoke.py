@@ -7,8 +7,21 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_tiny(only: str, out: Path, disk: Path, fast: Path) -> dict[str, Any]:
+    """``python -m bench --tiny --only ONLY``: its JSON document, which must list no error (exit 1
+    is a target missed: still a table)."""
+    argv = [sys.executable, "-m", "bench", "--tiny", "--only", only, "--json", str(out)]
+    argv += ["--disk-dir", str(disk), "--fast-dir", str(fast)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    doc: dict[str, Any] = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    return doc
 
 
 def test_tiny_bench_prints_one_table(tmp_path: Path) -> None:
@@ -112,19 +125,7 @@ def test_tiny_restore_s3_times_the_whole_restore_against_boto3_and_the_old_path(
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "restore_s3", "--json", str(out)]
-    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
-    proc = subprocess.run(
-        argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
+    doc = _run_tiny("restore_s3", out, tmp_path, fast)
     metrics = [row["metric"] for row in doc["rows"]]
     assert [m for m in metrics if m.startswith("restore from S3")] == [
         "restore from S3 (SeaweedFS), 4 large files, 4 MiB (wall, whole process)",
@@ -159,12 +160,7 @@ def test_tiny_restore_paced_restores_one_file_through_the_pacing_relay(tmp_path:
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "restore_paced", "--json", str(out)]
-    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
+    doc = _run_tiny("restore_paced", out, tmp_path, fast)
     rows = doc["rows"]
     assert [r["metric"] for r in rows] == [
         "restore of one 8 MiB file, each connection paced at 25 MB/s (wall), against s5cmd",
@@ -181,12 +177,7 @@ def test_tiny_restore_daemon_times_a_restore_served_by_the_daemon_against_one_al
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "restore_daemon", "--json", str(out)]
-    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
+    doc = _run_tiny("restore_daemon", out, tmp_path, fast)
     metrics = [row["metric"] for row in doc["rows"]]
     assert metrics[0].startswith("restore of a small checkpoint") and metrics[0].endswith(
         "served by the daemon (wall, whole CLI process)"
@@ -203,12 +194,7 @@ def test_tiny_compression_and_dedup_run_in_the_harness(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     fast = tmp_path / "fast"
     fast.mkdir()
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "compression,dedup", "--json", str(out)]
-    argv += ["--disk-dir", str(tmp_path), "--fast-dir", str(fast)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
+    doc = _run_tiny("compression,dedup", out, tmp_path, fast)
     metrics = [row["metric"] for row in doc["rows"]]
     for ckpt in (
         "HF fp32 + Adam",
@@ -241,12 +227,7 @@ def test_tiny_upload_s3_measures_every_client_and_leaves_nothing(tmp_path: Path)
     fast, disk = tmp_path / "fast", tmp_path / "disk"
     fast.mkdir()
     disk.mkdir()
-    argv = [sys.executable, "-m", "bench", "--tiny", "--only", "upload_s3", "--json", str(out)]
-    argv += ["--disk-dir", str(disk), "--fast-dir", str(fast)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed, still a table
-    doc = json.loads(out.read_text())
-    assert not doc["errors"], doc["errors"]
+    doc = _run_tiny("upload_s3", out, disk, fast)
     [row] = doc["rows"]
     assert row["metric"].startswith("upload to S3 (SeaweedFS, ckptkeeper prune), 4 large files")
     assert row["unit"] == "cpu-s/GiB" and row["ours"] > 0 and row["baseline"] > 0

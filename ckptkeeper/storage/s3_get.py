@@ -353,7 +353,7 @@ class _Worker:
         except BaseException as exc:  # the first one is raised by the caller
             plan.fail(exc)
         finally:
-            self._drop()
+            self.drop()
             if self.buf is not None:
                 _give_back(self.buf)
 
@@ -394,7 +394,8 @@ class _Worker:
             self.conn.sock.settimeout(timeout)
         return self.conn
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Close the connection (a broken request's, or at the end): the next request opens one."""
         if self.conn is not None:
             with self.plan.cond:
                 self.plan.conns.discard(self.conn)
@@ -458,7 +459,7 @@ class _Stream:
         Ctrl-C ends it at once), or the restore fails naming the object and the byte."""
         tier, plan, f = self.worker.tier, self.worker.plan, self.f
         self.resp = None
-        self.worker._drop()
+        self.worker.drop()
         if plan.failed:
             raise StorageError(f"{f.where}: stopped, another file of the checkpoint failed") from None
         if isinstance(exc, TimeoutError | socket.timeout):
